@@ -1,0 +1,7 @@
+#pragma once
+// core/comm: process groups, point-to-point transfers, ring collectives, counters.
+#include <hyper_parallel/core/comm/collectives.h>
+#include <hyper_parallel/core/comm/counters.h>
+#include <hyper_parallel/core/comm/p2p.h>
+#include <hyper_parallel/core/comm/process_group.h>
+#include <hyper_parallel/core/comm/work.h>

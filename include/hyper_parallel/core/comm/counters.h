@@ -1,0 +1,53 @@
+#pragma once
+// Collective counters: every collective this library runs is recorded here, per kind and per
+// region, so tests can assert exact counts (e.g. "forward: 1 all_gather; backward: 1
+// reduce_scatter") and HP_COMM_DEBUG=1 prints each one as it runs.
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+namespace hyper_parallel::comm {
+
+enum class CollectiveKind {
+  kAllGather,
+  kReduceScatter,
+  kAllReduce,
+  kAllToAll,
+  kBroadcast,
+  kBarrier,
+  // MC2 fused ops (core/tensor_parallel/mc2) count as their own kinds: a fused op is one
+  // collective, not an all_gather plus a matmul.
+  kAllGatherMatmul,
+  kMatmulReduceScatter,
+};
+constexpr int kNumCollectiveKinds = 8;
+
+const char* to_string(CollectiveKind kind);
+
+/// Records one collective in the current region. Called by this library's communication code.
+void record_collective(CollectiveKind kind, std::string_view detail = {});
+
+/// How many collectives of `kind` ran in `region` since the last reset; region "" = all regions.
+int64_t collective_count(CollectiveKind kind, std::string_view region = {});
+/// Total over all kinds (in `region`, "" = all).
+int64_t total_collective_count(std::string_view region = {});
+void reset_collective_counts();
+/// "forward: all_gather=1 reduce_scatter=0 ...; backward: ..." for messages and logs.
+std::string collective_counts_summary();
+
+/// Labels the collectives recorded while it is alive (process-wide, nests; the innermost wins).
+/// Unlabelled collectives go to region "default".
+///
+/// Usage:
+///   { CommRegion forward("forward"); y = model(x); }
+///   { CommRegion backward("backward"); y.sum().backward(); }
+class CommRegion {
+ public:
+  explicit CommRegion(std::string name);
+  ~CommRegion();
+  CommRegion(const CommRegion&) = delete;
+  CommRegion& operator=(const CommRegion&) = delete;
+};
+
+}  // namespace hyper_parallel::comm

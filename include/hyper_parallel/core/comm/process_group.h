@@ -1,0 +1,86 @@
+#pragma once
+// Process groups: the world group created from the environment, and sub-groups.
+//
+// Contract (as in c10d): every rank of the world calls init_process_group, new_group and every
+// collective of a group in the same order. Calls that cannot be matched by the other ranks fail
+// with a timeout (InitOptions::timeout) rather than hang forever.
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <torch/arg.h>
+
+namespace hyper_parallel::comm {
+
+namespace detail {
+struct GroupImpl;
+}  // namespace detail
+
+/// Options of init_process_group. Unset fields come from the environment.
+///
+/// Usage:
+///   init_process_group(InitOptions().timeout(std::chrono::seconds(60)));
+struct InitOptions {
+  /// Global rank; default: RANK, else OMPI_COMM_WORLD_RANK, else SLURM_PROCID.
+  TORCH_ARG(std::optional<int64_t>, rank) = std::nullopt;
+  /// World size; default: WORLD_SIZE, else OMPI_COMM_WORLD_SIZE, else SLURM_NTASKS.
+  TORCH_ARG(std::optional<int64_t>, world_size) = std::nullopt;
+  /// Rendezvous host; default: MASTER_ADDR.
+  TORCH_ARG(std::optional<std::string>, master_addr) = std::nullopt;
+  /// Rendezvous port; default: MASTER_PORT.
+  TORCH_ARG(std::optional<int64_t>, master_port) = std::nullopt;
+  /// How long rendezvous and every transfer may wait for a peer.
+  /// Default: HP_TIMEOUT_S seconds if set, else 300 s.
+  TORCH_ARG(std::optional<std::chrono::milliseconds>, timeout) = std::nullopt;
+  /// Network interface for the transport; default: HP_SOCKET_IFNAME, else the local
+  /// address whose route reaches master_addr.
+  TORCH_ARG(std::optional<std::string>, interface) = std::nullopt;
+};
+
+/// A set of ranks that communicate together. Cheap to copy (a shared handle).
+/// A default-constructed Group, or one returned by new_group to a rank outside it, is not a
+/// member: every collective on it throws.
+class Group {
+ public:
+  Group() = default;
+  explicit Group(std::shared_ptr<detail::GroupImpl> impl) : impl_(std::move(impl)) {}
+
+  bool is_member() const { return impl_ != nullptr; }
+  /// This process's rank inside the group (0 .. size()-1).
+  int64_t rank() const;
+  int64_t size() const;
+  /// Global ranks of the members, indexed by group rank.
+  const std::vector<int64_t>& global_ranks() const;
+  /// A readable name, e.g. "world" or "group1[0,2]".
+  const std::string& name() const;
+  std::chrono::milliseconds timeout() const;
+
+  detail::GroupImpl& impl() const;  // for this library's communication code
+
+ private:
+  std::shared_ptr<detail::GroupImpl> impl_;
+};
+
+/// Creates the world group: TCPStore rendezvous on master_addr:master_port, Gloo transport.
+/// Throws c10::Error naming the missing variable or bad value.
+void init_process_group(const InitOptions& options = {});
+bool is_initialized();
+/// The world group. Throws if init_process_group has not been called.
+Group world();
+/// Global rank and world size of this process (throws if not initialised).
+int64_t global_rank();
+int64_t world_size();
+/// Releases the world group and every sub-group created since init.
+void destroy_process_group();
+
+/// Creates a group of the given global ranks (distinct, each in [0, world_size)); group rank i
+/// is ranks[i].
+/// Collective over the world: all ranks call it with the same list, in the same order, even
+/// ranks that are not members (they get a non-member Group).
+Group new_group(const std::vector<int64_t>& ranks);
+
+}  // namespace hyper_parallel::comm

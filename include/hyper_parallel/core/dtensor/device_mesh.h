@@ -1,0 +1,63 @@
+#pragma once
+// DeviceMesh: the world's ranks arranged in an n-d grid; each mesh dimension has its own
+// communication group (the ranks that differ only in that coordinate).
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <hyper_parallel/core/comm/process_group.h>
+
+namespace hyper_parallel::dtensor {
+
+class DeviceMesh {
+ public:
+  /// Builds a mesh over `ranks` (row-major, shape `shape`). Collective over the world: every
+  /// rank calls it with the same arguments (it creates the sub-groups), even ranks outside it.
+  /// Usually made through init_device_mesh.
+  DeviceMesh(std::string device_type, std::vector<int64_t> shape, std::vector<int64_t> ranks,
+             std::vector<std::string> dim_names = {});
+
+  const std::string& device_type() const;
+  int64_t ndim() const;
+  const std::vector<int64_t>& shape() const;
+  /// Size of mesh dim `mesh_dim` (negative counts from the end).
+  int64_t size(int64_t mesh_dim) const;
+  /// Number of ranks in the mesh.
+  int64_t size() const;
+  const std::vector<std::string>& dim_names() const;
+  /// Index of the mesh dim called `name`; throws naming the known names otherwise.
+  int64_t dim_index(const std::string& name) const;
+  /// Group of the ranks that share every coordinate of this rank except `mesh_dim`.
+  comm::Group get_group(int64_t mesh_dim = 0) const;
+  comm::Group get_group(const std::string& name) const;
+  /// This rank's coordinate along `mesh_dim` (= its rank in get_group(mesh_dim)).
+  int64_t get_local_rank(int64_t mesh_dim = 0) const;
+  const std::vector<int64_t>& coordinate() const;
+  /// The mesh's ranks, row-major.
+  const std::vector<int64_t>& ranks() const;
+  /// The 1-d mesh along the dim called `name` that contains this rank (no new groups).
+  DeviceMesh operator[](const std::string& name) const;
+
+  bool operator==(const DeviceMesh& other) const { return impl_ == other.impl_; }
+  bool operator!=(const DeviceMesh& other) const { return impl_ != other.impl_; }
+  std::string str() const;
+
+ private:
+  struct Impl;
+  explicit DeviceMesh(std::shared_ptr<const Impl> impl) : impl_(std::move(impl)) {}
+  int64_t normalize_mesh_dim(const char* fn, int64_t mesh_dim) const;
+  std::shared_ptr<const Impl> impl_;
+};
+
+/// A mesh over the whole world (product of mesh_shape must equal the world size), ranks in
+/// row-major order. device_type must be "cpu" in this build.
+///
+/// Usage:
+///   auto mesh = init_device_mesh("cpu", {2, 4}, {"dp", "tp"});
+///   auto tp = mesh["tp"];
+DeviceMesh init_device_mesh(const std::string& device_type, const std::vector<int64_t>& mesh_shape,
+                            const std::vector<std::string>& mesh_dim_names = {});
+
+}  // namespace hyper_parallel::dtensor

@@ -1,0 +1,91 @@
+#pragma once
+// DTensor: a local tensor plus the mesh, placements and global shape that say which part of a
+// global tensor it is. Every conversion is differentiable: gradients flow back to the local
+// tensors, redistributed to the placements they came from.
+//
+// Gradient placements: a gradient arrives with the placements its consumer gives it
+// (to_local(grad_placements)), otherwise with the forward placements (Partial read as
+// Replicate). E.g. the input of a column-parallel matmul receives a Partial gradient, so the
+// backward of its Shard -> Replicate all-gather is a reduce-scatter.
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <torch/arg.h>
+
+#include <hyper_parallel/core/dtensor/device_mesh.h>
+#include <hyper_parallel/core/dtensor/placement.h>
+
+namespace hyper_parallel::dtensor {
+
+/// Options of DTensor::from_local.
+///
+/// Usage:
+///   DTensor::from_local(x, mesh, {Shard(0)}, FromLocalOptions().run_check(true));
+struct FromLocalOptions {
+  /// Exchange local shapes over the mesh to compute the exact global shape (uneven shards
+  /// allowed) and check that replicated dims agree. Costs one small all_gather per mesh dim.
+  TORCH_ARG(bool, run_check) = false;
+  /// The global shape, if known; otherwise local extents times mesh size (even sharding).
+  TORCH_ARG(std::optional<std::vector<int64_t>>, shape) = std::nullopt;
+};
+
+class DTensor {
+ public:
+  /// Wraps this rank's `local` shard. No communication unless options.run_check().
+  static DTensor from_local(const at::Tensor& local, const DeviceMesh& mesh,
+                            const Placements& placements, const FromLocalOptions& options = {});
+
+  /// The local shard; gradients flowing into it take this DTensor's placements.
+  const at::Tensor& to_local() const { return local_; }
+  /// The local shard; its gradient is declared to have `grad_placements` (e.g. Partial after a
+  /// column-parallel matmul consumed a Replicate input).
+  at::Tensor to_local(const Placements& grad_placements) const;
+
+  /// Moves the data to `placements` (see tp-semantics: Shard->Replicate all_gather,
+  /// Partial->Replicate all_reduce, Partial->Shard reduce_scatter, Replicate->Shard local slice,
+  /// Shard(i)->Shard(j) all_to_all). Backward moves the gradient back.
+  DTensor redistribute(const Placements& placements) const;
+
+  /// The global tensor on every rank (redistribute to Replicate, then to_local).
+  at::Tensor full_tensor() const;
+
+  const DeviceMesh& device_mesh() const { return mesh_; }
+  const Placements& placements() const { return placements_; }
+  const std::vector<int64_t>& shape() const { return shape_; }
+  int64_t dim() const { return static_cast<int64_t>(shape_.size()); }
+  at::ScalarType scalar_type() const { return local_.scalar_type(); }
+  bool requires_grad() const { return local_.requires_grad(); }
+  std::string str() const;
+
+ private:
+  struct GradSlot;  // the placements a consumer declared for this DTensor's gradient
+  DTensor(at::Tensor local, DeviceMesh mesh, Placements placements, std::vector<int64_t> shape);
+  at::Tensor local_;
+  DeviceMesh mesh_;
+  Placements placements_;
+  std::vector<int64_t> shape_;
+  std::shared_ptr<GradSlot> grad_slot_;
+
+  friend DTensor distribute_tensor(const at::Tensor&, const DeviceMesh&, const Placements&,
+                                   std::optional<int64_t>);
+};
+
+/// Splits a full tensor over the mesh. With src_data_rank = r (a global rank in the mesh), rank
+/// r's tensor is broadcast first so all ranks shard the same data; with nullopt each rank
+/// shards its own copy (no communication). Partial placements are rejected. Differentiable:
+/// the gradient of the full tensor is the gathered gradient.
+DTensor distribute_tensor(const at::Tensor& tensor, const DeviceMesh& mesh,
+                          const Placements& placements,
+                          std::optional<int64_t> src_data_rank = 0);
+
+/// Redistributes a local tensor between placements without autograd (the engine under
+/// DTensor::redistribute, exposed for this library's styles and fused ops).
+at::Tensor redistribute_local(const at::Tensor& local, const DeviceMesh& mesh,
+                              const std::vector<int64_t>& global_shape, const Placements& from,
+                              const Placements& to);
+
+}  // namespace hyper_parallel::dtensor

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Installs what the build and tests need from Debian 12, skipping what is already there.
+set -euo pipefail
+
+packages=(
+  cmake ninja-build g++ ccache git
+  libtorch-dev          # libtorch 1.13 with c10d and ProcessGroupGloo
+  libgloo-dev           # Gloo headers needed by ProcessGroupGloo.hpp
+  libopenblas0-pthread  # fast fp32 matmul (the reference BLAS is ~20x slower)
+  libgtest-dev libgmock-dev
+  iproute2              # ip netns / tc, for benchmarks over a rate-limited link
+)
+
+missing=()
+for p in "${packages[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$p")
+  fi
+done
+if ((${#missing[@]} == 0)); then
+  echo "install_deps: all ${#packages[@]} packages present"
+  exit 0
+fi
+sudo=""
+if [[ $(id -u) -ne 0 ]]; then sudo="sudo"; fi
+echo "install_deps: installing ${missing[*]}"
+$sudo apt-get update -qq
+DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}"

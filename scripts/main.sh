@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Command 1 of the README: install what is missing, build, run the main job on 2 local ranks.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/install_deps.sh
+bash scripts/build.sh
+build_dir=${BUILD_DIR:-build}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+exec "$build_dir/tools/hp-run/hp-run" --nproc-per-node 2 --timeout 600 -- \
+  "$build_dir/examples/redistribute_demo"

@@ -1,0 +1,68 @@
+#include "attach_backward.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/grad_mode.h>
+
+namespace hyper_parallel::detail {
+namespace {
+
+class FunctionalBackward final : public torch::autograd::Node {
+ public:
+  struct OutputMeta {
+    std::vector<int64_t> sizes;
+    at::TensorOptions options;
+  };
+  FunctionalBackward(BackwardFn fn, std::string name, std::vector<OutputMeta> outputs)
+      : fn_(std::move(fn)), name_(std::move(name)), outputs_(std::move(outputs)) {}
+
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    for (size_t i = 0; i < grads.size(); ++i) {
+      if (!grads[i].defined()) grads[i] = at::zeros(outputs_[i].sizes, outputs_[i].options);
+    }
+    return fn_(std::move(grads));
+  }
+  std::string name() const override { return name_; }
+  void release_variables() override { fn_ = nullptr; }
+
+ private:
+  BackwardFn fn_;
+  std::string name_;
+  std::vector<OutputMeta> outputs_;  // to make zeros for outputs that got no gradient
+};
+
+}  // namespace
+
+std::vector<at::Tensor> attach_backward(const std::vector<at::Tensor>& inputs,
+                                        std::vector<at::Tensor> outputs, BackwardFn backward,
+                                        std::string name) {
+  bool any = false;
+  for (const auto& t : inputs) any = any || (t.defined() && t.requires_grad());
+  if (!any || !torch::autograd::GradMode::is_enabled()) return outputs;
+  std::vector<FunctionalBackward::OutputMeta> metas;
+  for (auto& out : outputs) metas.push_back({out.sizes().vec(), out.options()});
+  std::shared_ptr<FunctionalBackward> node(
+      new FunctionalBackward(std::move(backward), std::move(name), std::move(metas)),
+      torch::autograd::deleteNode);
+  node->set_next_edges(torch::autograd::collect_next_edges(inputs));
+  for (auto& out : outputs) {
+    // A detached result never aliases the inputs' autograd history.
+    out = out.detach();
+    torch::autograd::set_history(out, node);
+  }
+  return outputs;
+}
+
+at::Tensor attach_backward(const at::Tensor& input, at::Tensor output,
+                           std::function<at::Tensor(const at::Tensor&)> backward,
+                           std::string name) {
+  return attach_backward(
+      std::vector<at::Tensor>{input}, std::vector<at::Tensor>{std::move(output)},
+      [fn = std::move(backward)](std::vector<at::Tensor> grads) {
+        return std::vector<at::Tensor>{fn(grads[0])};
+      },
+      std::move(name))[0];
+}
+
+}  // namespace hyper_parallel::detail

@@ -1,0 +1,29 @@
+#pragma once
+// Internal: give tensors computed outside autograd a hand-written backward. This library's
+// differentiable communication (DTensor conversions, MC2 fused ops) needs backward state that is
+// not a tensor (mesh, placements, groups), which torch::autograd::Function cannot carry.
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+namespace hyper_parallel::detail {
+
+/// Gradients of the outputs (undefined ones already replaced by zeros) -> gradients of the
+/// inputs (undefined where an input needs none).
+using BackwardFn = std::function<std::vector<at::Tensor>(std::vector<at::Tensor> grad_outputs)>;
+
+/// Makes `outputs` (computed from `inputs` under no-grad; must not alias them) differentiable
+/// with `backward`. Returns them unchanged when no input requires grad or grad mode is off.
+std::vector<at::Tensor> attach_backward(const std::vector<at::Tensor>& inputs,
+                                        std::vector<at::Tensor> outputs, BackwardFn backward,
+                                        std::string name);
+
+/// Single-input, single-output convenience.
+at::Tensor attach_backward(const at::Tensor& input, at::Tensor output,
+                           std::function<at::Tensor(const at::Tensor&)> backward,
+                           std::string name);
+
+}  // namespace hyper_parallel::detail

@@ -1,0 +1,103 @@
+#include <hyper_parallel/core/comm/counters.h>
+
+#include <array>
+#include <cstdlib>
+#include <iostream>
+#include <map>
+#include <mutex>
+#include <sstream>
+#include <vector>
+
+namespace hyper_parallel::comm {
+namespace {
+
+struct Counters {
+  std::mutex mutex;
+  std::map<std::string, std::array<int64_t, kNumCollectiveKinds>, std::less<>> by_region;
+  std::vector<std::string> regions;  // stack of active CommRegion names
+  bool debug = std::getenv("HP_COMM_DEBUG") != nullptr;
+};
+
+Counters& counters() {
+  static Counters c;
+  return c;
+}
+
+}  // namespace
+
+const char* to_string(CollectiveKind kind) {
+  switch (kind) {
+    case CollectiveKind::kAllGather: return "all_gather";
+    case CollectiveKind::kReduceScatter: return "reduce_scatter";
+    case CollectiveKind::kAllReduce: return "all_reduce";
+    case CollectiveKind::kAllToAll: return "all_to_all";
+    case CollectiveKind::kBroadcast: return "broadcast";
+    case CollectiveKind::kBarrier: return "barrier";
+    case CollectiveKind::kAllGatherMatmul: return "all_gather_matmul";
+    case CollectiveKind::kMatmulReduceScatter: return "matmul_reduce_scatter";
+  }
+  return "unknown";
+}
+
+void record_collective(CollectiveKind kind, std::string_view detail) {
+  auto& c = counters();
+  std::lock_guard<std::mutex> lock(c.mutex);
+  const std::string region = c.regions.empty() ? "default" : c.regions.back();
+  auto it = c.by_region.find(region);
+  if (it == c.by_region.end()) it = c.by_region.emplace(region, std::array<int64_t, kNumCollectiveKinds>{}).first;
+  it->second[static_cast<int>(kind)] += 1;
+  if (c.debug) std::cerr << "[hp comm] " << region << ": " << to_string(kind) << " " << detail << "\n";
+}
+
+int64_t collective_count(CollectiveKind kind, std::string_view region) {
+  auto& c = counters();
+  std::lock_guard<std::mutex> lock(c.mutex);
+  int64_t total = 0;
+  for (const auto& [name, counts] : c.by_region) {
+    if (region.empty() || name == region) total += counts[static_cast<int>(kind)];
+  }
+  return total;
+}
+
+int64_t total_collective_count(std::string_view region) {
+  int64_t total = 0;
+  for (int k = 0; k < kNumCollectiveKinds; ++k) {
+    total += collective_count(static_cast<CollectiveKind>(k), region);
+  }
+  return total;
+}
+
+void reset_collective_counts() {
+  auto& c = counters();
+  std::lock_guard<std::mutex> lock(c.mutex);
+  c.by_region.clear();
+}
+
+std::string collective_counts_summary() {
+  auto& c = counters();
+  std::lock_guard<std::mutex> lock(c.mutex);
+  std::ostringstream out;
+  bool first_region = true;
+  for (const auto& [name, counts] : c.by_region) {
+    out << (first_region ? "" : "; ") << name << ":";
+    first_region = false;
+    for (int k = 0; k < kNumCollectiveKinds; ++k) {
+      if (counts[k] != 0) out << " " << to_string(static_cast<CollectiveKind>(k)) << "=" << counts[k];
+    }
+  }
+  return out.str();
+}
+
+CommRegion::CommRegion(std::string name) {
+  auto& c = counters();
+  std::lock_guard<std::mutex> lock(c.mutex);
+  c.regions.push_back(std::move(name));
+}
+
+CommRegion::~CommRegion() {
+  auto& c = counters();
+  std::lock_guard<std::mutex> lock(c.mutex);
+  c.regions.pop_back();
+}
+
+}  // namespace hyper_parallel::comm

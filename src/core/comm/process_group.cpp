@@ -1,0 +1,233 @@
+#include <hyper_parallel/core/comm/process_group.h>
+
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <mutex>
+#include <sstream>
+
+#include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include "group_impl.h"
+
+namespace hyper_parallel::comm {
+namespace {
+
+struct World {
+  std::mutex mutex;
+  c10::intrusive_ptr<c10d::Store> store;
+  std::shared_ptr<::gloo::transport::Device> device;
+  std::shared_ptr<detail::GroupImpl> group;
+  int64_t groups_created = 0;  // sub-groups, same count on every rank (collective contract)
+};
+
+World& world_state() {
+  static World w;
+  return w;
+}
+
+std::optional<std::string> env(const char* name) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return std::nullopt;
+  return std::string(v);
+}
+
+int64_t parse_int(const std::string& text, const char* what) {
+  char* end = nullptr;
+  long long v = std::strtoll(text.c_str(), &end, 10);
+  TORCH_CHECK(end != text.c_str() && *end == '\0',
+              "hyper_parallel::comm::init_process_group: expected an integer for ", what, ", got '",
+              text, "'");
+  return v;
+}
+
+// The first of `names` that is set, parsed as an integer.
+std::optional<int64_t> int_from_env(std::initializer_list<const char*> names) {
+  for (const char* n : names) {
+    if (auto v = env(n)) return parse_int(*v, n);
+  }
+  return std::nullopt;
+}
+
+// The local address whose route reaches `host` (no packet is sent: UDP connect only picks the
+// route). Binding Gloo there makes multi-node runs work without naming an interface.
+std::string local_address_towards(const std::string& host, int64_t port) {
+  addrinfo hints{};
+  hints.ai_family = AF_INET;
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* res = nullptr;
+  int rc = getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &res);
+  TORCH_CHECK(rc == 0, "hyper_parallel::comm::init_process_group: cannot resolve MASTER_ADDR '",
+              host, "': ", gai_strerror(rc));
+  int fd = socket(AF_INET, SOCK_DGRAM, 0);
+  std::string result = "127.0.0.1";
+  if (fd >= 0 && connect(fd, res->ai_addr, res->ai_addrlen) == 0) {
+    sockaddr_in local{};
+    socklen_t len = sizeof(local);
+    if (getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len) == 0) {
+      char buf[INET_ADDRSTRLEN];
+      if (inet_ntop(AF_INET, &local.sin_addr, buf, sizeof(buf)) != nullptr) result = buf;
+    }
+  }
+  if (fd >= 0) close(fd);
+  freeaddrinfo(res);
+  return result;
+}
+
+std::chrono::milliseconds default_timeout() {
+  if (auto v = env("HP_TIMEOUT_S")) {
+    int64_t s = parse_int(*v, "HP_TIMEOUT_S");
+    TORCH_CHECK(s > 0, "hyper_parallel::comm::init_process_group: expected HP_TIMEOUT_S > 0, got ",
+                s);
+    return std::chrono::seconds(s);
+  }
+  return std::chrono::seconds(300);
+}
+
+detail::GroupImpl& require_world(const char* fn) {
+  auto& w = world_state();
+  TORCH_CHECK(w.group != nullptr, "hyper_parallel::comm::", fn,
+              ": process group is not initialised; call init_process_group() first");
+  return *w.group;
+}
+
+}  // namespace
+
+int64_t Group::rank() const { return impl().rank; }
+int64_t Group::size() const { return static_cast<int64_t>(impl().global_ranks.size()); }
+const std::vector<int64_t>& Group::global_ranks() const { return impl().global_ranks; }
+const std::string& Group::name() const { return impl().name; }
+std::chrono::milliseconds Group::timeout() const { return impl().timeout; }
+
+detail::GroupImpl& Group::impl() const {
+  TORCH_CHECK(impl_ != nullptr,
+              "hyper_parallel::comm::Group: expected a group this rank is a member of, got a "
+              "non-member (default-constructed or from new_group without this rank)");
+  return *impl_;
+}
+
+void init_process_group(const InitOptions& options) {
+  auto& w = world_state();
+  std::lock_guard<std::mutex> lock(w.mutex);
+  TORCH_CHECK(w.group == nullptr,
+              "hyper_parallel::comm::init_process_group: already initialised; call "
+              "destroy_process_group() first");
+
+  auto rank = options.rank() ? options.rank()
+                             : int_from_env({"RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"});
+  auto size = options.world_size()
+                  ? options.world_size()
+                  : int_from_env({"WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS"});
+  TORCH_CHECK(rank.has_value(),
+              "hyper_parallel::comm::init_process_group: expected the rank in RANK (or "
+              "OMPI_COMM_WORLD_RANK / SLURM_PROCID), got none; launch with hp-run");
+  TORCH_CHECK(size.has_value(),
+              "hyper_parallel::comm::init_process_group: expected the world size in WORLD_SIZE "
+              "(or OMPI_COMM_WORLD_SIZE / SLURM_NTASKS), got none; launch with hp-run");
+  TORCH_CHECK(*size >= 1, "hyper_parallel::comm::init_process_group: expected world size >= 1, got ",
+              *size);
+  TORCH_CHECK(*rank >= 0 && *rank < *size,
+              "hyper_parallel::comm::init_process_group: expected rank in [0, ", *size, "), got ",
+              *rank);
+  auto addr = options.master_addr() ? options.master_addr() : env("MASTER_ADDR");
+  TORCH_CHECK(addr.has_value(),
+              "hyper_parallel::comm::init_process_group: expected MASTER_ADDR to be set, got none");
+  std::optional<int64_t> port = options.master_port();
+  if (!port) {
+    auto text = env("MASTER_PORT");
+    TORCH_CHECK(text.has_value(),
+                "hyper_parallel::comm::init_process_group: expected MASTER_PORT to be set, got "
+                "none");
+    port = parse_int(*text, "MASTER_PORT");
+  }
+  TORCH_CHECK(*port > 0 && *port < 65536,
+              "hyper_parallel::comm::init_process_group: expected MASTER_PORT in [1, 65535], got ",
+              *port);
+  auto timeout = options.timeout().value_or(default_timeout());
+
+  c10d::TCPStoreOptions store_options;
+  store_options.port = static_cast<uint16_t>(*port);
+  store_options.isServer = *rank == 0;
+  store_options.numWorkers = static_cast<size_t>(*size);
+  store_options.timeout = timeout;
+  w.store = c10::make_intrusive<c10d::TCPStore>(*addr, store_options);
+
+  auto iface = options.interface() ? options.interface() : env("HP_SOCKET_IFNAME");
+  w.device = iface ? c10d::ProcessGroupGloo::createDeviceForInterface(*iface)
+                   : c10d::ProcessGroupGloo::createDeviceForHostname(
+                         local_address_towards(*addr, *port));
+
+  auto gloo_options = c10d::ProcessGroupGloo::Options::create(timeout);
+  gloo_options->devices.push_back(w.device);
+  auto impl = std::make_shared<detail::GroupImpl>();
+  impl->backend = c10::make_intrusive<c10d::ProcessGroupGloo>(
+      c10::make_intrusive<c10d::PrefixStore>("world", w.store), static_cast<int>(*rank),
+      static_cast<int>(*size), gloo_options);
+  impl->rank = *rank;
+  for (int64_t r = 0; r < *size; ++r) impl->global_ranks.push_back(r);
+  impl->name = "world";
+  impl->timeout = timeout;
+  w.group = std::move(impl);
+  w.groups_created = 0;
+}
+
+bool is_initialized() { return world_state().group != nullptr; }
+
+Group world() {
+  require_world("world");
+  return Group(world_state().group);
+}
+
+int64_t global_rank() { return require_world("global_rank").rank; }
+int64_t world_size() {
+  return static_cast<int64_t>(require_world("world_size").global_ranks.size());
+}
+
+void destroy_process_group() {
+  auto& w = world_state();
+  std::lock_guard<std::mutex> lock(w.mutex);
+  w.group.reset();
+  w.device.reset();
+  w.store.reset();
+  w.groups_created = 0;
+}
+
+Group new_group(const std::vector<int64_t>& ranks) {
+  auto& world_impl = require_world("new_group");
+  auto& w = world_state();
+  const int64_t size = static_cast<int64_t>(world_impl.global_ranks.size());
+  TORCH_CHECK(!ranks.empty(), "hyper_parallel::comm::new_group: expected at least one rank, got none");
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    TORCH_CHECK(ranks[i] >= 0 && ranks[i] < size, "hyper_parallel::comm::new_group: expected ranks[",
+                i, "] in [0, ", size, "), got ", ranks[i]);
+    TORCH_CHECK(std::count(ranks.begin(), ranks.end(), ranks[i]) == 1,
+                "hyper_parallel::comm::new_group: expected distinct ranks, got ",
+                c10::IntArrayRef(ranks));
+  }
+  std::lock_guard<std::mutex> lock(w.mutex);
+  const int64_t id = ++w.groups_created;
+  std::ostringstream name;
+  name << "group" << id << c10::IntArrayRef(ranks);
+  auto it = std::find(ranks.begin(), ranks.end(), world_impl.rank);
+  if (it == ranks.end()) return Group();
+
+  auto impl = std::make_shared<detail::GroupImpl>();
+  impl->rank = it - ranks.begin();
+  impl->global_ranks = ranks;
+  impl->name = name.str();
+  impl->timeout = world_impl.timeout;
+  auto gloo_options = c10d::ProcessGroupGloo::Options::create(world_impl.timeout);
+  gloo_options->devices.push_back(w.device);
+  impl->backend = c10::make_intrusive<c10d::ProcessGroupGloo>(
+      c10::make_intrusive<c10d::PrefixStore>(impl->name, w.store), static_cast<int>(impl->rank),
+      static_cast<int>(ranks.size()), gloo_options);
+  return Group(std::move(impl));
+}
+
+}  // namespace hyper_parallel::comm

@@ -1,0 +1,180 @@
+#include <hyper_parallel/core/dtensor/device_mesh.h>
+
+#include <numeric>
+#include <sstream>
+
+#include <c10/util/ArrayRef.h>
+#include <c10/util/Exception.h>
+
+namespace hyper_parallel::dtensor {
+
+struct DeviceMesh::Impl {
+  std::string device_type;
+  std::vector<int64_t> shape;
+  std::vector<int64_t> ranks;  // row-major
+  std::vector<std::string> dim_names;
+  std::vector<int64_t> coordinate;  // of this rank; empty if not in the mesh
+  std::vector<comm::Group> groups;  // one per mesh dim
+};
+
+namespace {
+
+std::vector<int64_t> strides_of(const std::vector<int64_t>& shape) {
+  std::vector<int64_t> strides(shape.size(), 1);
+  for (int64_t i = static_cast<int64_t>(shape.size()) - 2; i >= 0; --i) {
+    strides[i] = strides[i + 1] * shape[i + 1];
+  }
+  return strides;
+}
+
+}  // namespace
+
+DeviceMesh::DeviceMesh(std::string device_type, std::vector<int64_t> shape,
+                       std::vector<int64_t> ranks, std::vector<std::string> dim_names) {
+  TORCH_CHECK(device_type == "cpu", "DeviceMesh: device_type '", device_type,
+              "' is not supported by this build (Gloo transport); expected 'cpu'");
+  TORCH_CHECK(!shape.empty(), "DeviceMesh: expected a mesh shape with at least 1 dim, got []");
+  for (size_t i = 0; i < shape.size(); ++i) {
+    TORCH_CHECK(shape[i] >= 1, "DeviceMesh: expected mesh_shape[", i, "] >= 1, got ", shape[i]);
+  }
+  const int64_t numel = std::accumulate(shape.begin(), shape.end(), int64_t{1}, std::multiplies<>());
+  TORCH_CHECK(static_cast<int64_t>(ranks.size()) == numel, "DeviceMesh: expected ", numel,
+              " ranks for mesh shape ", c10::IntArrayRef(shape), ", got ", ranks.size());
+  TORCH_CHECK(dim_names.empty() || dim_names.size() == shape.size(),
+              "DeviceMesh: expected one name per mesh dim (", shape.size(), "), got ",
+              dim_names.size());
+  for (size_t i = 0; i < dim_names.size(); ++i) {
+    for (size_t j = 0; j < i; ++j) {
+      TORCH_CHECK(dim_names[i] != dim_names[j], "DeviceMesh: expected distinct dim names, got '",
+                  dim_names[i], "' twice");
+    }
+  }
+  const int64_t world = comm::world_size();  // throws if not initialised
+  for (int64_t r : ranks) {
+    TORCH_CHECK(r >= 0 && r < world, "DeviceMesh: expected ranks in [0, ", world, "), got ", r);
+  }
+
+  auto impl = std::make_shared<Impl>();
+  impl->device_type = std::move(device_type);
+  impl->shape = std::move(shape);
+  impl->ranks = std::move(ranks);
+  impl->dim_names = std::move(dim_names);
+  const auto strides = strides_of(impl->shape);
+  const int64_t me = comm::global_rank();
+  auto pos = std::find(impl->ranks.begin(), impl->ranks.end(), me);
+  if (pos != impl->ranks.end()) {
+    int64_t flat = pos - impl->ranks.begin();
+    for (size_t i = 0; i < impl->shape.size(); ++i) {
+      impl->coordinate.push_back(flat / strides[i]);
+      flat %= strides[i];
+    }
+  }
+  const int64_t ndim = static_cast<int64_t>(impl->shape.size());
+  impl->groups.resize(ndim);
+  // One group per line along each mesh dim, created by every rank in the same order (the
+  // new_group contract). The whole world in order reuses the world group.
+  for (int64_t d = 0; d < ndim; ++d) {
+    for (int64_t start = 0; start < numel; ++start) {
+      if ((start / strides[d]) % impl->shape[d] != 0) continue;  // not the first of its line
+      std::vector<int64_t> line;
+      for (int64_t k = 0; k < impl->shape[d]; ++k) line.push_back(impl->ranks[start + k * strides[d]]);
+      std::vector<int64_t> everyone(world);
+      std::iota(everyone.begin(), everyone.end(), 0);
+      comm::Group g = line == everyone ? comm::world() : comm::new_group(line);
+      if (g.is_member()) impl->groups[d] = g;
+    }
+  }
+  impl_ = std::move(impl);
+}
+
+const std::string& DeviceMesh::device_type() const { return impl_->device_type; }
+int64_t DeviceMesh::ndim() const { return static_cast<int64_t>(impl_->shape.size()); }
+const std::vector<int64_t>& DeviceMesh::shape() const { return impl_->shape; }
+int64_t DeviceMesh::size() const { return static_cast<int64_t>(impl_->ranks.size()); }
+const std::vector<std::string>& DeviceMesh::dim_names() const { return impl_->dim_names; }
+const std::vector<int64_t>& DeviceMesh::ranks() const { return impl_->ranks; }
+
+int64_t DeviceMesh::normalize_mesh_dim(const char* fn, int64_t mesh_dim) const {
+  const int64_t n = ndim();
+  TORCH_CHECK(mesh_dim >= -n && mesh_dim < n, "DeviceMesh::", fn, ": expected mesh dim in [", -n,
+              ", ", n, "), got ", mesh_dim);
+  return mesh_dim < 0 ? mesh_dim + n : mesh_dim;
+}
+
+int64_t DeviceMesh::size(int64_t mesh_dim) const {
+  return impl_->shape[normalize_mesh_dim("size", mesh_dim)];
+}
+
+int64_t DeviceMesh::dim_index(const std::string& name) const {
+  const auto& names = impl_->dim_names;
+  auto it = std::find(names.begin(), names.end(), name);
+  if (it == names.end()) {
+    std::ostringstream known;
+    for (size_t i = 0; i < names.size(); ++i) known << (i ? ", " : "") << "'" << names[i] << "'";
+    TORCH_CHECK(false, "DeviceMesh::dim_index: expected one of the mesh dim names [", known.str(),
+                "], got '", name, "'");
+  }
+  return it - names.begin();
+}
+
+const std::vector<int64_t>& DeviceMesh::coordinate() const {
+  TORCH_CHECK(!impl_->coordinate.empty(), "DeviceMesh::coordinate: this rank (",
+              comm::global_rank(), ") is not in the mesh ", str());
+  return impl_->coordinate;
+}
+
+comm::Group DeviceMesh::get_group(int64_t mesh_dim) const {
+  const auto d = normalize_mesh_dim("get_group", mesh_dim);
+  coordinate();  // throws for ranks outside the mesh
+  return impl_->groups[d];
+}
+
+comm::Group DeviceMesh::get_group(const std::string& name) const { return get_group(dim_index(name)); }
+
+int64_t DeviceMesh::get_local_rank(int64_t mesh_dim) const {
+  return coordinate()[normalize_mesh_dim("get_local_rank", mesh_dim)];
+}
+
+DeviceMesh DeviceMesh::operator[](const std::string& name) const {
+  const int64_t d = dim_index(name);
+  const auto& coord = coordinate();
+  auto sub = std::make_shared<Impl>();
+  sub->device_type = impl_->device_type;
+  sub->shape = {impl_->shape[d]};
+  sub->dim_names = {name};
+  sub->coordinate = {coord[d]};
+  sub->groups = {impl_->groups[d]};
+  const auto strides = strides_of(impl_->shape);
+  int64_t start = 0;
+  for (int64_t i = 0; i < ndim(); ++i) {
+    if (i != d) start += coord[i] * strides[i];
+  }
+  for (int64_t k = 0; k < impl_->shape[d]; ++k) sub->ranks.push_back(impl_->ranks[start + k * strides[d]]);
+  return DeviceMesh(std::shared_ptr<const Impl>(std::move(sub)));
+}
+
+std::string DeviceMesh::str() const {
+  std::ostringstream s;
+  s << "DeviceMesh('" << impl_->device_type << "', shape=" << c10::IntArrayRef(impl_->shape);
+  if (!impl_->dim_names.empty()) {
+    s << ", names=(";
+    for (size_t i = 0; i < impl_->dim_names.size(); ++i) s << (i ? ", " : "") << impl_->dim_names[i];
+    s << ")";
+  }
+  s << ")";
+  return s.str();
+}
+
+DeviceMesh init_device_mesh(const std::string& device_type, const std::vector<int64_t>& mesh_shape,
+                            const std::vector<std::string>& mesh_dim_names) {
+  const int64_t world = comm::world_size();
+  const int64_t numel =
+      std::accumulate(mesh_shape.begin(), mesh_shape.end(), int64_t{1}, std::multiplies<>());
+  TORCH_CHECK(numel == world, "init_device_mesh: expected mesh_shape ", c10::IntArrayRef(mesh_shape),
+              " to hold the world size ", world, ", got ", numel, " ranks");
+  std::vector<int64_t> ranks(world);
+  std::iota(ranks.begin(), ranks.end(), 0);
+  return DeviceMesh(device_type, mesh_shape, std::move(ranks), mesh_dim_names);
+}
+
+}  // namespace hyper_parallel::dtensor

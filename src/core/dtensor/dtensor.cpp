@@ -1,0 +1,306 @@
+#include <hyper_parallel/core/dtensor/dtensor.h>
+
+#include <sstream>
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <hyper_parallel/core/comm/collectives.h>
+
+#include "../autograd/attach_backward.h"
+
+namespace hyper_parallel::dtensor {
+
+struct DTensor::GradSlot {
+  std::optional<Placements> placements;
+};
+
+namespace {
+
+using comm::ReduceOp;
+
+Placements normalized(const Placements& placements, int64_t ndim) {
+  Placements out;
+  for (const auto& p : placements) out.push_back(p.normalized(ndim));
+  return out;
+}
+
+Placements for_gradient(const Placements& placements) {
+  Placements out;
+  for (const auto& p : placements) out.push_back(p.for_gradient());
+  return out;
+}
+
+void check_placements(const char* fn, const DeviceMesh& mesh, const Placements& placements,
+                      int64_t ndim) {
+  TORCH_CHECK(static_cast<int64_t>(placements.size()) == mesh.ndim(), fn,
+              ": expected one placement per mesh dim (", mesh.ndim(), "), got ",
+              to_string(placements));
+  for (const auto& p : placements) {
+    if (p.is_shard()) {
+      TORCH_CHECK(p.dim() >= -ndim && p.dim() < ndim, fn, ": expected Shard dim in [", -ndim, ", ",
+                  ndim, ") for a ", ndim, "-d tensor, got ", p.str());
+    }
+  }
+}
+
+// Extent along tensor dim d of the shard held by the rank whose coordinate is `coord`, under
+// `placements` (nested in mesh-dim order).
+int64_t shard_extent(const DeviceMesh& mesh, std::vector<int64_t> coord, int64_t global,
+                     const Placements& placements, int64_t d) {
+  int64_t extent = global;
+  for (int64_t i = 0; i < mesh.ndim(); ++i) {
+    if (placements[i].is_shard(d)) extent = shard_size(extent, mesh.size(i), coord[i]);
+  }
+  return extent;
+}
+
+// Extents along d of every rank of mesh dim i's group (they differ only in coordinate i).
+std::vector<int64_t> group_extents(const DeviceMesh& mesh, int64_t global,
+                                   const Placements& placements, int64_t d, int64_t i) {
+  std::vector<int64_t> sizes;
+  auto coord = mesh.coordinate();
+  for (int64_t k = 0; k < mesh.size(i); ++k) {
+    coord[i] = k;
+    sizes.push_back(shard_extent(mesh, coord, global, placements, d));
+  }
+  return sizes;
+}
+
+// Mesh dim i shards tensor dim d in `cur`; must it be gathered before reaching `to`? Yes if its
+// own placement changes, or if any outer mesh dim (j < i) changes whether it shards d: the
+// nesting order of chunks would no longer match.
+bool must_unshard(const Placements& cur, const Placements& to, int64_t i) {
+  const int64_t d = cur[i].dim();
+  if (to[i] != cur[i]) return true;
+  for (int64_t j = 0; j < i; ++j) {
+    if (cur[j].is_shard(d) != to[j].is_shard(d)) return true;
+  }
+  return false;
+}
+
+// Shard(d) -> Shard(e) on mesh dim i is one all_to_all when no other mesh dim shards d or e.
+bool all_to_all_eligible(const Placements& cur, const Placements& to, int64_t i) {
+  if (!cur[i].is_shard() || !to[i].is_shard() || cur[i] == to[i]) return false;
+  const int64_t d = cur[i].dim(), e = to[i].dim();
+  for (size_t j = 0; j < cur.size(); ++j) {
+    if (static_cast<int64_t>(j) == i) continue;
+    for (const auto* p : {&cur[j], &to[j]}) {
+      if (p->is_shard(d) || p->is_shard(e)) return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+at::Tensor redistribute_local(const at::Tensor& local, const DeviceMesh& mesh,
+                              const std::vector<int64_t>& global_shape, const Placements& from,
+                              const Placements& to) {
+  const auto ndim = static_cast<int64_t>(global_shape.size());
+  check_placements("redistribute", mesh, from, ndim);
+  check_placements("redistribute", mesh, to, ndim);
+  Placements cur = normalized(from, ndim);
+  const Placements target = normalized(to, ndim);
+  at::Tensor x = local;
+  const auto& coord = mesh.coordinate();
+
+  // Phase 1, innermost mesh dim first: gather every shard that cannot stay.
+  for (int64_t i = mesh.ndim() - 1; i >= 0; --i) {
+    if (!cur[i].is_shard() || all_to_all_eligible(cur, target, i) || !must_unshard(cur, target, i)) {
+      continue;
+    }
+    const int64_t d = cur[i].dim();
+    auto sizes = group_extents(mesh, global_shape[d], cur, d, i);
+    x = comm::all_gather(x, d, mesh.get_group(i), sizes);
+    cur[i] = Replicate();
+  }
+  // Phase 2, outermost first (so nested shards are cut in mesh-dim order).
+  for (int64_t i = 0; i < mesh.ndim(); ++i) {
+    const Placement& c = cur[i];
+    const Placement& t = target[i];
+    if (c == t) continue;
+    const auto group = mesh.get_group(i);
+    const int64_t n = mesh.size(i), k = coord[i];
+    if (c.is_replicate() && t.is_shard()) {
+      const int64_t d = t.dim(), extent = x.size(d);
+      x = x.narrow(d, shard_offset(extent, n, k), shard_size(extent, n, k)).contiguous();
+    } else if (c.is_replicate() && t.is_partial()) {
+      // Sum: one rank keeps the value; mean: all keep it.
+      if (t.reduce_op() == ReduceOp::kSum && k != 0) x = at::zeros_like(x);
+    } else if (c.is_partial() && t.is_replicate()) {
+      x = comm::all_reduce(x, c.reduce_op(), group);
+    } else if (c.is_partial() && t.is_shard()) {
+      x = comm::reduce_scatter(x, t.dim(), c.reduce_op(), group);
+    } else if (c.is_partial() && t.is_partial()) {
+      // Partial(sum) of locals L equals Partial(avg) of n*L.
+      x = c.reduce_op() == ReduceOp::kSum ? x * n : x / n;
+    } else if (c.is_shard() && t.is_shard()) {
+      const int64_t d = c.dim(), e = t.dim();
+      auto recv_sizes = group_extents(mesh, global_shape[d], cur, d, i);
+      x = comm::all_to_all(x, /*split_dim=*/e, /*concat_dim=*/d, group,
+                           comm::chunk_sizes(x.size(e), n), recv_sizes);
+    } else {
+      TORCH_INTERNAL_ASSERT(false, "redistribute: unhandled ", c.str(), " -> ", t.str());
+    }
+    cur[i] = t;
+  }
+  return x;
+}
+
+DTensor::DTensor(at::Tensor local, DeviceMesh mesh, Placements placements,
+                 std::vector<int64_t> shape)
+    : local_(std::move(local)),
+      mesh_(std::move(mesh)),
+      placements_(std::move(placements)),
+      shape_(std::move(shape)),
+      grad_slot_(std::make_shared<GradSlot>()) {}
+
+DTensor DTensor::from_local(const at::Tensor& local, const DeviceMesh& mesh,
+                            const Placements& placements, const FromLocalOptions& options) {
+  TORCH_CHECK(local.defined(), "DTensor::from_local: expected a defined tensor, got undefined");
+  const int64_t ndim = local.dim();
+  check_placements("DTensor::from_local", mesh, placements, ndim);
+  Placements pl = normalized(placements, ndim);
+  std::vector<int64_t> shape;
+  if (options.shape()) {
+    shape = *options.shape();
+    TORCH_CHECK(static_cast<int64_t>(shape.size()) == ndim, "DTensor::from_local: expected a shape of ",
+                ndim, " dims, got ", c10::IntArrayRef(shape));
+    auto expected = local_shape(shape, mesh.shape(), mesh.coordinate(), pl);
+    TORCH_CHECK(local.sizes() == c10::IntArrayRef(expected), "DTensor::from_local: expected local shape ",
+                c10::IntArrayRef(expected), " for global shape ", c10::IntArrayRef(shape),
+                " and placements ", to_string(pl), ", got ", local.sizes());
+  } else if (options.run_check()) {
+    // Exchange every rank's local extents along each mesh dim (innermost first) to recover the
+    // global shape exactly, and check that replicated extents agree.
+    auto sizes = at::tensor(local.sizes().vec(), at::kLong);
+    shape = local.sizes().vec();
+    for (int64_t i = mesh.ndim() - 1; i >= 0; --i) {
+      auto all = comm::all_gather(sizes.unsqueeze(0), 0, mesh.get_group(i));
+      for (int64_t k = 0; k < mesh.size(i); ++k) {
+        for (int64_t d = 0; d < ndim; ++d) {
+          if (pl[i].is_shard(d)) continue;
+          TORCH_CHECK(all[k][d].item<int64_t>() == sizes[d].item<int64_t>(),
+                      "DTensor::from_local: expected equal extents along dim ", d,
+                      " over mesh dim ", i, " (not sharded there), got ", all[k][d].item<int64_t>(),
+                      " on mesh coordinate ", k, " and ", sizes[d].item<int64_t>(), " here");
+        }
+      }
+      if (pl[i].is_shard()) sizes[pl[i].dim()] = all.select(1, pl[i].dim()).sum();
+    }
+    shape = std::vector<int64_t>(sizes.data_ptr<int64_t>(), sizes.data_ptr<int64_t>() + ndim);
+  } else {
+    shape = local.sizes().vec();
+    for (int64_t i = 0; i < mesh.ndim(); ++i) {
+      if (pl[i].is_shard()) shape[pl[i].dim()] *= mesh.size(i);
+    }
+  }
+  auto slot = std::make_shared<GradSlot>();
+  // The gradient comes back with the consumer's placements; bring it to ours.
+  auto out = detail::attach_backward(
+      local, local.detach(),
+      [mesh, shape, pl, slot](const at::Tensor& grad) {
+        const Placements grad_pl = slot->placements.value_or(for_gradient(pl));
+        return redistribute_local(grad, mesh, shape, grad_pl, for_gradient(pl));
+      },
+      "DTensorFromLocalBackward");
+  DTensor result(out, mesh, pl, shape);
+  result.grad_slot_ = slot;
+  return result;
+}
+
+at::Tensor DTensor::to_local(const Placements& grad_placements) const {
+  check_placements("DTensor::to_local", mesh_, grad_placements, dim());
+  auto pl = normalized(grad_placements, dim());
+  TORCH_CHECK(!grad_slot_->placements || *grad_slot_->placements == pl,
+              "DTensor::to_local: expected the same grad_placements as an earlier to_local of this "
+              "DTensor (", to_string(*grad_slot_->placements), "), got ", to_string(pl));
+  grad_slot_->placements = pl;
+  return local_;
+}
+
+DTensor DTensor::redistribute(const Placements& placements) const {
+  check_placements("DTensor::redistribute", mesh_, placements, dim());
+  Placements target = normalized(placements, dim());
+  at::Tensor out;
+  {
+    at::NoGradGuard no_grad;
+    out = redistribute_local(local_, mesh_, shape_, placements_, target);
+  }
+  auto slot = std::make_shared<GradSlot>();
+  out = detail::attach_backward(
+      local_, out,
+      [mesh = mesh_, shape = shape_, from = placements_, target, slot](const at::Tensor& grad) {
+        const Placements grad_pl = slot->placements.value_or(for_gradient(target));
+        return redistribute_local(grad, mesh, shape, grad_pl, for_gradient(from));
+      },
+      "DTensorRedistributeBackward");
+  DTensor result(out, mesh_, target, shape_);
+  result.grad_slot_ = slot;
+  return result;
+}
+
+at::Tensor DTensor::full_tensor() const {
+  return redistribute(Placements(mesh_.ndim(), Replicate())).to_local();
+}
+
+std::string DTensor::str() const {
+  std::ostringstream s;
+  s << "DTensor(shape=" << c10::IntArrayRef(shape_) << ", placements=" << to_string(placements_)
+    << ", local=" << local_.sizes() << ", dtype=" << local_.scalar_type() << ")";
+  return s.str();
+}
+
+DTensor distribute_tensor(const at::Tensor& tensor, const DeviceMesh& mesh,
+                          const Placements& placements, std::optional<int64_t> src_data_rank) {
+  TORCH_CHECK(tensor.defined(), "distribute_tensor: expected a defined tensor, got undefined");
+  const int64_t ndim = tensor.dim();
+  check_placements("distribute_tensor", mesh, placements, ndim);
+  for (const auto& p : placements) {
+    TORCH_CHECK(!p.is_partial(), "distribute_tensor: does not support Partial placements, got ",
+                to_string(placements));
+  }
+  Placements pl = normalized(placements, ndim);
+  const auto shape = tensor.sizes().vec();
+  at::Tensor local;
+  {
+    at::NoGradGuard no_grad;
+    at::Tensor full = tensor;
+    if (src_data_rank) {
+      const auto& ranks = mesh.ranks();
+      auto pos = std::find(ranks.begin(), ranks.end(), *src_data_rank);
+      TORCH_CHECK(pos != ranks.end(), "distribute_tensor: expected src_data_rank to be a rank of ",
+                  mesh.str(), ", got ", *src_data_rank);
+      // Broadcast along each mesh dim from the source's coordinate: first its line along dim 0,
+      // then from those ranks along dim 1, and so on.
+      int64_t flat = pos - ranks.begin();
+      std::vector<int64_t> src_coord(mesh.ndim());
+      for (int64_t i = mesh.ndim() - 1; i >= 0; --i) {
+        src_coord[i] = flat % mesh.size(i);
+        flat /= mesh.size(i);
+      }
+      const auto& coord = mesh.coordinate();
+      for (int64_t i = 0; i < mesh.ndim(); ++i) {
+        bool on_source_plane = true;  // coordinates after i match the source's
+        for (int64_t j = i + 1; j < mesh.ndim(); ++j) on_source_plane &= coord[j] == src_coord[j];
+        if (on_source_plane) full = comm::broadcast(full, src_coord[i], mesh.get_group(i));
+      }
+    }
+    local = redistribute_local(full, mesh, shape, Placements(mesh.ndim(), Replicate()), pl);
+    if (local.is_same(tensor) || local.is_alias_of(tensor)) local = local.clone();
+  }
+  auto slot = std::make_shared<DTensor::GradSlot>();
+  local = detail::attach_backward(
+      tensor, local,
+      [mesh, shape, pl, slot](const at::Tensor& grad) {
+        const Placements grad_pl = slot->placements.value_or(pl);
+        return redistribute_local(grad, mesh, shape, grad_pl, Placements(mesh.ndim(), Replicate()));
+      },
+      "DistributeTensorBackward");
+  DTensor result(local, mesh, pl, shape);
+  result.grad_slot_ = slot;
+  return result;
+}
+
+}  // namespace hyper_parallel::dtensor

@@ -1,0 +1,457 @@
+// Tests for the hp-run launcher. They run the real binary (HP_RUN_PATH) with
+// small /bin/sh programs as ranks and check its output and exit status.
+
+#include <gtest/gtest.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <set>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#ifndef HP_RUN_PATH
+#error "HP_RUN_PATH must name the hp-run executable"
+#endif
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using namespace std::chrono_literals;
+
+struct Result {
+  int exit_code = -1;   // exit status if hp-run exited normally
+  int term_signal = 0;  // signal if hp-run itself was killed
+  std::string out;
+  std::string err;
+  double seconds = 0;  // wall time from start to exit
+};
+
+// One running hp-run process with its stdout and stderr captured.
+class Launch {
+ public:
+  explicit Launch(const std::vector<std::string>& args) : start_(Clock::now()) {
+    int out[2];
+    int err[2];
+    if (::pipe(out) != 0 || ::pipe(err) != 0) throw std::runtime_error("pipe failed");
+    std::vector<std::string> full{HP_RUN_PATH};
+    full.insert(full.end(), args.begin(), args.end());
+    std::vector<char*> argv;
+    for (std::string& a : full) argv.push_back(a.data());
+    argv.push_back(nullptr);
+
+    pid_ = ::fork();
+    if (pid_ < 0) throw std::runtime_error("fork failed");
+    if (pid_ == 0) {
+      ::dup2(out[1], STDOUT_FILENO);
+      ::dup2(err[1], STDERR_FILENO);
+      for (int fd : {out[0], out[1], err[0], err[1]}) ::close(fd);
+      ::execv(argv[0], argv.data());
+      ::_exit(126);
+    }
+    ::close(out[1]);
+    ::close(err[1]);
+    fds_[0] = out[0];
+    fds_[1] = err[0];
+  }
+
+  ~Launch() {
+    if (pid_ > 0 && !reaped_) {
+      ::kill(pid_, SIGKILL);
+      ::waitpid(pid_, nullptr, 0);
+    }
+    for (int fd : fds_) {
+      if (fd >= 0) ::close(fd);
+    }
+  }
+
+  Launch(const Launch&) = delete;
+  Launch& operator=(const Launch&) = delete;
+
+  pid_t pid() const { return pid_; }
+
+  // Reads output until `needle` shows up on stdout or `limit` passes.
+  bool wait_for_stdout(std::string_view needle, std::chrono::milliseconds limit) {
+    const auto deadline = Clock::now() + limit;
+    while (result_.out.find(needle) == std::string::npos) {
+      if (Clock::now() >= deadline || !pump(deadline)) return false;
+    }
+    return true;
+  }
+
+  // Reads everything until hp-run closes its output, then reaps it. A
+  // launcher that hangs is killed after 60 s so the test fails, not stalls.
+  Result wait() {
+    const auto deadline = Clock::now() + 60s;
+    while (pump(deadline) && Clock::now() < deadline) {
+    }
+    if (fds_[0] >= 0 || fds_[1] >= 0) ::kill(pid_, SIGKILL);
+    int status = 0;
+    ::waitpid(pid_, &status, 0);
+    reaped_ = true;
+    result_.seconds = std::chrono::duration<double>(Clock::now() - start_).count();
+    if (WIFEXITED(status)) result_.exit_code = WEXITSTATUS(status);
+    if (WIFSIGNALED(status)) result_.term_signal = WTERMSIG(status);
+    return result_;
+  }
+
+ private:
+  // One poll round; returns false once both pipes are closed.
+  bool pump(Clock::time_point deadline) {
+    pollfd fds[2];
+    nfds_t count = 0;
+    std::string* sinks[2];
+    int* owners[2];
+    for (int i = 0; i < 2; ++i) {
+      if (fds_[i] < 0) continue;
+      fds[count] = pollfd{fds_[i], POLLIN, 0};
+      sinks[count] = i == 0 ? &result_.out : &result_.err;
+      owners[count] = &fds_[i];
+      ++count;
+    }
+    if (count == 0) return false;
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    const int rc = ::poll(fds, count, static_cast<int>(std::max<long long>(left.count(), 0)));
+    if (rc < 0 && errno != EINTR) return false;
+    for (nfds_t i = 0; i < count && rc > 0; ++i) {
+      if (fds[i].revents == 0) continue;
+      char buffer[65536];
+      const ssize_t n = ::read(fds[i].fd, buffer, sizeof buffer);
+      if (n > 0) {
+        sinks[i]->append(buffer, static_cast<std::size_t>(n));
+      } else if (n == 0 || errno != EINTR) {
+        ::close(*owners[i]);
+        *owners[i] = -1;
+      }
+    }
+    return true;
+  }
+
+  pid_t pid_ = -1;
+  bool reaped_ = false;
+  int fds_[2] = {-1, -1};
+  Clock::time_point start_;
+  Result result_;
+};
+
+Result run_hp_run(const std::vector<std::string>& args) { return Launch(args).wait(); }
+
+// hp-run --nproc-per-node N <flags...> -- sh -c SCRIPT
+std::vector<std::string> sh_job(int nproc, const std::string& script,
+                                std::vector<std::string> flags = {}) {
+  std::vector<std::string> args{"--nproc-per-node", std::to_string(nproc)};
+  args.insert(args.end(), flags.begin(), flags.end());
+  args.insert(args.end(), {"--", "/bin/sh", "-c", script});
+  return args;
+}
+
+std::vector<std::string> lines_of(const std::string& text) {
+  std::vector<std::string> lines;
+  std::istringstream stream(text);
+  for (std::string line; std::getline(stream, line);) lines.push_back(line);
+  return lines;
+}
+
+bool has_line(const std::string& text, const std::string& line) {
+  for (const std::string& l : lines_of(text)) {
+    if (l == line) return true;
+  }
+  return false;
+}
+
+std::string describe(const Result& r) {
+  return "exit " + std::to_string(r.exit_code) + " signal " + std::to_string(r.term_signal) +
+         "\n--- stdout ---\n" + r.out.substr(0, 4000) + "\n--- stderr ---\n" +
+         r.err.substr(0, 4000);
+}
+
+const std::string kPrintEnv =
+    "echo r=$RANK l=$LOCAL_RANK w=$WORLD_SIZE lw=$LOCAL_WORLD_SIZE g=$GROUP_RANK "
+    "a=$MASTER_ADDR p=$MASTER_PORT";
+
+// The MASTER_PORT each rank printed (via kPrintEnv or "port=..."), in output order.
+std::vector<int> printed_ports(const std::string& out) {
+  std::vector<int> ports;
+  for (const std::string& line : lines_of(out)) {
+    for (const char* key : {" p=", "port="}) {
+      const std::size_t at = line.find(key);
+      if (at != std::string::npos) ports.push_back(std::stoi(line.substr(at + std::strlen(key))));
+    }
+  }
+  return ports;
+}
+
+// --- environment and output -------------------------------------------------
+
+TEST(HpRun, SingleRankSeesItsEnvironment) {
+  const Result r = run_hp_run(sh_job(1, kPrintEnv, {"--master-port", "29555"}));
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+  EXPECT_TRUE(has_line(r.out, "[rank 0] r=0 l=0 w=1 lw=1 g=0 a=127.0.0.1 p=29555")) << describe(r);
+  EXPECT_EQ(r.err, "");
+}
+
+TEST(HpRun, ThreeRanksShareOnePickedPort) {
+  const Result r = run_hp_run(sh_job(3, kPrintEnv, {"--master-addr", "127.0.0.1"}));
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+  const std::vector<int> ports = printed_ports(r.out);
+  ASSERT_EQ(ports.size(), 3u) << describe(r);
+  EXPECT_GT(ports[0], 0);
+  EXPECT_EQ(std::set<int>(ports.begin(), ports.end()).size(), 1u) << "ranks disagree on the port";
+  const std::string port = std::to_string(ports[0]);
+  for (int rank = 0; rank < 3; ++rank) {
+    const std::string r_ = std::to_string(rank);
+    EXPECT_TRUE(has_line(
+        r.out, "[rank " + r_ + "] r=" + r_ + " l=" + r_ + " w=3 lw=3 g=0 a=127.0.0.1 p=" + port))
+        << "rank " << rank << "\n"
+        << describe(r);
+  }
+  EXPECT_EQ(lines_of(r.out).size(), 3u);
+}
+
+TEST(HpRun, SecondNodeGetsGlobalRanks) {
+  // Also exercises the --flag=value form.
+  const Result r = run_hp_run(
+      sh_job(2, kPrintEnv,
+             {"--nnodes=2", "--node-rank=1", "--master-addr=10.1.2.3", "--master-port=29600"}));
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+  EXPECT_TRUE(has_line(r.out, "[rank 2] r=2 l=0 w=4 lw=2 g=1 a=10.1.2.3 p=29600")) << describe(r);
+  EXPECT_TRUE(has_line(r.out, "[rank 3] r=3 l=1 w=4 lw=2 g=1 a=10.1.2.3 p=29600")) << describe(r);
+}
+
+TEST(HpRun, KeepsStdoutAndStderrApartAndFlushesPartialLines) {
+  const Result r = run_hp_run(sh_job(2, "echo out$RANK; echo err$RANK >&2; printf tail$RANK"));
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+  for (const std::string rank : {"0", "1"}) {
+    EXPECT_TRUE(has_line(r.out, "[rank " + rank + "] out" + rank)) << describe(r);
+    EXPECT_TRUE(has_line(r.out, "[rank " + rank + "] tail" + rank)) << describe(r);
+    EXPECT_TRUE(has_line(r.err, "[rank " + rank + "] err" + rank)) << describe(r);
+  }
+  EXPECT_EQ(r.out.find("err"), std::string::npos);
+  EXPECT_EQ(r.err.find("out"), std::string::npos);
+}
+
+TEST(HpRun, LargeOutputArrivesComplete) {
+  // 20000 short lines from rank 0, one 200 kB line from rank 1.
+  const Result r = run_hp_run(sh_job(
+      2,
+      "if [ $RANK = 0 ]; then seq 1 20000; else head -c 200000 /dev/zero | tr '\\0' x; echo; fi"));
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+  std::vector<std::string> rank0;
+  std::size_t long_lines = 0;
+  for (const std::string& line : lines_of(r.out)) {
+    if (line.starts_with("[rank 0] ")) rank0.push_back(line.substr(9));
+    if (line == "[rank 1] " + std::string(200000, 'x')) ++long_lines;
+  }
+  ASSERT_EQ(rank0.size(), 20000u);
+  for (std::size_t i = 0; i < rank0.size(); ++i) {
+    ASSERT_EQ(rank0[i], std::to_string(i + 1)) << "line " << i;
+  }
+  EXPECT_EQ(long_lines, 1u);
+}
+
+// --- failures ---------------------------------------------------------------
+
+TEST(HpRun, ForwardsTheFailingRanksExitCode) {
+  const auto start = Clock::now();
+  const Result r = run_hp_run(sh_job(3, "if [ $RANK = 1 ]; then exit 3; fi; sleep 60"));
+  EXPECT_EQ(r.exit_code, 3) << describe(r);
+  EXPECT_NE(r.err.find("hp-run: rank 1 exited with code 3"), std::string::npos) << describe(r);
+  EXPECT_LT(Clock::now() - start, 15s);
+}
+
+TEST(HpRun, CrashingRankTearsDownTheJob) {
+  const Result r = run_hp_run(sh_job(3, "if [ $RANK = 1 ]; then kill -SEGV $$; fi; sleep 60"));
+  EXPECT_EQ(r.exit_code, 128 + SIGSEGV) << describe(r);
+  EXPECT_NE(r.err.find("hp-run: rank 1 was killed by signal SIGSEGV (11)"), std::string::npos)
+      << describe(r);
+  EXPECT_LT(r.seconds, 15.0);
+}
+
+TEST(HpRun, RankIgnoringSigtermIsKilledAfterGrace) {
+  // Rank 0 fails only once rank 1 has installed its trap (signalled through a
+  // file), so SIGTERM cannot stop rank 1 and only SIGKILL can.
+  const std::string ready = ::testing::TempDir() + "hp_run_trapped_" + std::to_string(::getpid());
+  std::remove(ready.c_str());
+  const Result r = run_hp_run(sh_job(
+      2,
+      "if [ $RANK = 0 ]; then while [ ! -e '" + ready +
+          "' ]; do sleep 0.05; done; exit 1; fi; trap '' TERM; touch '" + ready + "'; sleep 60",
+      {"--grace", "1"}));
+  std::remove(ready.c_str());
+  EXPECT_EQ(r.exit_code, 1) << describe(r);
+  EXPECT_NE(r.err.find("hp-run: rank 0 exited with code 1"), std::string::npos) << describe(r);
+  EXPECT_NE(r.err.find("rank(s) 1 still running 1 s after SIGTERM; sending SIGKILL"),
+            std::string::npos)
+      << describe(r);
+  EXPECT_GE(r.seconds, 1.0);  // the grace period was honoured
+  EXPECT_LT(r.seconds, 10.0);
+}
+
+TEST(HpRun, KillReachesTheRanksOwnSubprocesses) {
+  const std::string marker = ::testing::TempDir() + "hp_run_leak_" + std::to_string(::getpid());
+  std::remove(marker.c_str());
+  // Rank 1's background subshell would create the marker after 2 s if it
+  // survived the teardown that rank 0's failure triggers.
+  const Result r = run_hp_run(sh_job(
+      2, "if [ $RANK = 0 ]; then sleep 0.3; exit 1; fi; (sleep 2; touch '" + marker + "') & wait"));
+  EXPECT_EQ(r.exit_code, 1) << describe(r);
+  std::this_thread::sleep_for(3s);
+  EXPECT_NE(::access(marker.c_str(), F_OK), 0) << "a rank's subprocess outlived the job";
+  std::remove(marker.c_str());
+}
+
+TEST(HpRun, TimeoutKillsAllRanks) {
+  const Result r = run_hp_run(sh_job(2, "sleep 60", {"--timeout", "1"}));
+  EXPECT_EQ(r.exit_code, 124) << describe(r);
+  EXPECT_NE(r.err.find("hp-run: timeout after 1 s; killing all ranks"), std::string::npos)
+      << describe(r);
+  EXPECT_LT(r.seconds, 8.0);
+}
+
+TEST(HpRun, MissingProgramIsAFailingRank) {
+  const Result r = run_hp_run({"--nproc-per-node", "2", "--", "/nonexistent/hp_run_test_prog"});
+  EXPECT_EQ(r.exit_code, 127) << describe(r);
+  EXPECT_NE(r.err.find("cannot run '/nonexistent/hp_run_test_prog'"), std::string::npos)
+      << describe(r);
+}
+
+// --- signals to the launcher ------------------------------------------------
+
+class HpRunSignal : public ::testing::TestWithParam<int> {};
+
+TEST_P(HpRunSignal, IsForwardedToAllRanks) {
+  const int sig = GetParam();
+  Launch launch(sh_job(2, "echo ready; sleep 60", {"--grace", "1"}));
+  ASSERT_TRUE(launch.wait_for_stdout("[rank 1] ready", 10s) &&
+              launch.wait_for_stdout("[rank 0] ready", 10s));
+  ASSERT_EQ(::kill(launch.pid(), sig), 0);
+  const Result r = launch.wait();
+  EXPECT_EQ(r.exit_code, 128 + sig) << describe(r);
+  EXPECT_NE(r.err.find("terminating all ranks"), std::string::npos) << describe(r);
+  EXPECT_LT(r.seconds, 10.0);
+}
+
+INSTANTIATE_TEST_SUITE_P(IntAndTerm, HpRunSignal, ::testing::Values(SIGINT, SIGTERM),
+                         [](const auto& info) {
+                           return info.param == SIGINT ? "SIGINT" : "SIGTERM";
+                         });
+
+// --- ports ------------------------------------------------------------------
+
+TEST(HpRun, ConcurrentLaunchesPickDifferentPorts) {
+  const std::vector<std::string> args = sh_job(1, "sleep 1; echo port=$MASTER_PORT");
+  Launch first(args);
+  Launch second(args);
+  const Result a = first.wait();
+  const Result b = second.wait();
+  ASSERT_EQ(a.exit_code, 0) << describe(a);
+  ASSERT_EQ(b.exit_code, 0) << describe(b);
+  const std::vector<int> pa = printed_ports(a.out);
+  const std::vector<int> pb = printed_ports(b.out);
+  ASSERT_EQ(pa.size(), 1u) << describe(a);
+  ASSERT_EQ(pb.size(), 1u) << describe(b);
+  EXPECT_GT(pa[0], 0);
+  EXPECT_GT(pb[0], 0);
+  EXPECT_NE(pa[0], pb[0]);
+}
+
+// --- command line -----------------------------------------------------------
+
+TEST(HpRun, HelpPrintsUsage) {
+  for (const char* flag : {"-h", "--help"}) {
+    const Result r = run_hp_run({flag});
+    EXPECT_EQ(r.exit_code, 0) << describe(r);
+    EXPECT_NE(r.out.find("usage: hp-run"), std::string::npos) << describe(r);
+  }
+}
+
+struct BadFlags {
+  std::string name;  // test name suffix
+  std::vector<std::string> args;
+  std::string message;
+};
+
+// Keeps ctest's test names readable (gtest would otherwise dump raw bytes).
+void PrintTo(const BadFlags& flags, std::ostream* os) { *os << flags.name; }
+
+class HpRunBadFlags : public ::testing::TestWithParam<BadFlags> {};
+
+TEST_P(HpRunBadFlags, ExitsWithUsageError) {
+  const Result r = run_hp_run(GetParam().args);
+  EXPECT_EQ(r.exit_code, 2) << describe(r);
+  EXPECT_NE(r.err.find("hp-run: " + GetParam().message), std::string::npos) << describe(r);
+  EXPECT_EQ(r.out, "");
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, HpRunBadFlags,
+    ::testing::Values(
+        BadFlags{"UnknownFlag",
+                 {"--nproc-per-node", "2", "--foo", "1", "--", "true"},
+                 "unknown flag '--foo'"},
+        BadFlags{"UnknownFlagWithEquals",
+                 {"--nproc-per-node", "2", "--foo=1", "--", "true"},
+                 "unknown flag '--foo'"},
+        BadFlags{"NprocNotANumber",
+                 {"--nproc-per-node", "abc", "--", "true"},
+                 "--nproc-per-node: expected a positive integer, got 'abc'"},
+        BadFlags{"NprocZero",
+                 {"--nproc-per-node", "0", "--", "true"},
+                 "--nproc-per-node: expected a positive integer, got '0'"},
+        BadFlags{"NprocNegative",
+                 {"--nproc-per-node=-1", "--", "true"},
+                 "--nproc-per-node: expected a positive integer, got '-1'"},
+        BadFlags{"NprocTrailingJunk",
+                 {"--nproc-per-node", "2x", "--", "true"},
+                 "--nproc-per-node: expected a positive integer, got '2x'"},
+        BadFlags{"NprocMissingValue", {"--nproc-per-node"}, "--nproc-per-node: missing value"},
+        BadFlags{"NnodesMissingValue",
+                 {"--nproc-per-node", "2", "--nnodes", "--", "true"},
+                 "--nnodes: missing value"},
+        BadFlags{"NprocMissing", {"--", "true"}, "--nproc-per-node is required"},
+        BadFlags{"NodeRankTooLarge",
+                 {"--nproc-per-node", "2", "--nnodes", "2", "--node-rank", "2", "--master-port",
+                  "29500", "--", "true"},
+                 "--node-rank"},
+        BadFlags{"NodeRankNegative",
+                 {"--nproc-per-node", "2", "--node-rank", "-1", "--", "true"},
+                 "--node-rank"},
+        BadFlags{"PortTooLarge",
+                 {"--nproc-per-node", "2", "--master-port", "65536", "--", "true"},
+                 "--master-port: expected an integer in [0, 65535], got '65536'"},
+        BadFlags{"PortNegative",
+                 {"--nproc-per-node", "2", "--master-port", "-5", "--", "true"},
+                 "--master-port"},
+        BadFlags{"PickedPortWithTwoNodes",
+                 {"--nproc-per-node", "2", "--nnodes", "2", "--", "true"},
+                 "--master-port 0 (pick a free port) only works with --nnodes 1; give every "
+                 "node the same port"},
+        BadFlags{
+            "NoSeparator", {"--nproc-per-node", "2"}, "expected '--' followed by a program to run"},
+        BadFlags{"NothingAfterSeparator",
+                 {"--nproc-per-node", "2", "--"},
+                 "expected '--' followed by a program to run"},
+        BadFlags{"ProgramWithoutSeparator",
+                 {"--nproc-per-node", "2", "true"},
+                 "expected '--' followed by a program to run"},
+        BadFlags{"TimeoutNotANumber",
+                 {"--nproc-per-node", "2", "--timeout", "soon", "--", "true"},
+                 "--timeout"},
+        BadFlags{
+            "GraceNegative", {"--nproc-per-node", "2", "--grace", "-1", "--", "true"}, "--grace"}),
+    [](const auto& info) { return info.param.name; });
+
+}  // namespace

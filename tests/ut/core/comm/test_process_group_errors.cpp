@@ -1,0 +1,90 @@
+// Errors a user can cause before any process group exists (single process, no launcher).
+#include <cstdlib>
+
+#include <gtest/gtest.h>
+
+#include <hyper_parallel/core/comm.h>
+#include <hyper_parallel/core/dtensor.h>
+
+#include "common/test_util.h"
+
+namespace hp = hyper_parallel;
+
+namespace {
+
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    if (const char* old = std::getenv(name)) old_ = old;
+    value ? setenv(name, value, 1) : unsetenv(name);
+  }
+  ~ScopedEnv() { old_ ? setenv(name_, old_->c_str(), 1) : unsetenv(name_); }
+
+ private:
+  const char* name_;
+  std::optional<std::string> old_;
+};
+
+TEST(ProcessGroupErrors, UseBeforeInitNamesTheFix) {
+  ASSERT_FALSE(hp::comm::is_initialized());
+  HP_EXPECT_THROW_MSG(hp::comm::world(), "process group is not initialised; call init_process_group()");
+  HP_EXPECT_THROW_MSG(hp::comm::new_group({0}), "new_group: process group is not initialised");
+  HP_EXPECT_THROW_MSG(hp::dtensor::init_device_mesh("cpu", {1}), "not initialised");
+}
+
+TEST(ProcessGroupErrors, MissingOrBadEnvironment) {
+  ScopedEnv no_rank("RANK", nullptr), no_ompi("OMPI_COMM_WORLD_RANK", nullptr),
+      no_slurm("SLURM_PROCID", nullptr);
+  HP_EXPECT_THROW_MSG(hp::comm::init_process_group(), "expected the rank in RANK");
+  {
+    ScopedEnv rank("RANK", "0"), size("WORLD_SIZE", nullptr), o("OMPI_COMM_WORLD_SIZE", nullptr),
+        s("SLURM_NTASKS", nullptr);
+    HP_EXPECT_THROW_MSG(hp::comm::init_process_group(), "expected the world size in WORLD_SIZE");
+  }
+  {
+    ScopedEnv rank("RANK", "x1"), size("WORLD_SIZE", "1");
+    HP_EXPECT_THROW_MSG(hp::comm::init_process_group(), "expected an integer for RANK, got 'x1'");
+  }
+  {
+    ScopedEnv rank("RANK", "2"), size("WORLD_SIZE", "2");
+    HP_EXPECT_THROW_MSG(hp::comm::init_process_group(), "expected rank in [0, 2), got 2");
+  }
+  {
+    ScopedEnv rank("RANK", "0"), size("WORLD_SIZE", "1"), addr("MASTER_ADDR", nullptr);
+    HP_EXPECT_THROW_MSG(hp::comm::init_process_group(), "expected MASTER_ADDR to be set");
+  }
+  {
+    ScopedEnv rank("RANK", "0"), size("WORLD_SIZE", "1"), addr("MASTER_ADDR", "127.0.0.1"),
+        port("MASTER_PORT", "70000");
+    HP_EXPECT_THROW_MSG(hp::comm::init_process_group(), "expected MASTER_PORT in [1, 65535], got 70000");
+  }
+  {
+    // Launchers other than hp-run: mpirun's variables are read when RANK is absent.
+    ScopedEnv ompi("OMPI_COMM_WORLD_RANK", "3"), size("WORLD_SIZE", "2");
+    HP_EXPECT_THROW_MSG(hp::comm::init_process_group(), "expected rank in [0, 2), got 3");
+  }
+  EXPECT_FALSE(hp::comm::is_initialized());
+}
+
+TEST(ProcessGroupErrors, SingleProcessWorldFromOptions) {
+  // A world of one needs no launcher: rendezvous with itself on a free port.
+  hp::comm::init_process_group(hp::comm::InitOptions()
+                                   .rank(0)
+                                   .world_size(1)
+                                   .master_addr("127.0.0.1")
+                                   .master_port(0 + 29000 + (getpid() % 1000))
+                                   .timeout(std::chrono::seconds(20)));
+  auto world = hp::comm::world();
+  EXPECT_EQ(world.size(), 1);
+  EXPECT_EQ(world.rank(), 0);
+  auto x = at::arange(6, at::kFloat).reshape({2, 3});
+  EXPECT_TRUE(hp::comm::all_gather(x, 1, world).equal(x));
+  EXPECT_TRUE(hp::comm::all_reduce(x, hp::comm::ReduceOp::kSum, world).equal(x));
+  HP_EXPECT_THROW_MSG(hp::dtensor::init_device_mesh("cpu", {2}),
+                      "init_device_mesh: expected mesh_shape [2] to hold the world size 1, got 2");
+  HP_EXPECT_THROW_MSG(hp::dtensor::init_device_mesh("cuda", {1}), "device_type 'cuda' is not supported");
+  hp::comm::destroy_process_group();
+  EXPECT_FALSE(hp::comm::is_initialized());
+}
+
+}  // namespace
