@@ -47,3 +47,37 @@ inline int64_t world_size() { return hyper_parallel::comm::world_size(); }
 inline int64_t rank() { return hyper_parallel::comm::global_rank(); }
 
 }  // namespace hp_test
+
+#include <c10/util/Exception.h>
+#include <torch/version.h>
+
+namespace hp_test {
+
+/// Collects TORCH_WARN messages while alive.
+class CapturedWarnings : public c10::WarningHandler {
+ public:
+  CapturedWarnings() : guard_(this) {}
+#if TORCH_VERSION_MAJOR >= 2
+  void process(const c10::Warning& warning) override { messages.push_back(warning.msg()); }
+#else
+  void process(const c10::SourceLocation&, const std::string& msg, const bool) override {
+    messages.push_back(msg);
+  }
+#endif
+  bool contains(const std::string& text) const {
+    for (const auto& m : messages) {
+      if (m.find(text) != std::string::npos) return true;
+    }
+    return false;
+  }
+  std::vector<std::string> messages;
+
+ private:
+#if TORCH_VERSION_MAJOR >= 2
+  c10::WarningUtils::WarningHandlerGuard guard_;
+#else
+  c10::Warning::WarningHandlerGuard guard_;
+#endif
+};
+
+}  // namespace hp_test

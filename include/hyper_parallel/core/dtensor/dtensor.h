@@ -45,6 +45,15 @@ class DTensor {
   /// column-parallel matmul consumed a Replicate input).
   at::Tensor to_local(const Placements& grad_placements) const;
 
+  /// The local shard, remembered as this DTensor: a consumer that calls DTensor::from_tagged on
+  /// it gets this DTensor back (same placements, and gradient placements it declares reach this
+  /// DTensor's producer). The C++ stand-in for passing a DTensor between modules
+  /// (use_local_output=false in the parallel styles).
+  at::Tensor to_local_tagged() const;
+  /// The DTensor whose to_local_tagged() returned `local`, if any (and `local` is that very
+  /// tensor, still alive).
+  static std::optional<DTensor> from_tagged(const at::Tensor& local);
+
   /// Moves the data to `placements` (see tp-semantics: Shard->Replicate all_gather,
   /// Partial->Replicate all_reduce, Partial->Shard reduce_scatter, Replicate->Shard local slice,
   /// Shard(i)->Shard(j) all_to_all). Backward moves the gradient back.

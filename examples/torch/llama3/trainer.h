@@ -1,0 +1,51 @@
+#pragma once
+// Training loop for the Llama 3 example: deterministic synthetic tokens, AdamW, gradient clipping.
+// Weights are initialised identically whatever the TP degree (full tensors from the seed on every
+// rank, then sharded), so TP=1 and TP=N runs are comparable step by step.
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include <torch/arg.h>
+
+#include "model.h"
+
+namespace llama3 {
+
+struct TrainOptions {
+  TORCH_ARG(std::string, preset) = "debug";
+  TORCH_ARG(int64_t, steps) = 20;
+  TORCH_ARG(int64_t, batch_size) = 4;
+  TORCH_ARG(std::optional<int64_t>, seq_len) = std::nullopt;  // default: the preset's max_seq_len
+  TORCH_ARG(std::string, dtype) = "fp32";                      // "fp32" or "bf16"
+  TORCH_ARG(double, lr) = 1e-3;
+  TORCH_ARG(double, weight_decay) = 0.1;
+  TORCH_ARG(double, max_norm) = 1.0;
+  TORCH_ARG(uint64_t, seed) = 42;
+  TORCH_ARG(bool, enable_sequence_parallel) = true;
+  TORCH_ARG(bool, enable_loss_parallel) = false;
+  TORCH_ARG(bool, log) = true;  // one line per step on rank 0
+  /// Single-process reference: the same model and data, not parallelized, no communication.
+  TORCH_ARG(bool, reference) = false;
+};
+
+struct StepResult {
+  int64_t step;
+  double loss;
+  double grad_norm;
+  double ms;
+  double tokens_per_s;
+};
+
+/// Trains on a 1-d TP mesh over the whole world (TP = world size). Calls `inspect` (if set) after
+/// each backward, before the optimizer step, e.g. to compare gradients.
+std::vector<StepResult> train(const TrainOptions& options,
+                              const std::function<void(int64_t step, TransformerImpl&)>& inspect = {});
+
+/// Batch `step` of the synthetic data: sequences following t_{i+1} = (5 t_i + 3) mod vocab from
+/// a start token drawn from (seed, step, row), so the model can learn it and the loss falls.
+at::Tensor synthetic_batch(uint64_t seed, int64_t step, int64_t batch_size, int64_t seq_len,
+                           int64_t vocab_size);
+
+}  // namespace llama3

@@ -1,0 +1,7 @@
+#pragma once
+// core/tensor_parallel: parallel styles, parallelize_module, loss parallel, helpers.
+#include <hyper_parallel/core/tensor_parallel/grad_utils.h>
+#include <hyper_parallel/core/tensor_parallel/hookable_module.h>
+#include <hyper_parallel/core/tensor_parallel/loss_parallel.h>
+#include <hyper_parallel/core/tensor_parallel/parallelize.h>
+#include <hyper_parallel/core/tensor_parallel/style.h>

@@ -1,0 +1,25 @@
+#pragma once
+// Whole-model helpers that know which parameters are sharded (from the layouts styles record).
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+namespace torch::nn {
+class Module;
+}
+
+namespace hyper_parallel::tensor_parallel {
+
+/// Clips gradients by their global L2 norm: sharded parameters' squared norms are summed over
+/// their mesh, replicated ones counted once. Returns the norm before clipping. All ranks call it.
+double clip_grad_norm_(torch::nn::Module& module, double max_norm);
+
+/// Every parameter (or its gradient) as the full, unsharded tensor, by fully qualified name.
+/// Collective for sharded parameters: all ranks call it.
+std::vector<std::pair<std::string, at::Tensor>> full_named_parameters(torch::nn::Module& module,
+                                                                      bool gradients = false);
+
+}  // namespace hyper_parallel::tensor_parallel

@@ -1,0 +1,36 @@
+#pragma once
+// parallelize_module: applies parallel styles to a module tree.
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <hyper_parallel/core/dtensor/device_mesh.h>
+#include <hyper_parallel/core/tensor_parallel/style.h>
+
+namespace torch::nn {
+class Module;
+}
+
+namespace hyper_parallel::tensor_parallel {
+
+/// Ordered (key, style) pairs. A key is a module path split on '.', each token glob-matched
+/// (*, ?, [1-2]) against child names at that depth; "" is the module itself.
+using ParallelizePlan = std::vector<std::pair<std::string, std::shared_ptr<ParallelStyle>>>;
+
+/// Applies `style` to `module`. The mesh must be 1-d (the TP mesh; slice a 2-d mesh by name).
+void parallelize_module(torch::nn::Module& module, const dtensor::DeviceMesh& mesh,
+                        const ParallelStyle& style);
+
+/// Applies each style to every submodule its key matches, in plan order. A key matching nothing,
+/// or an empty plan, is reported with a warning (TORCH_WARN), never silently ignored.
+///
+/// Usage:
+///   parallelize_module(*model, tp_mesh, {
+///       {"layers.*.feed_forward.w1", std::make_shared<ColwiseParallel>()},
+///       {"layers.*.feed_forward.w2", std::make_shared<RowwiseParallel>()}});
+void parallelize_module(torch::nn::Module& module, const dtensor::DeviceMesh& mesh,
+                        const ParallelizePlan& plan);
+
+}  // namespace hyper_parallel::tensor_parallel

@@ -1,0 +1,62 @@
+#include <hyper_parallel/core/tensor_parallel/loss_parallel.h>
+
+#include <ATen/ATen.h>
+
+#include <hyper_parallel/core/comm/collectives.h>
+#include <hyper_parallel/core/dtensor/placement.h>
+
+#include "../autograd/attach_backward.h"
+
+namespace hyper_parallel::tensor_parallel {
+
+at::Tensor vocab_parallel_cross_entropy(const at::Tensor& local_logits, const at::Tensor& targets,
+                                        int64_t vocab_size, const dtensor::DeviceMesh& mesh) {
+  TORCH_CHECK(mesh.ndim() == 1, "vocab_parallel_cross_entropy: expected a 1-d mesh, got ",
+              mesh.ndim(), "-d");
+  const int64_t p = mesh.size(0), k = mesh.get_local_rank(0);
+  const int64_t start = dtensor::shard_offset(vocab_size, p, k);
+  const int64_t n = dtensor::shard_size(vocab_size, p, k);
+  TORCH_CHECK(local_logits.dim() >= 1 && local_logits.size(-1) == n,
+              "vocab_parallel_cross_entropy: expected local logits [..., ", n, "] (chunk ", k,
+              " of vocab ", vocab_size, "), got ", local_logits.sizes());
+  TORCH_CHECK(targets.sizes() == local_logits.sizes().slice(0, local_logits.dim() - 1),
+              "vocab_parallel_cross_entropy: expected targets of shape ",
+              local_logits.sizes().slice(0, local_logits.dim() - 1), ", got ", targets.sizes());
+  auto group = mesh.get_group(0);
+  at::Tensor loss, softmax_local, target_mask, local_target;
+  {
+    at::NoGradGuard no_grad;
+    auto logits = local_logits.to(at::kFloat);
+    // Global max over the vocabulary (for a stable exp): gather each rank's max, take the max.
+    auto local_max = n > 0 ? std::get<0>(logits.max(-1)) : at::full(targets.sizes(), -INFINITY);
+    auto global_max = std::get<0>(
+        comm::all_gather(local_max.unsqueeze(-1).contiguous(), -1, group).max(-1));
+    auto shifted = logits - global_max.unsqueeze(-1);
+    auto exp = shifted.exp();
+    auto sum_exp = comm::all_reduce(exp.sum(-1), comm::ReduceOp::kSum, group);
+    // The target's logit lives on exactly one rank.
+    target_mask = (targets < start).logical_or(targets >= start + n);
+    local_target = (targets - start).masked_fill(target_mask, 0);
+    auto picked = n > 0 ? shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
+                        : at::zeros(targets.sizes());
+    picked = comm::all_reduce(picked.masked_fill(target_mask, 0), comm::ReduceOp::kSum, group);
+    loss = (sum_exp.log() - picked).mean();
+    softmax_local = exp / sum_exp.unsqueeze(-1);
+  }
+  // d loss / d logits = (softmax - onehot(target)) / N, each rank on its vocabulary chunk.
+  return detail::attach_backward(
+      local_logits, loss,
+      [softmax_local, target_mask, local_target, dtype = local_logits.scalar_type()](
+          const at::Tensor& grad) {
+        auto g = softmax_local.clone();
+        if (g.size(-1) > 0) {
+          auto onehot = at::zeros_like(g).scatter_(-1, local_target.unsqueeze(-1), 1.0);
+          g -= onehot * target_mask.logical_not().unsqueeze(-1);
+        }
+        const double count = std::max<int64_t>(target_mask.numel(), 1);
+        return (g * (grad / count)).to(dtype);
+      },
+      "VocabParallelCrossEntropyBackward");
+}
+
+}  // namespace hyper_parallel::tensor_parallel

@@ -1,0 +1,289 @@
+#include <hyper_parallel/core/tensor_parallel/style.h>
+
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+
+#include <hyper_parallel/core/comm/collectives.h>
+#include <hyper_parallel/core/comm/counters.h>
+#include <hyper_parallel/core/dtensor/dtensor.h>
+#include <hyper_parallel/core/tensor_parallel/hookable_module.h>
+
+#include "style_internal.h"
+
+namespace hyper_parallel::tensor_parallel {
+
+using dtensor::DeviceMesh;
+using dtensor::DTensor;
+using dtensor::Partial;
+using dtensor::Placement;
+using dtensor::Placements;
+using dtensor::Replicate;
+using dtensor::Shard;
+
+namespace detail {
+
+HookableModule& hookable(const char* style, torch::nn::Module& module) {
+  auto* hm = dynamic_cast<HookableModule*>(&module);
+  TORCH_CHECK(hm != nullptr, style, ": expected a module of this library (hyper_parallel::nn or a ",
+              "HookableModule), got ", module.name());
+  return *hm;
+}
+
+void check_tp_mesh(const char* style, const DeviceMesh& mesh) {
+  TORCH_CHECK(mesh.ndim() == 1, style, ": expected a 1-d TP mesh, got a ", mesh.ndim(),
+              "-d mesh ", mesh.str(), "; slice it by name, e.g. mesh[\"tp\"]");
+}
+
+void shard_parameter(torch::nn::Module& module, const std::string& name, const DeviceMesh& mesh,
+                     const Placements& placements) {
+  auto params = module.named_parameters(/*recurse=*/false);  // handles to the module's tensors
+  auto* param = params.find(name);
+  TORCH_INTERNAL_ASSERT(param != nullptr, "shard_parameter: no parameter '", name, "'");
+  const auto shape = param->sizes().vec();
+  // Rank 0's values win (src_data_rank 0), so all ranks hold shards of one tensor even if their
+  // initialisation differed.
+  auto local = dtensor::distribute_tensor(param->detach(), mesh, placements, 0).to_local();
+  {
+    at::NoGradGuard no_grad;
+    param->set_data(local.contiguous());
+  }
+  hookable("shard_parameter", module).set_parameter_layout(name, {mesh, placements, shape});
+}
+
+void sync_partial_gradient(torch::nn::Module& module, const std::string& name,
+                           const DeviceMesh& mesh) {
+  auto params = module.named_parameters(/*recurse=*/false);
+  auto* param = params.find(name);
+  TORCH_INTERNAL_ASSERT(param != nullptr, "sync_partial_gradient: no parameter '", name, "'");
+  // Keep the values identical on every rank (they are replicated), then record the layout.
+  shard_parameter(module, name, mesh, {Replicate()});
+  if (mesh.size(0) == 1 || !param->requires_grad()) return;
+  auto group = mesh.get_group(0);
+  param->register_hook([group](const at::Tensor& grad) {
+    comm::CommRegion region("grad_sync");
+    return comm::all_reduce(grad, comm::ReduceOp::kSum, group);
+  });
+}
+
+DTensor as_dtensor(const at::Tensor& local, const DeviceMesh& mesh, const Placement& layout) {
+  if (auto tagged = DTensor::from_tagged(local)) {
+    if (tagged->device_mesh() == mesh) return *tagged;
+  }
+  return DTensor::from_local(local, mesh, {layout});
+}
+
+at::Tensor prepare(const at::Tensor& local, const DeviceMesh& mesh, const Placement& from,
+                   const Placement& to, bool use_local_output) {
+  DTensor d = as_dtensor(local, mesh, from);
+  if (d.placements() != Placements{to}) d = d.redistribute({to});
+  return use_local_output ? d.to_local() : d.to_local_tagged();
+}
+
+}  // namespace detail
+
+namespace {
+
+using detail::hookable;
+
+// RowwiseParallel's Linear: x @ W_localᵀ is a Partial sum; reduce it to the output layout, then
+// add the bias once.
+class RowwiseLinearKernel final : public ForwardKernel {
+ public:
+  RowwiseLinearKernel(DeviceMesh mesh, Placement output, bool use_local_output)
+      : mesh_(std::move(mesh)), output_(output), use_local_output_(use_local_output) {}
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) override {
+    auto partial = at::linear(x, weight);
+    auto y = DTensor::from_local(partial, mesh_, {Partial()}).redistribute({output_}).to_local();
+    if (bias.defined()) y = y + bias;
+    if (use_local_output_) return y;
+    return DTensor::from_local(y, mesh_, {output_}).to_local_tagged();
+  }
+  std::string name() const override { return "RowwiseLinear"; }
+
+ private:
+  DeviceMesh mesh_;
+  Placement output_;
+  bool use_local_output_;
+};
+
+// RowwiseParallel's Embedding: this rank holds rows [start, start + n) of the table; ids outside
+// look up zeros, so the sum over ranks is the full lookup.
+class RowwiseEmbeddingKernel final : public ForwardKernel {
+ public:
+  RowwiseEmbeddingKernel(DeviceMesh mesh, int64_t vocab, Placement output, bool use_local_output)
+      : mesh_(std::move(mesh)), vocab_(vocab), output_(output), use_local_output_(use_local_output) {}
+  at::Tensor forward(const at::Tensor& ids, const at::Tensor& weight, const at::Tensor&) override {
+    const int64_t p = mesh_.size(0), k = mesh_.get_local_rank(0);
+    const int64_t start = dtensor::shard_offset(vocab_, p, k), n = dtensor::shard_size(vocab_, p, k);
+    auto outside = (ids < start).logical_or(ids >= start + n);
+    auto local_ids = (ids - start).masked_fill(outside, 0);
+    auto partial = at::embedding(weight, local_ids).masked_fill(outside.unsqueeze(-1), 0);
+    auto y = DTensor::from_local(partial, mesh_, {Partial()}).redistribute({output_});
+    return use_local_output_ ? y.to_local() : y.to_local_tagged();
+  }
+  std::string name() const override { return "RowwiseEmbedding"; }
+
+ private:
+  DeviceMesh mesh_;
+  int64_t vocab_;
+  Placement output_;
+  bool use_local_output_;
+};
+
+HookableModule::OutputHook output_hook(DeviceMesh mesh, Placement produced, Placement wanted,
+                                       bool use_local_output) {
+  return [=](std::vector<at::Tensor> outputs) {
+    outputs[0] = detail::prepare(outputs[0], mesh, produced, wanted, use_local_output);
+    return outputs;
+  };
+}
+
+void check_kind(const char* style, torch::nn::Module& module, HookableModule& hm) {
+  TORCH_CHECK(hm.module_kind() == ModuleKind::kLinear || hm.module_kind() == ModuleKind::kEmbedding,
+              style, ": expected hyper_parallel::nn::Linear or nn::Embedding, got ", module.name(),
+              "; only those are supported");
+}
+
+}  // namespace
+
+void ColwiseParallel::apply(torch::nn::Module& module, const DeviceMesh& mesh) const {
+  detail::check_tp_mesh("ColwiseParallel", mesh);
+  auto& hm = hookable("ColwiseParallel", module);
+  check_kind("ColwiseParallel", module, hm);
+  const auto in = options_.input_layouts(), out = options_.output_layouts();
+  TORCH_CHECK(!in.is_partial(), "ColwiseParallel: expected input_layouts Shard or Replicate, got ",
+              in.str());
+  TORCH_CHECK(!out.is_partial(), "ColwiseParallel: expected output_layouts Shard or Replicate, got ",
+              out.str());
+  if (hm.module_kind() == ModuleKind::kLinear) {
+    detail::shard_parameter(module, "weight", mesh, {Shard(0)});
+    if (module.named_parameters(false).contains("bias")) {
+      detail::shard_parameter(module, "bias", mesh, {Shard(0)});
+    }
+    // Replicate input; its gradient out of the column-sharded matmul is Partial.
+    hm.add_input_hook([mesh, in](std::vector<at::Tensor> inputs) {
+      DTensor d = detail::as_dtensor(inputs[0], mesh, in);
+      if (d.placements() != Placements{Replicate()}) d = d.redistribute({Replicate()});
+      inputs[0] = d.to_local({Partial()});
+      return inputs;
+    });
+  } else {
+    detail::shard_parameter(module, "weight", mesh, {Shard(1)});
+    hm.add_input_hook([mesh, in](std::vector<at::Tensor> inputs) {
+      inputs[0] = detail::prepare(inputs[0], mesh, in, Replicate(), true);
+      return inputs;
+    });
+  }
+  hm.add_output_hook(output_hook(mesh, Shard(-1), out, options_.use_local_output()));
+}
+
+void RowwiseParallel::apply(torch::nn::Module& module, const DeviceMesh& mesh) const {
+  detail::check_tp_mesh("RowwiseParallel", mesh);
+  auto& hm = hookable("RowwiseParallel", module);
+  check_kind("RowwiseParallel", module, hm);
+  const auto in = options_.input_layouts(), out = options_.output_layouts();
+  TORCH_CHECK(!out.is_partial(), "RowwiseParallel: expected output_layouts Shard or Replicate, got ",
+              out.str());
+  if (hm.module_kind() == ModuleKind::kLinear) {
+    TORCH_CHECK(!in.is_partial(), "RowwiseParallel: expected input_layouts Shard or Replicate, got ",
+                in.str());
+    detail::shard_parameter(module, "weight", mesh, {Shard(1)});
+    if (module.named_parameters(false).contains("bias")) {
+      // A Shard output leaves each rank the bias gradient of its own rows only.
+      if (out.is_shard()) {
+        detail::sync_partial_gradient(module, "bias", mesh);
+      } else {
+        detail::shard_parameter(module, "bias", mesh, {Replicate()});
+      }
+    }
+    hm.add_input_hook([mesh, in](std::vector<at::Tensor> inputs) {
+      TORCH_CHECK(inputs[0].dim() >= 1, "RowwiseParallel: expected an input with a feature dim, got a scalar");
+      inputs[0] = detail::prepare(inputs[0], mesh, in, Shard(inputs[0].dim() - 1), true);
+      return inputs;
+    });
+    hm.set_forward_kernel(std::make_shared<RowwiseLinearKernel>(mesh, out, options_.use_local_output()));
+  } else {
+    TORCH_CHECK(in.is_replicate(), "RowwiseParallel: expected input_layouts Replicate for an ",
+                "Embedding (ids index the whole vocabulary), got ", in.str());
+    const int64_t vocab = module.named_parameters(false)["weight"].size(0);
+    detail::shard_parameter(module, "weight", mesh, {Shard(0)});
+    hm.set_forward_kernel(
+        std::make_shared<RowwiseEmbeddingKernel>(mesh, vocab, out, options_.use_local_output()));
+  }
+}
+
+void SequenceParallel::apply(torch::nn::Module& module, const DeviceMesh& mesh) const {
+  detail::check_tp_mesh("SequenceParallel", mesh);
+  auto& hm = hookable("SequenceParallel", module);
+  for (const auto& item : module.named_parameters(/*recurse=*/false)) {
+    detail::sync_partial_gradient(module, item.key(), mesh);
+  }
+  const int64_t seq_dim = options_.sequence_dim();
+  hm.add_input_hook([mesh, seq_dim](std::vector<at::Tensor> inputs) {
+    for (auto& x : inputs) {
+      if (!x.defined() || !at::isFloatingType(x.scalar_type())) continue;
+      TORCH_CHECK(seq_dim >= -x.dim() && seq_dim < x.dim(), "SequenceParallel: expected sequence_dim in [",
+                  -x.dim(), ", ", x.dim(), ") for a ", x.dim(), "-d input, got ", seq_dim);
+      x = detail::prepare(x, mesh, Shard(seq_dim), Shard(seq_dim), true);
+    }
+    return inputs;
+  });
+  hm.add_output_hook(output_hook(mesh, Shard(seq_dim), Shard(seq_dim), options_.use_local_output()));
+}
+
+namespace {
+
+void check_layout_lists(const char* style, const char* a_name, const LayoutList& a,
+                        const char* b_name, const LayoutList& b) {
+  TORCH_CHECK(a.size() == b.size(), style, ": expected ", a_name, " and ", b_name,
+              " of the same length, got ", a.size(), " and ", b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    TORCH_CHECK(a[i].has_value() == b[i].has_value(), style, ": expected ", a_name, "[", i,
+                "] and ", b_name, "[", i, "] both set or both left alone (nullopt)");
+  }
+}
+
+std::vector<at::Tensor> convert_all(const char* style, const char* what, std::vector<at::Tensor> xs,
+                                    const DeviceMesh& mesh, const LayoutList& from,
+                                    const LayoutList& to, bool use_local_output) {
+  TORCH_CHECK(xs.size() == from.size(), style, ": expected ", from.size(), " ", what, " (one per ",
+              "layout), got ", xs.size());
+  for (size_t i = 0; i < xs.size(); ++i) {
+    if (!from[i] || !xs[i].defined()) continue;
+    xs[i] = detail::prepare(xs[i], mesh, *from[i], *to[i], use_local_output);
+  }
+  return xs;
+}
+
+}  // namespace
+
+PrepareModuleInput::PrepareModuleInput(PrepareModuleInputOptions options) : options_(std::move(options)) {
+  check_layout_lists("PrepareModuleInput", "input_layouts", options_.input_layouts(),
+                     "desired_input_layouts", options_.desired_input_layouts());
+}
+
+void PrepareModuleInput::apply(torch::nn::Module& module, const DeviceMesh& mesh) const {
+  detail::check_tp_mesh("PrepareModuleInput", mesh);
+  auto& hm = hookable("PrepareModuleInput", module);
+  hm.add_input_hook([mesh, opts = options_](std::vector<at::Tensor> inputs) {
+    return convert_all("PrepareModuleInput", "inputs", std::move(inputs), mesh, opts.input_layouts(),
+                       opts.desired_input_layouts(), opts.use_local_output());
+  });
+}
+
+PrepareModuleOutput::PrepareModuleOutput(PrepareModuleOutputOptions options)
+    : options_(std::move(options)) {
+  check_layout_lists("PrepareModuleOutput", "output_layouts", options_.output_layouts(),
+                     "desired_output_layouts", options_.desired_output_layouts());
+}
+
+void PrepareModuleOutput::apply(torch::nn::Module& module, const DeviceMesh& mesh) const {
+  detail::check_tp_mesh("PrepareModuleOutput", mesh);
+  auto& hm = hookable("PrepareModuleOutput", module);
+  hm.add_output_hook([mesh, opts = options_](std::vector<at::Tensor> outputs) {
+    return convert_all("PrepareModuleOutput", "outputs", std::move(outputs), mesh,
+                       opts.output_layouts(), opts.desired_output_layouts(), opts.use_local_output());
+  });
+}
+
+}  // namespace hyper_parallel::tensor_parallel

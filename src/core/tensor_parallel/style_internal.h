@@ -1,0 +1,36 @@
+#pragma once
+// Internal helpers shared by the styles (style.cpp, mc2_style.cpp).
+
+#include <string>
+
+#include <ATen/core/Tensor.h>
+
+#include <hyper_parallel/core/dtensor/dtensor.h>
+#include <hyper_parallel/core/tensor_parallel/hookable_module.h>
+
+namespace torch::nn {
+class Module;
+}
+
+namespace hyper_parallel::tensor_parallel::detail {
+
+/// The module as a HookableModule, or an error naming the style and the module's type.
+HookableModule& hookable(const char* style, torch::nn::Module& module);
+/// Styles act on one mesh dim: the TP mesh.
+void check_tp_mesh(const char* style, const dtensor::DeviceMesh& mesh);
+/// Replaces parameter `name` of `module` by its local shard (rank 0's values) and records the
+/// layout.
+void shard_parameter(torch::nn::Module& module, const std::string& name,
+                     const dtensor::DeviceMesh& mesh, const dtensor::Placements& placements);
+/// A replicated parameter whose gradient is Partial: summed over the mesh by a gradient hook.
+void sync_partial_gradient(torch::nn::Module& module, const std::string& name,
+                           const dtensor::DeviceMesh& mesh);
+/// The DTensor a tagged input carries, else `local` read with `layout`.
+dtensor::DTensor as_dtensor(const at::Tensor& local, const dtensor::DeviceMesh& mesh,
+                            const dtensor::Placement& layout);
+/// `local` (read as `from` unless tagged) redistributed to `to`; tagged unless use_local_output.
+at::Tensor prepare(const at::Tensor& local, const dtensor::DeviceMesh& mesh,
+                   const dtensor::Placement& from, const dtensor::Placement& to,
+                   bool use_local_output);
+
+}  // namespace hyper_parallel::tensor_parallel::detail

@@ -1,0 +1,134 @@
+// Llama 3 with TP + SP against the single-process reference: same losses over 5 AdamW steps and
+// same gradients (fp32), loss parallel equal to the gathered loss, exact collective counts, and
+// the plan's validation errors.
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+
+#include <hyper_parallel/hyper_parallel.h>
+
+#include "common/test_util.h"
+#include "llama3/model.h"
+#include "llama3/parallelize.h"
+#include "llama3/trainer.h"
+
+namespace hp = hyper_parallel;
+namespace tp = hp::tensor_parallel;
+using hp::comm::CollectiveKind;
+using hp_test::expect_close;
+
+namespace {
+
+// fp32 TP reorders sums (ring reductions, sharded matmuls): ~1e-6 relative per op, amplified
+// slightly by 5 AdamW steps.
+constexpr double kLossRtol = 1e-4;
+constexpr double kGradRtol = 1e-3, kGradAtol = 1e-5;
+
+using Grads = std::vector<std::vector<std::pair<std::string, at::Tensor>>>;
+
+std::pair<std::vector<llama3::StepResult>, Grads> run(llama3::TrainOptions options) {
+  Grads grads;
+  auto results = llama3::train(options.steps(5).log(false), [&](int64_t, llama3::TransformerImpl& m) {
+    grads.push_back(tp::full_named_parameters(m, /*gradients=*/true));
+  });
+  return {results, grads};
+}
+
+void expect_same_training(const llama3::TrainOptions& options) {
+  auto [ref, ref_grads] = run(llama3::TrainOptions(options).reference(true));
+  auto [par, par_grads] = run(options);
+  ASSERT_EQ(ref.size(), par.size());
+  for (size_t i = 0; i < ref.size(); ++i) {
+    EXPECT_NEAR(par[i].loss, ref[i].loss, kLossRtol * std::abs(ref[i].loss)) << "step " << i + 1;
+    EXPECT_NEAR(par[i].grad_norm, ref[i].grad_norm, kGradRtol * ref[i].grad_norm) << "step " << i + 1;
+  }
+  EXPECT_LT(par.back().loss, par.front().loss) << "the loss falls";
+  ASSERT_EQ(ref_grads.size(), par_grads.size());
+  for (size_t step = 0; step < ref_grads.size(); ++step) {
+    ASSERT_EQ(ref_grads[step].size(), par_grads[step].size());
+    for (size_t i = 0; i < ref_grads[step].size(); ++i) {
+      const auto& [name, g] = par_grads[step][i];
+      EXPECT_EQ(name, ref_grads[step][i].first);
+      EXPECT_TRUE(at::allclose(g, ref_grads[step][i].second, kGradRtol, kGradAtol))
+          << "step " << step + 1 << " " << name << ": max abs diff "
+          << (g - ref_grads[step][i].second).abs().max().item<double>();
+    }
+  }
+}
+
+TEST(Llama3, SequenceParallelTrainingEqualsSingleProcess) {
+  expect_same_training(llama3::TrainOptions());
+}
+
+TEST(Llama3, TensorParallelWithoutSequenceParallelEqualsSingleProcess) {
+  expect_same_training(llama3::TrainOptions().enable_sequence_parallel(false));
+}
+
+TEST(Llama3, LossParallelEqualsGatheredLoss) {
+  auto [gathered, g1] = run(llama3::TrainOptions());
+  auto [parallel, g2] = run(llama3::TrainOptions().enable_loss_parallel(true));
+  for (size_t i = 0; i < gathered.size(); ++i) {
+    EXPECT_NEAR(parallel[i].loss, gathered[i].loss, 1e-5 * gathered[i].loss) << "step " << i + 1;
+  }
+  for (size_t i = 0; i < g1[0].size(); ++i) {
+    EXPECT_TRUE(at::allclose(g1[0][i].second, g2[0][i].second, 1e-4, 1e-6)) << g1[0][i].first;
+  }
+}
+
+TEST(Llama3, SequenceParallelCollectiveCountsPerStep) {
+  const int64_t p = hp_test::world_size();
+  auto mesh = hp::dtensor::init_device_mesh("cpu", {p}, {"tp"});
+  auto args = llama3::ModelArgs::debug();
+  at::manual_seed(1);
+  llama3::Transformer model(args);
+  llama3::parallelize_llama3(*model, mesh);
+  auto batch = llama3::synthetic_batch(1, 1, 2, args.max_seq_len, args.vocab_size);
+  hp::comm::reset_collective_counts();
+  at::Tensor loss;
+  {
+    hp::comm::CommRegion r("forward");
+    auto logits = model(batch.narrow(1, 0, args.max_seq_len));
+    loss = at::cross_entropy_loss(logits.flatten(0, 1), batch.narrow(1, 1, args.max_seq_len).flatten());
+  }
+  {
+    hp::comm::CommRegion r("backward");
+    loss.backward();
+  }
+  const int64_t layers = args.n_layers;
+  // Forward: per block an all-gather before attention and before the FFN, a reduce-scatter
+  // after each; plus the embedding's reduce-scatter, the output's sequence all-gather and the
+  // vocabulary all-gather of the logits. Backward mirrors it (the logits' gather backs up to a
+  // local slice).
+  EXPECT_EQ(hp::comm::collective_count(CollectiveKind::kAllGather, "forward"), 2 * layers + 2);
+  EXPECT_EQ(hp::comm::collective_count(CollectiveKind::kReduceScatter, "forward"), 2 * layers + 1);
+  EXPECT_EQ(hp::comm::collective_count(CollectiveKind::kReduceScatter, "backward"), 2 * layers + 1);
+  EXPECT_EQ(hp::comm::collective_count(CollectiveKind::kAllGather, "backward"), 2 * layers + 1);
+  EXPECT_EQ(hp::comm::collective_count(CollectiveKind::kAllReduce, "forward"), 0);
+  EXPECT_EQ(hp::comm::collective_count(CollectiveKind::kAllReduce, "backward"), 0)
+      << hp::comm::collective_counts_summary();
+  // Norm weights (2 per block + the final one) get their Partial gradients summed.
+  EXPECT_EQ(hp::comm::collective_count(CollectiveKind::kAllReduce, "grad_sync"), 2 * layers + 1);
+}
+
+TEST(Llama3, PlanValidatesDegreesWithTheNumbers) {
+  const int64_t p = hp_test::world_size();
+  if (p < 2) GTEST_SKIP() << "needs TP > 1";
+  auto mesh = hp::dtensor::init_device_mesh("cpu", {p}, {"tp"});
+  auto args = llama3::ModelArgs::debug();
+  args.n_heads = 2 * p + 1;
+  args.n_kv_heads = 1;
+  args.dim = 16 * args.n_heads;
+  llama3::Transformer bad_heads(args);
+  HP_EXPECT_THROW_MSG(llama3::parallelize_llama3(*bad_heads, mesh),
+                      "expected n_heads (" + std::to_string(2 * p + 1) + ") divisible by the TP size (" +
+                          std::to_string(p) + ")");
+  auto kv = llama3::ModelArgs::debug();
+  kv.n_kv_heads = 1;
+  llama3::Transformer bad_kv(kv);
+  HP_EXPECT_THROW_MSG(llama3::parallelize_llama3(*bad_kv, mesh), "expected n_kv_heads (1) divisible");
+  llama3::Transformer model(llama3::ModelArgs::debug());
+  HP_EXPECT_THROW_MSG(llama3::parallelize_llama3(*model, mesh, llama3::ParallelizeOptions().seq_len(p * 8 + 1)),
+                      "expected seq_len (" + std::to_string(p * 8 + 1) + ") divisible by the TP size");
+}
+
+}  // namespace

@@ -1,0 +1,424 @@
+// Parallel styles and parallelize_module against single-process references, with exact
+// collective counts (tp-semantics.md checklist).
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/sgd.h>
+
+#include <hyper_parallel/hyper_parallel.h>
+
+#include "common/test_util.h"
+
+namespace hp = hyper_parallel;
+namespace tp = hp::tensor_parallel;
+using namespace hp::dtensor;
+using hp::comm::CollectiveKind;
+using hp_test::expect_close;
+
+namespace {
+
+DeviceMesh tp_mesh() { return init_device_mesh("cpu", {hp_test::world_size()}, {"tp"}); }
+
+struct Counts {
+  int64_t forward_total, backward_total;
+};
+
+// Runs fwd (returns the output) and bwd (sum of output * seeded upstream) in counted regions.
+template <typename Fwd>
+at::Tensor run_counted(Fwd&& fwd) {
+  hp::comm::reset_collective_counts();
+  at::Tensor out;
+  {
+    hp::comm::CommRegion r("forward");
+    out = fwd();
+  }
+  {
+    hp::comm::CommRegion r("backward");
+    out.sum().backward();
+  }
+  return out;
+}
+
+int64_t fwd(CollectiveKind k) { return hp::comm::collective_count(k, "forward"); }
+int64_t bwd(CollectiveKind k) { return hp::comm::collective_count(k, "backward"); }
+int64_t fwd_total() { return hp::comm::total_collective_count("forward"); }
+int64_t bwd_total() { return hp::comm::total_collective_count("backward"); }
+
+// Same full weights on every rank and in the reference.
+hp::nn::Linear seeded_linear(int64_t in, int64_t out, uint64_t seed = 3) {
+  at::manual_seed(seed);
+  return hp::nn::Linear(in, out);
+}
+
+TEST(ColwiseParallel, LinearReplicateInput) {
+  const int64_t p = hp_test::world_size(), r = hp_test::rank();
+  auto ref = seeded_linear(16, 16);
+  auto m = seeded_linear(16, 16);
+  tp::parallelize_module(*m, tp_mesh(), tp::ColwiseParallel());
+  at::manual_seed(11);
+  auto x = at::randn({8, 16}).requires_grad_(true);
+  auto xr = x.detach().clone().requires_grad_(true);
+  auto out = run_counted([&] { return m(x); });
+  EXPECT_EQ(out.sizes(), (at::IntArrayRef{8, 16 / p}));
+  EXPECT_EQ(fwd_total(), 0);
+  EXPECT_EQ(bwd_total(), 1);
+  EXPECT_EQ(bwd(CollectiveKind::kAllReduce), 1);  // the input gradient is Partial
+  auto expected = ref(xr);
+  expected.sum().backward();
+  expect_close(out, expected.narrow(1, r * 16 / p, 16 / p), "output");
+  expect_close(x.grad(), xr.grad(), "input grad");
+  expect_close(m->weight.grad(), ref->weight.grad().narrow(0, r * 16 / p, 16 / p), "weight grad");
+  expect_close(m->bias.grad(), ref->bias.grad().narrow(0, r * 16 / p, 16 / p), "bias grad");
+}
+
+TEST(ColwiseParallel, LinearShardedInputIsGathered) {
+  const int64_t p = hp_test::world_size(), r = hp_test::rank();
+  auto ref = seeded_linear(16, 16);
+  auto m = seeded_linear(16, 16);
+  tp::parallelize_module(*m, tp_mesh(),
+                         tp::ColwiseParallel(tp::ColwiseParallelOptions().input_layouts(Shard(0))));
+  at::manual_seed(11);
+  auto full_x = at::randn({8 * p, 16});
+  auto x = full_x.narrow(0, r * 8, 8).clone().requires_grad_(true);
+  auto xr = full_x.clone().requires_grad_(true);
+  auto out = run_counted([&] { return m(x); });
+  EXPECT_EQ(out.sizes(), (at::IntArrayRef{8 * p, 16 / p}));
+  EXPECT_EQ(fwd_total(), p > 1 ? 1 : 1);
+  EXPECT_EQ(fwd(CollectiveKind::kAllGather), 1);
+  EXPECT_EQ(bwd_total(), 1);
+  EXPECT_EQ(bwd(CollectiveKind::kReduceScatter), 1);
+  ref(xr).sum().backward();
+  expect_close(x.grad(), xr.grad().narrow(0, r * 8, 8), "input grad");
+}
+
+TEST(ColwiseParallel, EmbeddingShardsFeatures) {
+  const int64_t p = hp_test::world_size(), r = hp_test::rank();
+  at::manual_seed(4);
+  hp::nn::Embedding ref(16, 16);
+  at::manual_seed(4);
+  hp::nn::Embedding m(16, 16);
+  tp::parallelize_module(*m, tp_mesh(), tp::ColwiseParallel());
+  auto ids = at::arange(8, at::kLong).reshape({4, 2}) * 2;
+  auto out = run_counted([&] { return m(ids); });
+  EXPECT_EQ(out.sizes(), (at::IntArrayRef{4, 2, 16 / p}));
+  EXPECT_EQ(hp::comm::total_collective_count(), 0);
+  expect_close(out, ref(ids).narrow(2, r * 16 / p, 16 / p));
+}
+
+TEST(RowwiseParallel, LinearReplicateAndShardedOutputs) {
+  const int64_t p = hp_test::world_size(), r = hp_test::rank();
+  for (bool shard_output : {false, true}) {
+    SCOPED_TRACE(shard_output ? "output Shard(0)" : "output Replicate");
+    auto ref = seeded_linear(16, 16);
+    auto m = seeded_linear(16, 16);
+    auto options = tp::RowwiseParallelOptions();
+    if (shard_output) options.output_layouts(Shard(0));
+    tp::parallelize_module(*m, tp_mesh(), tp::RowwiseParallel(options));
+    at::manual_seed(12);
+    auto full_x = at::randn({8, 16});
+    auto x = full_x.narrow(1, r * 16 / p, 16 / p).clone().requires_grad_(true);
+    auto xr = full_x.clone().requires_grad_(true);
+    auto out = run_counted([&] { return m(x); });
+    auto expected = ref(xr);
+    expected.sum().backward();
+    if (shard_output) {
+      EXPECT_EQ(out.sizes(), (at::IntArrayRef{8 / p, 16}));
+      EXPECT_EQ(fwd(CollectiveKind::kReduceScatter), 1);
+      EXPECT_EQ(bwd(CollectiveKind::kAllGather), 1);
+      expect_close(out, expected.narrow(0, r * 8 / p, 8 / p), "output");
+      EXPECT_EQ(hp::comm::collective_count(CollectiveKind::kAllReduce, "grad_sync"), p > 1 ? 1 : 0)
+          << "the bias gradient is Partial and summed once";
+    } else {
+      EXPECT_EQ(out.sizes(), (at::IntArrayRef{8, 16}));
+      EXPECT_EQ(fwd(CollectiveKind::kAllReduce), 1);
+      expect_close(out, expected, "output");
+    }
+    EXPECT_EQ(fwd_total(), 1);
+    EXPECT_EQ(bwd_total(), shard_output ? 1 : 0);
+    expect_close(x.grad(), xr.grad().narrow(1, r * 16 / p, 16 / p), "input grad");
+    expect_close(m->bias.grad(), ref->bias.grad(), "bias grad (added once)");
+    expect_close(m->weight.grad(), ref->weight.grad().narrow(1, r * 16 / p, 16 / p), "weight grad");
+  }
+}
+
+TEST(RowwiseParallel, EmbeddingShardsVocabulary) {
+  const int64_t p = hp_test::world_size();
+  for (bool shard_output : {false, true}) {
+    SCOPED_TRACE(shard_output ? "output Shard(1)" : "output Replicate");
+    at::manual_seed(4);
+    hp::nn::Embedding ref(16, 16);
+    at::manual_seed(4);
+    hp::nn::Embedding m(16, 16);
+    auto options = tp::RowwiseParallelOptions().input_layouts(Replicate());
+    if (shard_output) options.output_layouts(Shard(1));
+    tp::parallelize_module(*m, tp_mesh(), tp::RowwiseParallel(options));
+    auto ids = (at::arange(8, at::kLong).reshape({4, 2}) * 3).remainder(16);
+    auto out = run_counted([&] { return m(ids); });
+    auto expected = ref(ids);
+    if (shard_output) {
+      const int64_t r = hp_test::rank();
+      EXPECT_EQ(out.sizes(), (at::IntArrayRef{4, shard_size(2, p, r), 16}));
+      EXPECT_EQ(fwd(CollectiveKind::kReduceScatter), 1);
+      EXPECT_EQ(bwd(CollectiveKind::kAllGather), 1);
+      expect_close(out, expected.narrow(1, shard_offset(2, p, r), shard_size(2, p, r)));
+    } else {
+      EXPECT_EQ(out.sizes(), (at::IntArrayRef{4, 2, 16}));
+      EXPECT_EQ(fwd(CollectiveKind::kAllReduce), 1);
+      EXPECT_EQ(bwd_total(), 0);
+      expect_close(out, expected);
+    }
+  }
+}
+
+TEST(SequenceParallel, NormRunsOnLocalTokensWithoutCommunication) {
+  const int64_t p = hp_test::world_size(), r = hp_test::rank();
+  at::manual_seed(9);
+  hp::nn::RMSNorm ref(12);
+  hp::nn::RMSNorm m(12);
+  {
+    at::NoGradGuard g;
+    auto w = at::randn({12});
+    ref->weight.copy_(w);
+    m->weight.copy_(w);
+  }
+  tp::parallelize_module(*m, tp_mesh(), tp::SequenceParallel());
+  auto full_x = at::randn({20, 8 * p, 12});
+  auto upstream = at::randn({20, 8 * p, 12});
+  auto x = full_x.narrow(1, r * 8, 8).clone().requires_grad_(true);
+  auto xr = full_x.clone().requires_grad_(true);
+  hp::comm::reset_collective_counts();
+  at::Tensor out;
+  {
+    hp::comm::CommRegion f("forward");
+    out = m(x);
+  }
+  {
+    hp::comm::CommRegion b("backward");
+    (out * upstream.narrow(1, r * 8, 8)).sum().backward();
+  }
+  EXPECT_EQ(fwd_total(), 0);
+  EXPECT_EQ(bwd_total(), 0);
+  EXPECT_EQ(hp::comm::collective_count(CollectiveKind::kAllReduce, "grad_sync"), p > 1 ? 1 : 0);
+  auto expected = ref(xr);
+  (expected * upstream).sum().backward();
+  EXPECT_EQ(out.sizes(), (at::IntArrayRef{20, 8, 12}));
+  expect_close(out, expected.narrow(1, r * 8, 8), "output");
+  expect_close(x.grad(), xr.grad().narrow(1, r * 8, 8), "input grad");
+  expect_close(m->weight.grad(), ref->weight.grad(), "weight grad summed over ranks");
+  // use_local_output=false: the output carries its layout to the next style.
+  auto tagged = DTensor::from_tagged(out);
+  ASSERT_TRUE(tagged.has_value());
+  EXPECT_EQ(tagged->placements(), Placements{Shard(1)});
+  EXPECT_EQ(tagged->shape(), (std::vector<int64_t>{20, 8 * p, 12}));
+}
+
+// Linear(10,16) -> ReLU -> Linear(16,10), as in PyTorch's tensor-parallel tests.
+class MLPImpl : public torch::nn::Module {
+ public:
+  MLPImpl() {
+    net1 = register_module("net1", hp::nn::Linear(10, 16));
+    relu = register_module("relu", torch::nn::ReLU());
+    net2 = register_module("net2", hp::nn::Linear(16, 10));
+  }
+  at::Tensor forward(const at::Tensor& x) { return net2(relu(net1(x))); }
+  hp::nn::Linear net1{nullptr}, net2{nullptr};
+  torch::nn::ReLU relu{nullptr};
+};
+TORCH_MODULE(MLP);
+
+TEST(ParallelizeModule, MLPMatchesSingleProcessThroughAnOptimizerStep) {
+  const int64_t p = hp_test::world_size();
+  at::manual_seed(5);
+  MLP ref;
+  at::manual_seed(5);
+  MLP model;
+  tp::parallelize_module(*model, tp_mesh(),
+                         {{"net1", std::make_shared<tp::ColwiseParallel>()},
+                          {"net2", std::make_shared<tp::RowwiseParallel>()}});
+  auto full = tp::full_named_parameters(*model);
+  auto ref_params = ref->named_parameters();
+  ASSERT_EQ(full.size(), ref_params.size());
+  for (const auto& [name, t] : full) expect_close(t, ref_params[name], name + " before");
+  torch::optim::SGD opt(model->parameters(), 0.25), ref_opt(ref->parameters(), 0.25);
+  at::manual_seed(6);
+  auto x = at::rand({20, 10});
+  hp::comm::reset_collective_counts();
+  auto out = model(x);
+  auto expected = ref(x);
+  expect_close(out, expected, "output");
+  out.sum().backward();
+  expected.sum().backward();
+  EXPECT_EQ(hp::comm::collective_count(CollectiveKind::kAllReduce), 1);  // net2's forward
+  EXPECT_EQ(hp::comm::total_collective_count(), 1);
+  for (const auto& [name, g] : tp::full_named_parameters(*model, /*gradients=*/true)) {
+    expect_close(g, ref_params[name].grad(), name + " grad");
+  }
+  opt.step();
+  ref_opt.step();
+  for (const auto& [name, t] : tp::full_named_parameters(*model)) {
+    expect_close(t, ref_params[name], name + " after step");
+  }
+  (void)p;
+}
+
+TEST(ParallelizeModule, SequenceParallelMLPCollectiveCounts) {
+  const int64_t p = hp_test::world_size(), r = hp_test::rank();
+  at::manual_seed(5);
+  MLP ref;
+  at::manual_seed(5);
+  MLP model;
+  tp::parallelize_module(
+      *model, tp_mesh(),
+      {{"net1", std::make_shared<tp::ColwiseParallel>(tp::ColwiseParallelOptions().input_layouts(Shard(0)))},
+       {"net2", std::make_shared<tp::RowwiseParallel>(tp::RowwiseParallelOptions().output_layouts(Shard(0)))}});
+  at::manual_seed(6);
+  auto full_x = at::rand({4 * p, 10});
+  auto out = run_counted([&] { return model(full_x.narrow(0, r * 4, 4)); });
+  // Forward: all-gather (net1 input), reduce-scatter (net2 output); backward: all-gather
+  // (net2's output gradient); the input needs no gradient, so no reduce-scatter for it.
+  EXPECT_EQ(hp::comm::collective_count(CollectiveKind::kAllGather), 2);
+  EXPECT_EQ(hp::comm::collective_count(CollectiveKind::kReduceScatter), 1);
+  expect_close(out, ref(full_x).narrow(0, r * 4, 4));
+}
+
+class TreeImpl : public torch::nn::Module {
+ public:
+  TreeImpl() {
+    net1 = register_module("net1", hp::nn::Linear(8, 8));
+    net2 = register_module("net2", hp::nn::Linear(8, 8));
+    layers = register_module("layers", torch::nn::ModuleList());
+    for (int i = 0; i < 3; ++i) {
+      auto block = std::make_shared<torch::nn::Module>();
+      block->register_module("net0", hp::nn::Linear(8, 8));
+      block->register_module("net1", hp::nn::Linear(8, 8));
+      layers->push_back(block);
+    }
+  }
+  hp::nn::Linear net1{nullptr}, net2{nullptr};
+  torch::nn::ModuleList layers{nullptr};
+};
+TORCH_MODULE(Tree);
+
+std::vector<std::string> parallelized(torch::nn::Module& root) {
+  std::vector<std::string> names;
+  for (const auto& item : root.named_modules()) {
+    auto* hm = dynamic_cast<tp::HookableModule*>(item.value().get());
+    if (hm && hm->num_output_hooks() > 0) names.push_back(item.key());
+  }
+  return names;
+}
+
+TEST(ParallelizeModule, GlobKeysMatchPerToken) {
+  auto mesh = tp_mesh();
+  auto style = std::make_shared<tp::ColwiseParallel>();
+  struct Case {
+    std::string key;
+    std::vector<std::string> expected;
+  };
+  const Case cases[] = {
+      {"net*", {"net1", "net2"}},
+      {"net?", {"net1", "net2"}},
+      {"net[1-2]", {"net1", "net2"}},
+      {"net[2]", {"net2"}},
+      {"layers.*.net[1]", {"layers.0.net1", "layers.1.net1", "layers.2.net1"}},
+      {"layers.1.net0", {"layers.1.net0"}},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.key);
+    Tree tree;
+    tp::parallelize_module(*tree, mesh, {{c.key, style}});
+    EXPECT_EQ(parallelized(*tree), c.expected);
+  }
+  // "" is the root itself.
+  auto lin = seeded_linear(8, 8);
+  tp::parallelize_module(*lin, mesh, {{"", style}});
+  EXPECT_EQ(lin->num_output_hooks(), 1u);
+}
+
+TEST(ParallelizeModule, UnmatchedKeysAndEmptyPlansWarn) {
+  auto mesh = tp_mesh();
+  Tree tree;
+  {
+    hp_test::CapturedWarnings warnings;
+    tp::parallelize_module(*tree, mesh, {{"nope.*", std::make_shared<tp::ColwiseParallel>()}});
+    EXPECT_TRUE(warnings.contains("plan key 'nope.*' (ColwiseParallel) matched no submodule"));
+  }
+  {
+    hp_test::CapturedWarnings warnings;
+    tp::parallelize_module(*tree, mesh, tp::ParallelizePlan{});
+    EXPECT_TRUE(warnings.contains("the plan is empty"));
+  }
+}
+
+// A module with two inputs, to exercise per-input layouts and "leave alone" entries.
+class TwoInputsImpl : public torch::nn::Module, public tp::HookableModule {
+ public:
+  std::vector<at::Tensor> forward(const at::Tensor& a, const at::Tensor& b) {
+    return run_output_hooks(run_input_hooks(std::vector<at::Tensor>{a, b}));
+  }
+};
+TORCH_MODULE(TwoInputs);
+
+TEST(PrepareModuleInputOutput, PerInputLayoutsAndLeaveAlone) {
+  const int64_t p = hp_test::world_size(), r = hp_test::rank();
+  auto mesh = tp_mesh();
+  TwoInputs m;
+  tp::parallelize_module(*m, mesh,
+                         tp::PrepareModuleInput(tp::PrepareModuleInputOptions()
+                                                    .input_layouts({Shard(0), std::nullopt})
+                                                    .desired_input_layouts({Replicate(), std::nullopt})
+                                                    .use_local_output(true)));
+  tp::parallelize_module(*m, mesh,
+                         tp::PrepareModuleOutput(tp::PrepareModuleOutputOptions()
+                                                     .output_layouts({Replicate(), std::nullopt})
+                                                     .desired_output_layouts({Shard(1), std::nullopt})));
+  auto a = at::full({2, 2 * p}, double(r));
+  auto b = at::full({3}, double(r));
+  auto outs = m(a, b);
+  // a: gathered over dim 0 (values 0..p-1 by row block), then sliced on dim 1.
+  EXPECT_EQ(outs[0].sizes(), (at::IntArrayRef{2 * p, 2}));
+  expect_close(outs[0].select(1, 0), at::arange(p, at::kFloat).repeat_interleave(2));
+  EXPECT_TRUE(outs[1].equal(b));  // left alone
+  auto again = m(a, b);  // hooks are reusable
+  EXPECT_TRUE(again[0].equal(outs[0]));
+}
+
+TEST(StyleErrors, ClearMessages) {
+  auto mesh = tp_mesh();
+  hp::nn::RMSNorm norm(8);
+  HP_EXPECT_THROW_MSG(tp::parallelize_module(*norm, mesh, tp::ColwiseParallel()),
+                      "ColwiseParallel: expected hyper_parallel::nn::Linear or nn::Embedding, got");
+  HP_EXPECT_THROW_MSG(tp::parallelize_module(*norm, mesh, tp::RowwiseParallel()),
+                      "RowwiseParallel: expected hyper_parallel::nn::Linear or nn::Embedding");
+  torch::nn::Linear torch_linear(4, 4);
+  HP_EXPECT_THROW_MSG(tp::parallelize_module(*torch_linear, mesh, tp::ColwiseParallel()),
+                      "expected a module of this library");
+  HP_EXPECT_THROW_MSG(tp::PrepareModuleInput(tp::PrepareModuleInputOptions()
+                                                 .input_layouts({Shard(0), Shard(1)})
+                                                 .desired_input_layouts({Replicate()})),
+                      "expected input_layouts and desired_input_layouts of the same length, got 2 and 1");
+  HP_EXPECT_THROW_MSG(tp::PrepareModuleOutput(tp::PrepareModuleOutputOptions()
+                                                  .output_layouts({Shard(0)})
+                                                  .desired_output_layouts({std::nullopt})),
+                      "both set or both left alone");
+  TwoInputs m;
+  tp::parallelize_module(*m, mesh,
+                         tp::PrepareModuleInput(tp::PrepareModuleInputOptions()
+                                                    .input_layouts({Shard(0)})
+                                                    .desired_input_layouts({Replicate()})));
+  HP_EXPECT_THROW_MSG(m(at::ones({2}), at::ones({2})), "PrepareModuleInput: expected 1 inputs");
+  auto lin = seeded_linear(8, 8);
+  HP_EXPECT_THROW_MSG(tp::parallelize_module(*lin, mesh,
+                                             tp::RowwiseParallel(tp::RowwiseParallelOptions().output_layouts(Partial()))),
+                      "RowwiseParallel: expected output_layouts Shard or Replicate, got Partial(sum)");
+  if (hp_test::world_size() % 2 == 0) {
+    auto mesh2 = init_device_mesh("cpu", {2, hp_test::world_size() / 2}, {"dp", "tp"});
+    HP_EXPECT_THROW_MSG(tp::parallelize_module(*lin, mesh2, tp::ColwiseParallel()),
+                        "parallelize_module: expected a 1-d TP mesh, got a 2-d mesh");
+  }
+}
+
+}  // namespace
