@@ -27,6 +27,9 @@ void parallelize_llama3(TransformerImpl& model, const hyper_parallel::dtensor::D
                 ") divisible by the TP size (", tp_size, ") with sequence parallelism");
   }
   const bool loss_parallel = options.enable_loss_parallel();
+  const bool mc2 = options.enable_mc2();
+  TORCH_CHECK(!mc2 || sp, "parallelize_llama3: enable_mc2 requires enable_sequence_parallel (MC2 "
+              "fuses the sequence all-gather / reduce-scatter into the FFN matmuls)");
 
   // Between blocks activations are Shard(1) (sequence) with SP, Replicate without.
   const auto residual = sp ? Shard(1) : Replicate();
@@ -51,15 +54,33 @@ void parallelize_llama3(TransformerImpl& model, const hyper_parallel::dtensor::D
     plan.emplace_back("layers.*.attention_norm", seq_parallel);
     plan.emplace_back("layers.*.attention", gather_input);
     plan.emplace_back("layers.*.ffn_norm", seq_parallel);
-    plan.emplace_back("layers.*.feed_forward", gather_input);
+    // With MC2 the feed-forward keeps its Shard(1) input: the fused op gathers it.
+    if (!mc2) plan.emplace_back("layers.*.feed_forward", gather_input);
   }
-  for (const char* name : {"layers.*.attention.wq", "layers.*.attention.wk",
-                           "layers.*.attention.wv", "layers.*.feed_forward.w1",
-                           "layers.*.feed_forward.w3"}) {
+  for (const char* name : {"layers.*.attention.wq", "layers.*.attention.wk", "layers.*.attention.wv"}) {
     plan.emplace_back(name, colwise);
   }
   plan.emplace_back("layers.*.attention.wo", rowwise_out);
-  plan.emplace_back("layers.*.feed_forward.w2", rowwise_out);
+  if (mc2) {
+    auto mc2_col = std::make_shared<tp::MC2ColwiseParallel>(
+        tp::MC2ColwiseParallelOptions()
+            .input_layouts(Shard(1))
+            .contract(options.mc2_contract())
+            .mc2_options(options.mc2_options()));
+    plan.emplace_back("layers.*.feed_forward.w1", mc2_col);
+    plan.emplace_back("layers.*.feed_forward.w3", mc2_col);
+    plan.emplace_back("layers.*.feed_forward.w2",
+                      std::make_shared<tp::MC2RowwiseParallel>(
+                          tp::MC2RowwiseParallelOptions()
+                              .input_layouts(Shard(-1))
+                              .output_layouts(Shard(1))
+                              .contract(options.mc2_contract())
+                              .mc2_options(options.mc2_options())));
+  } else {
+    plan.emplace_back("layers.*.feed_forward.w1", colwise);
+    plan.emplace_back("layers.*.feed_forward.w3", colwise);
+    plan.emplace_back("layers.*.feed_forward.w2", rowwise_out);
+  }
   tp::parallelize_module(model, tp_mesh, plan);
 }
 

@@ -15,7 +15,8 @@ void usage() {
   std::fprintf(stderr,
                "usage: llama3_train [--preset debug|llama3_8b_1layer] [--steps N] [--batch-size N]\n"
                "                    [--seq-len N] [--dtype fp32|bf16] [--lr X] [--seed N]\n"
-               "                    [--no-sequence-parallel] [--loss-parallel]\n");
+               "                    [--no-sequence-parallel] [--loss-parallel]\n"
+               "                    [--enable-mc2 [--mc2-chunks N] [--relaxed-mc2-contract]]\n");
 }
 
 }  // namespace
@@ -41,6 +42,9 @@ int main(int argc, char** argv) {
       else if (a == "--seed") options.seed(std::stoull(value()));
       else if (a == "--no-sequence-parallel") options.enable_sequence_parallel(false);
       else if (a == "--loss-parallel") options.enable_loss_parallel(true);
+      else if (a == "--enable-mc2") options.enable_mc2(true);
+      else if (a == "--relaxed-mc2-contract") options.relaxed_mc2_contract(true);
+      else if (a == "--mc2-chunks") options.mc2_chunks_per_rank(std::stoll(value()));
       else if (a == "-h" || a == "--help") { usage(); return 0; }
       else {
         std::fprintf(stderr, "llama3_train: unknown flag '%s'\n", a.c_str());

@@ -52,10 +52,11 @@ std::vector<StepResult> train(const TrainOptions& options,
                                     .weight_decay(options.weight_decay())
                                     .betas({0.9, 0.95}));
   if (log) {
-    std::printf("llama3 %s: %lld layers, dim %lld, TP %lld, SP %s, loss parallel %s, %s, batch %lld x seq %lld\n",
+    std::printf("llama3 %s: %lld layers, dim %lld, TP %lld, SP %s, MC2 %s, loss parallel %s, %s, batch %lld x seq %lld\n",
                 options.preset().c_str(), static_cast<long long>(args.n_layers),
                 static_cast<long long>(args.dim), static_cast<long long>(tp_size),
                 options.enable_sequence_parallel() ? "on" : "off",
+                options.enable_mc2() && !options.reference() ? "on" : "off",
                 options.enable_loss_parallel() ? "on" : "off", options.dtype().c_str(),
                 static_cast<long long>(options.batch_size()), static_cast<long long>(seq_len));
     std::fflush(stdout);

@@ -25,6 +25,10 @@ struct TrainOptions {
   TORCH_ARG(uint64_t, seed) = 42;
   TORCH_ARG(bool, enable_sequence_parallel) = true;
   TORCH_ARG(bool, enable_loss_parallel) = false;
+  TORCH_ARG(bool, enable_mc2) = false;
+  /// MC2 limits; strict (bf16/fp16 only) unless relaxed for debugging.
+  TORCH_ARG(bool, relaxed_mc2_contract) = false;
+  TORCH_ARG(int64_t, mc2_chunks_per_rank) = 2;
   TORCH_ARG(bool, log) = true;  // one line per step on rank 0
   /// Single-process reference: the same model and data, not parallelized, no communication.
   TORCH_ARG(bool, reference) = false;

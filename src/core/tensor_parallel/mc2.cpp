@@ -1,0 +1,378 @@
+#include <hyper_parallel/core/tensor_parallel/mc2.h>
+
+#include <algorithm>
+#include <sstream>
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/nn/module.h>
+
+#include <hyper_parallel/core/comm/collectives.h>
+#include <hyper_parallel/core/comm/counters.h>
+#include <hyper_parallel/core/comm/p2p.h>
+#include <hyper_parallel/core/tensor_parallel/hookable_module.h>
+
+#include "../autograd/attach_backward.h"
+
+namespace hyper_parallel::tensor_parallel {
+
+// ---- Contract ---------------------------------------------------------------------------------
+
+MC2Contract MC2Contract::relaxed() {
+  return MC2Contract()
+      .dtypes({at::kHalf, at::kBFloat16, at::kFloat, at::kDouble})
+      .min_k(1)
+      .max_k(std::numeric_limits<int64_t>::max())
+      .world_sizes({});
+}
+
+void MC2Contract::check_dtype(const char* where, at::ScalarType dtype) const {
+  if (std::find(dtypes_.begin(), dtypes_.end(), dtype) != dtypes_.end()) return;
+  std::ostringstream allowed;
+  for (size_t i = 0; i < dtypes_.size(); ++i) allowed << (i ? ", " : "") << dtypes_[i];
+  TORCH_CHECK(false, where, ": MC2 dtype: expected one of {", allowed.str(), "}, got ", dtype,
+              " (pass MC2Contract::relaxed() to run other dtypes for debugging)");
+}
+
+void MC2Contract::check_k(const char* where, const char* what, int64_t k) const {
+  TORCH_CHECK(k >= min_k_ && k < max_k_, where, ": MC2 ", what, ": expected in [", min_k_, ", ",
+              max_k_, "), got ", k);
+}
+
+void MC2Contract::check_world_size(const char* where, int64_t world_size) const {
+  if (world_sizes_.empty()) return;  // any
+  TORCH_CHECK(std::find(world_sizes_.begin(), world_sizes_.end(), world_size) != world_sizes_.end(),
+              where, ": MC2 world_size: expected one of ", c10::IntArrayRef(world_sizes_), ", got ",
+              world_size);
+}
+
+// ---- Fused rings ------------------------------------------------------------------------------
+
+namespace {
+
+using comm::CollectiveKind;
+
+// libtorch 1.13 has no CPU float16 matmul: compute in float32 and round once.
+bool needs_fp32_matmul(const at::Tensor& t) { return t.scalar_type() == at::kHalf && t.is_cpu(); }
+
+at::Tensor local_matmul(const at::Tensor& a, const at::Tensor& b) {
+  if (needs_fp32_matmul(a)) return at::mm(a.to(at::kFloat), b.to(at::kFloat)).to(at::kHalf);
+  return at::mm(a, b);
+}
+
+void matmul_into(at::Tensor out, const at::Tensor& a, const at::Tensor& b) {
+  if (needs_fp32_matmul(a)) {
+    out.copy_(at::mm(a.to(at::kFloat), b.to(at::kFloat)));
+  } else {
+    at::mm_out(out, a, b);
+  }
+}
+
+at::ScalarType accumulate_type(at::ScalarType t) {
+  return (t == at::kBFloat16 || t == at::kHalf) ? at::kFloat : t;
+}
+
+void check_operands(const char* fn, const at::Tensor& a, const at::Tensor& b) {
+  TORCH_CHECK(a.defined() && b.defined(), fn, ": expected defined tensors");
+  TORCH_CHECK(a.dim() == 2 && b.dim() == 2, fn, ": expected 2-d operands, got ", a.sizes(), " and ",
+              b.sizes());
+  TORCH_CHECK(a.size(1) == b.size(0), fn, ": expected a [m, k] and b [k, n] with equal k, got ",
+              a.sizes(), " and ", b.sizes());
+  TORCH_CHECK(a.scalar_type() == b.scalar_type(), fn, ": expected operands of one dtype, got ",
+              a.scalar_type(), " and ", b.scalar_type());
+  TORCH_CHECK(at::isFloatingType(a.scalar_type()), fn, ": expected a floating dtype, got ",
+              a.scalar_type());
+}
+
+// Chunks of one rank's block: sizes and offsets (torch.chunk of the block's rows), with the
+// chunk count capped so every (step, chunk) pair has its own tag.
+struct Chunks {
+  std::vector<int64_t> size, offset;
+  Chunks(int64_t rows, int64_t requested, int64_t world) {
+    TORCH_CHECK(requested >= 1, "MC2Options: expected chunks_per_rank >= 1, got ", requested);
+    const int64_t count = std::min<int64_t>(requested, comm::OpTags::kMaxSteps / world);
+    size = comm::chunk_sizes(rows, count);
+    int64_t at = 0;
+    for (auto s : size) {
+      offset.push_back(at);
+      at += s;
+    }
+  }
+  int64_t count() const { return static_cast<int64_t>(size.size()); }
+};
+
+}  // namespace
+
+std::pair<at::Tensor, at::Tensor> all_gather_mm(const at::Tensor& a_in, const at::Tensor& b,
+                                                const comm::Group& group, const MC2Options& options) {
+  check_operands("all_gather_matmul", a_in, b);
+  const int64_t p = group.size(), r = group.rank();
+  comm::record_collective(CollectiveKind::kAllGatherMatmul, group.name());
+  const auto a = a_in.contiguous();
+  const int64_t m = a.size(0), k = a.size(1), n = b.size(1);
+  auto gathered = at::empty({p * m, k}, a.options());
+  auto y = at::empty({p * m, n}, a.options());
+  const Chunks chunks(m, options.chunks_per_rank(), p);
+  auto rows = [&](const at::Tensor& t, int64_t block, int64_t j) {
+    return t.narrow(0, block * m + chunks.offset[j], chunks.size[j]);
+  };
+  const auto tags = comm::reserve_tags(group);
+  auto tag = [&](int64_t step, int64_t j) { return tags.step(step * chunks.count() + j); };
+  const int64_t next = (r + 1) % p, prev = (r + p - 1) % p;
+
+  // Step 0's chunks leave straight from the input; every later arrival has its receive posted
+  // now, so transfers run ahead of the matmuls as far as the link allows.
+  std::vector<comm::Work> sends, recvs;
+  if (p > 1) {
+    for (int64_t j = 0; j < chunks.count(); ++j) {
+      sends.push_back(comm::isend(a.narrow(0, chunks.offset[j], chunks.size[j]), next, group, tag(0, j)));
+    }
+    for (int64_t s = 1; s < p; ++s) {
+      const int64_t block = (r - s + p) % p;
+      for (int64_t j = 0; j < chunks.count(); ++j) {
+        recvs.push_back(comm::irecv(rows(gathered, block, j), prev, group, tag(s - 1, j)));
+      }
+    }
+  }
+  gathered.narrow(0, r * m, m).copy_(a);
+  // Step s: block (r - s) has arrived (or is our own); forward it while multiplying it.
+  for (int64_t s = 0; s < p; ++s) {
+    const int64_t block = (r - s + p) % p;
+    for (int64_t j = 0; j < chunks.count(); ++j) {
+      if (s > 0) recvs[(s - 1) * chunks.count() + j].wait();
+      if (s + 1 < p && s > 0) sends.push_back(comm::isend(rows(gathered, block, j), next, group, tag(s, j)));
+      matmul_into(rows(y, block, j), rows(gathered, block, j), b);
+    }
+  }
+  for (auto& w : sends) w.wait();
+  return {y, gathered};
+}
+
+at::Tensor mm_reduce_scatter(const at::Tensor& a_in, const at::Tensor& b, const comm::Group& group,
+                             const MC2Options& options) {
+  check_operands("matmul_reduce_scatter", a_in, b);
+  const int64_t p = group.size(), r = group.rank();
+  TORCH_CHECK(a_in.size(0) % p == 0, "matmul_reduce_scatter: expected rows (", a_in.size(0),
+              ") divisible by world_size (", p, ")");
+  comm::record_collective(CollectiveKind::kMatmulReduceScatter, group.name());
+  const auto a = a_in.contiguous();
+  const int64_t m = a.size(0) / p, n = b.size(1);
+  if (p == 1) return local_matmul(a, b);
+  const auto acc = accumulate_type(a.scalar_type());
+  const Chunks chunks(m, options.chunks_per_rank(), p);
+  const auto tags = comm::reserve_tags(group);
+  auto tag = [&](int64_t step, int64_t j) { return tags.step(step * chunks.count() + j); };
+  const int64_t next = (r + 1) % p, prev = (r + p - 1) % p;
+
+  // incoming[(s - 1) * C + j]: the accumulator of chunk j of the block handled at step s.
+  std::vector<at::Tensor> incoming;
+  std::vector<comm::Work> recvs, sends;
+  for (int64_t s = 1; s < p; ++s) {
+    for (int64_t j = 0; j < chunks.count(); ++j) {
+      incoming.push_back(at::empty({chunks.size[j], n}, a.options().dtype(acc)));
+      recvs.push_back(comm::irecv(incoming.back(), prev, group, tag(s - 1, j)));
+    }
+  }
+  std::vector<at::Tensor> outgoing;  // kept alive until their sends complete
+  auto result = at::empty({m, n}, a.options().dtype(acc));
+  // Step s: block c = r - s - 1 (the last step's block is r itself). Its partial product is
+  // computed while the accumulator for it (holding ranks c+1 .. r-1) is still in flight.
+  for (int64_t s = 0; s < p; ++s) {
+    const int64_t c = (r - s - 1 + 2 * p) % p;
+    for (int64_t j = 0; j < chunks.count(); ++j) {
+      auto part = local_matmul(a.narrow(0, c * m + chunks.offset[j], chunks.size[j]), b);
+      at::Tensor sum;
+      if (s == 0) {
+        sum = part.to(acc);
+      } else {
+        recvs[(s - 1) * chunks.count() + j].wait();
+        sum = incoming[(s - 1) * chunks.count() + j];
+        sum.add_(part);
+      }
+      if (s + 1 < p) {
+        sends.push_back(comm::isend(sum, next, group, tag(s, j)));
+        outgoing.push_back(sum);
+      } else {
+        result.narrow(0, chunks.offset[j], chunks.size[j]).copy_(sum);
+      }
+    }
+  }
+  for (auto& w : sends) w.wait();
+  return result.to(a.scalar_type());
+}
+
+std::pair<at::Tensor, at::Tensor> all_gather_matmul(const at::Tensor& x, const at::Tensor& w,
+                                                    const comm::Group& group,
+                                                    const MC2Options& options) {
+  TORCH_CHECK(w.dim() == 2, "all_gather_matmul: expected w [n, k], got ", w.sizes());
+  return all_gather_mm(x, w.t(), group, options);
+}
+
+at::Tensor matmul_reduce_scatter(const at::Tensor& x, const at::Tensor& w, const comm::Group& group,
+                                 const MC2Options& options) {
+  TORCH_CHECK(w.dim() == 2, "matmul_reduce_scatter: expected w [n, k], got ", w.sizes());
+  return mm_reduce_scatter(x, w.t(), group, options);
+}
+
+// ---- Autograd ---------------------------------------------------------------------------------
+
+namespace {
+
+at::Tensor sum_rows(const at::Tensor& t) {
+  return t.sum(0, /*keepdim=*/false, accumulate_type(t.scalar_type())).to(t.scalar_type());
+}
+
+}  // namespace
+
+at::Tensor mc2_column_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias,
+                             const comm::Group& group, const MC2Options& options) {
+  at::Tensor y, gathered;
+  {
+    at::NoGradGuard no_grad;
+    std::tie(y, gathered) = all_gather_matmul(x, w, group, options);
+    if (bias.defined()) y.add_(bias);  // after the collective
+  }
+  return detail::attach_backward(
+      {x, w, bias}, {y},
+      [gathered, w = w.detach(), group, options, need_x = x.requires_grad(),
+       need_w = w.requires_grad(), need_b = bias.defined() && bias.requires_grad()](
+          std::vector<at::Tensor> grads) -> std::vector<at::Tensor> {
+        const auto dy = grads[0].contiguous();
+        at::Tensor dx, dw, db;
+        // dX: the dual op, contracting over n_local: reduce_scatter(dY W).
+        if (need_x) dx = mm_reduce_scatter(dy, w, group, options);
+        // dW from the gathered X saved in forward: no second gather.
+        if (need_w) dw = local_matmul(dy.t(), gathered);
+        if (need_b) db = sum_rows(dy);
+        return {dx, dw, db};
+      },
+      "MC2ColumnLinearBackward")[0];
+}
+
+at::Tensor mc2_row_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias,
+                          const comm::Group& group, const MC2Options& options) {
+  at::Tensor y;
+  {
+    at::NoGradGuard no_grad;
+    y = matmul_reduce_scatter(x, w, group, options);
+    if (bias.defined()) y.add_(bias);  // once, to the reduced output
+  }
+  return detail::attach_backward(
+      {x, w, bias}, {y},
+      [x = x.detach(), w = w.detach(), group, options, need_x = x.requires_grad(),
+       need_w = w.requires_grad(), need_b = bias.defined() && bias.requires_grad()](
+          std::vector<at::Tensor> grads) -> std::vector<at::Tensor> {
+        // The dual op: gather dY (this rank's rows) while multiplying by W untransposed.
+        auto [dx, dy_full] = all_gather_mm(grads[0].contiguous(), w, group, options);
+        at::Tensor dw, db;
+        if (need_w) dw = local_matmul(dy_full.t(), x);
+        if (need_b) db = sum_rows(dy_full);
+        return {need_x ? dx : at::Tensor(), dw, db};
+      },
+      "MC2RowLinearBackward")[0];
+}
+
+// ---- Sequence layout --------------------------------------------------------------------------
+
+at::Tensor sequence_rows(const at::Tensor& x, int64_t sequence_dim) {
+  TORCH_CHECK(x.dim() >= 2, "MC2Linear: expected an activation with a sequence and a feature dim, got ",
+              x.sizes());
+  TORCH_CHECK(sequence_dim >= 0 && sequence_dim < x.dim() - 1,
+              "MC2Linear: expected sequence_dim to be a non-feature dim of the ", x.dim(),
+              "-d activation ", x.sizes(), ", got ", sequence_dim);
+  return x.movedim(sequence_dim, 0).reshape({-1, x.size(-1)}).contiguous();
+}
+
+at::Tensor from_sequence_rows(const at::Tensor& rows, const at::Tensor& like, int64_t sequence_dim,
+                              int64_t seq_len) {
+  auto shape = like.movedim(sequence_dim, 0).sizes().vec();
+  shape.front() = seq_len;
+  shape.back() = rows.size(1);
+  return rows.view(shape).movedim(0, sequence_dim);
+}
+
+// ---- MC2Linear --------------------------------------------------------------------------------
+
+class MC2LinearKernel final : public ForwardKernel {
+ public:
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias) override {
+    TORCH_CHECK(configured, "MC2Linear::forward: used before configure_mc2(mode, group, world_size, "
+                "sequence_dim); apply MC2ColwiseParallel / MC2RowwiseParallel or configure it");
+    contract.check_dtype("MC2Linear::forward", x.scalar_type());
+    TORCH_CHECK(x.dim() >= 2, "MC2Linear::forward: expected an activation [..., S, ..., H], got ",
+                x.sizes());
+    const int64_t seq = sequence_dim < 0 ? sequence_dim + x.dim() : sequence_dim;
+    const int64_t p = world_size;
+    if (mode == "all_gather") {
+      auto y = mc2_column_linear(sequence_rows(x, seq), w, bias, group, options);
+      return from_sequence_rows(y, x, seq, x.size(seq) * p);
+    }
+    TORCH_CHECK(seq >= 0 && seq < x.dim() - 1 && x.size(seq) % p == 0,
+                "MC2Linear::forward: reduce_scatter needs the sequence length (dim ", seq, " of ",
+                x.sizes(), ") divisible by world_size ", p);
+    auto y = mc2_row_linear(sequence_rows(x, seq), w, bias, group, options);
+    return from_sequence_rows(y, x, seq, x.size(seq) / p);
+  }
+  std::string name() const override { return "MC2Linear(" + (configured ? mode : "unconfigured") + ")"; }
+
+  bool configured = false;
+  std::string mode;
+  comm::Group group;
+  int64_t world_size = 0;
+  int64_t sequence_dim = 1;
+  MC2Contract contract;
+  MC2Options options;
+};
+
+MC2Linear MC2Linear::from_linear(torch::nn::Module& module) {
+  auto* hm = dynamic_cast<HookableModule*>(&module);
+  TORCH_CHECK(hm != nullptr && hm->module_kind() == ModuleKind::kLinear,
+              "MC2Linear::from_linear: expected a hyper_parallel::nn::Linear, got ", module.name());
+  if (auto existing = std::dynamic_pointer_cast<MC2LinearKernel>(hm->forward_kernel())) {
+    return MC2Linear(existing);
+  }
+  TORCH_CHECK(hm->forward_kernel() == nullptr, "MC2Linear::from_linear: expected a Linear with the "
+              "default forward, got one already using ", hm->forward_kernel()->name());
+  auto kernel = std::make_shared<MC2LinearKernel>();
+  hm->set_forward_kernel(kernel);
+  return MC2Linear(kernel);
+}
+
+std::optional<MC2Linear> MC2Linear::of(torch::nn::Module& module) {
+  auto* hm = dynamic_cast<HookableModule*>(&module);
+  if (hm == nullptr) return std::nullopt;
+  auto kernel = std::dynamic_pointer_cast<MC2LinearKernel>(hm->forward_kernel());
+  if (!kernel) return std::nullopt;
+  return MC2Linear(kernel);
+}
+
+void MC2Linear::configure_mc2(const std::string& mode, const comm::Group& group, int64_t world_size,
+                              int64_t sequence_dim, const MC2Contract& contract,
+                              const MC2Options& options) const {
+  TORCH_CHECK(mode == "all_gather" || mode == "reduce_scatter",
+              "MC2Linear::configure_mc2: expected mode 'all_gather' or 'reduce_scatter', got '",
+              mode, "'");
+  TORCH_CHECK(group.is_member(), "MC2Linear::configure_mc2: expected a group this rank belongs to");
+  TORCH_CHECK(world_size == group.size(), "MC2Linear::configure_mc2: expected world_size to equal "
+              "the group's size (", group.size(), "), got ", world_size);
+  contract.check_world_size("MC2Linear::configure_mc2", world_size);
+  TORCH_CHECK(options.chunks_per_rank() >= 1,
+              "MC2Linear::configure_mc2: expected chunks_per_rank >= 1, got ", options.chunks_per_rank());
+  kernel_->mode = mode;
+  kernel_->group = group;
+  kernel_->world_size = world_size;
+  kernel_->sequence_dim = sequence_dim;
+  kernel_->contract = contract;
+  kernel_->options = options;
+  kernel_->configured = true;
+}
+
+bool MC2Linear::is_configured() const { return kernel_->configured; }
+const std::string& MC2Linear::mode() const { return kernel_->mode; }
+const comm::Group& MC2Linear::group() const { return kernel_->group; }
+int64_t MC2Linear::world_size() const { return kernel_->world_size; }
+int64_t MC2Linear::sequence_dim() const { return kernel_->sequence_dim; }
+const MC2Contract& MC2Linear::contract() const { return kernel_->contract; }
+const MC2Options& MC2Linear::options() const { return kernel_->options; }
+
+}  // namespace hyper_parallel::tensor_parallel

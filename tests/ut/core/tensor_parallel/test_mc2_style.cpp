@@ -1,0 +1,236 @@
+// MC2 style and MC2Linear behaviour: conversion in place, configuration, layout validation, path
+// selection (which fused op runs, how often) and every fail-closed limit, by message. Runs on 2
+// ranks (the smallest world the contract allows).
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+#include <torch/nn/modules/linear.h>
+
+#include <hyper_parallel/hyper_parallel.h>
+
+#include "common/test_util.h"
+#include "llama3/parallelize.h"
+
+namespace hp = hyper_parallel;
+namespace tp = hp::tensor_parallel;
+using namespace hp::dtensor;
+using hp::comm::CollectiveKind;
+
+namespace {
+
+class MC2Style : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (hp_test::world_size() != 2) GTEST_SKIP() << "runs on 2 ranks";
+    mesh = init_device_mesh("cpu", {2}, {"tp"});
+  }
+  static hp::nn::Linear linear(int64_t in, int64_t out, at::ScalarType dtype = at::kBFloat16) {
+    at::manual_seed(1);
+    hp::nn::Linear l(in, out);
+    l->to(dtype);
+    return l;
+  }
+  std::optional<DeviceMesh> mesh;
+};
+
+TEST_F(MC2Style, FromLinearKeepsTheObjectAndItsParameters) {
+  auto lin = linear(512, 512);
+  auto* impl_before = lin.get();
+  auto weight_before = lin->weight;
+  auto values = lin->weight.detach().clone();
+  EXPECT_FALSE(tp::MC2Linear::of(*lin).has_value());
+  auto mc2 = tp::MC2Linear::from_linear(*lin);
+  EXPECT_EQ(lin.get(), impl_before);
+  EXPECT_TRUE(lin->weight.is_same(weight_before));
+  EXPECT_TRUE(lin->weight.equal(values));
+  EXPECT_EQ(lin->parameters().size(), 2u);
+  EXPECT_TRUE(tp::MC2Linear::of(*lin).has_value());
+  EXPECT_FALSE(mc2.is_configured());
+  // Converting again returns the same MC2 state.
+  tp::MC2Linear::from_linear(*lin).configure_mc2("all_gather", mesh->get_group(0), 2, 1);
+  EXPECT_TRUE(mc2.is_configured());
+}
+
+TEST_F(MC2Style, OnlyThisLibrarysLinearConverts) {
+  hp::nn::RMSNorm norm(512);
+  HP_EXPECT_THROW_MSG(tp::MC2Linear::from_linear(*norm),
+                      "MC2Linear::from_linear: expected a hyper_parallel::nn::Linear, got");
+  torch::nn::Linear torch_linear(4, 4);
+  HP_EXPECT_THROW_MSG(tp::MC2Linear::from_linear(*torch_linear), "expected a hyper_parallel::nn::Linear");
+  HP_EXPECT_THROW_MSG(tp::MC2ColwiseParallel().apply(*norm, *mesh),
+                      "MC2ColwiseParallel: expected hyper_parallel::nn::Linear, got");
+  HP_EXPECT_THROW_MSG(tp::MC2RowwiseParallel().apply(*norm, *mesh),
+                      "MC2RowwiseParallel: expected hyper_parallel::nn::Linear");
+  auto rowwise = linear(512, 512);
+  tp::RowwiseParallel().apply(*rowwise, *mesh);
+  HP_EXPECT_THROW_MSG(tp::MC2Linear::from_linear(*rowwise), "already using RowwiseLinear");
+}
+
+TEST_F(MC2Style, ConfigureValidatesModeAndWorldSize) {
+  auto mc2 = tp::MC2Linear::from_linear(*linear(512, 512));
+  auto group = mesh->get_group(0);
+  HP_EXPECT_THROW_MSG(mc2.configure_mc2("all_reduce", group, 2, 1),
+                      "expected mode 'all_gather' or 'reduce_scatter', got 'all_reduce'");
+  HP_EXPECT_THROW_MSG(mc2.configure_mc2("all_gather", group, 4, 1),
+                      "expected world_size to equal the group's size (2), got 4");
+  HP_EXPECT_THROW_MSG(mc2.configure_mc2("all_gather", group, 2, 1, tp::MC2Contract().world_sizes({4, 8})),
+                      "MC2 world_size: expected one of [4, 8], got 2");
+  HP_EXPECT_THROW_MSG(mc2.configure_mc2("all_gather", group, 2, 1, {}, tp::MC2Options().chunks_per_rank(0)),
+                      "expected chunks_per_rank >= 1, got 0");
+  EXPECT_FALSE(mc2.is_configured());
+  mc2.configure_mc2("reduce_scatter", group, 2, 0);
+  EXPECT_EQ(mc2.mode(), "reduce_scatter");
+  EXPECT_EQ(mc2.sequence_dim(), 0);
+}
+
+TEST_F(MC2Style, UnconfiguredForwardIsAnError) {
+  auto lin = linear(512, 512);
+  tp::MC2Linear::from_linear(*lin);
+  HP_EXPECT_THROW_MSG(lin(at::ones({2, 4, 512}, at::kBFloat16)),
+                      "MC2Linear::forward: used before configure_mc2");
+}
+
+TEST_F(MC2Style, StylesRequireSequenceParallelLayouts) {
+  HP_EXPECT_THROW_MSG(tp::MC2ColwiseParallel(tp::MC2ColwiseParallelOptions().input_layouts(Replicate())),
+                      "MC2ColwiseParallel: requires a sharded input layout");
+  HP_EXPECT_THROW_MSG(tp::MC2RowwiseParallel(tp::MC2RowwiseParallelOptions().output_layouts(Replicate())),
+                      "MC2RowwiseParallel: requires a sharded output layout");
+  HP_EXPECT_THROW_MSG(tp::MC2ColwiseParallel(tp::MC2ColwiseParallelOptions().output_layouts(Partial())),
+                      "expected output_layouts Shard or Replicate, got Partial(sum)");
+}
+
+TEST_F(MC2Style, ApplyYieldsConfiguredMC2LinearsWithPlainShards) {
+  auto col = linear(512, 512);
+  tp::parallelize_module(*col, *mesh, tp::MC2ColwiseParallel());
+  auto c = tp::MC2Linear::of(*col);
+  ASSERT_TRUE(c.has_value());
+  EXPECT_EQ(c->mode(), "all_gather");
+  EXPECT_EQ(c->world_size(), 2);
+  EXPECT_EQ(c->sequence_dim(), 1);
+  EXPECT_EQ(c->group().global_ranks(), (std::vector<int64_t>{0, 1}));
+  EXPECT_EQ(col->weight.sizes(), (at::IntArrayRef{256, 512}));  // Shard(0), as ColwiseParallel
+  EXPECT_EQ(col->bias.sizes(), (at::IntArrayRef{256}));
+
+  auto row = linear(512, 512);
+  tp::parallelize_module(*row, *mesh,
+                         tp::MC2RowwiseParallel(tp::MC2RowwiseParallelOptions().output_layouts(Shard(0))));
+  auto rw = tp::MC2Linear::of(*row);
+  ASSERT_TRUE(rw.has_value());
+  EXPECT_EQ(rw->mode(), "reduce_scatter");
+  EXPECT_EQ(rw->sequence_dim(), 0);
+  EXPECT_EQ(row->weight.sizes(), (at::IntArrayRef{512, 256}));  // Shard(1), as RowwiseParallel
+  EXPECT_EQ(row->bias.sizes(), (at::IntArrayRef{512}));
+}
+
+TEST_F(MC2Style, ColumnPathRunsOneFusedOpEachWayAndNothingElse) {
+  auto col = linear(512, 512);
+  tp::parallelize_module(*col, *mesh, tp::MC2ColwiseParallel());
+  auto x = at::randn({2, 4, 512}).to(at::kBFloat16).requires_grad_(true);
+  hp::comm::reset_collective_counts();
+  at::Tensor y;
+  {
+    hp::comm::CommRegion r("forward");
+    y = col(x);
+  }
+  EXPECT_EQ(y.sizes(), (at::IntArrayRef{2, 8, 256}));
+  {
+    hp::comm::CommRegion r("backward");
+    y.sum().backward();
+  }
+  EXPECT_EQ(hp::comm::collective_count(CollectiveKind::kAllGatherMatmul, "forward"), 1);
+  EXPECT_EQ(hp::comm::total_collective_count("forward"), 1);
+  EXPECT_EQ(hp::comm::collective_count(CollectiveKind::kMatmulReduceScatter, "backward"), 1);
+  EXPECT_EQ(hp::comm::total_collective_count("backward"), 1) << hp::comm::collective_counts_summary();
+}
+
+TEST_F(MC2Style, RowPathRunsOneFusedOpEachWayAndNothingElse) {
+  auto row = linear(512, 512);
+  tp::parallelize_module(*row, *mesh, tp::MC2RowwiseParallel());
+  auto x = at::randn({2, 8, 256}).to(at::kBFloat16).requires_grad_(true);
+  hp::comm::reset_collective_counts();
+  at::Tensor y;
+  {
+    hp::comm::CommRegion r("forward");
+    y = row(x);
+  }
+  EXPECT_EQ(y.sizes(), (at::IntArrayRef{2, 4, 512}));
+  {
+    hp::comm::CommRegion r("backward");
+    y.sum().backward();
+  }
+  EXPECT_EQ(hp::comm::collective_count(CollectiveKind::kMatmulReduceScatter, "forward"), 1);
+  EXPECT_EQ(hp::comm::total_collective_count("forward"), 1);
+  EXPECT_EQ(hp::comm::collective_count(CollectiveKind::kAllGatherMatmul, "backward"), 1);
+  EXPECT_EQ(hp::comm::total_collective_count("backward"), 1);
+  EXPECT_EQ(hp::comm::total_collective_count(), 2) << "no gradient sync: the bias gradient is complete";
+}
+
+TEST_F(MC2Style, SequenceRowsRoundTripAndTheNaiveFlattenCounterexample) {
+  auto x = at::arange(2 * 3 * 4, at::kFloat).reshape({2, 3, 4});  // [B, S, H]
+  auto rows = tp::sequence_rows(x, 1);
+  EXPECT_EQ(rows.sizes(), (at::IntArrayRef{6, 4}));
+  // Row i*B + b is token i of batch row b: sequence-major.
+  EXPECT_TRUE(rows[1].equal(x[1][0]));
+  EXPECT_TRUE(tp::from_sequence_rows(rows, x, 1, 3).equal(x));
+  HP_EXPECT_THROW_MSG(tp::sequence_rows(x, 2), "expected sequence_dim to be a non-feature dim");
+
+  // Two ranks each hold S/2 tokens of [B, S, H]. Gathering sequence-major rows and restoring
+  // gives the full tensor; gathering naively flattened rows ([B*S/2, H], batch-major) and
+  // reshaping interleaves tokens of different batch rows.
+  auto full = at::arange(2 * 4 * 3, at::kFloat).reshape({2, 4, 3});
+  auto shard0 = full.narrow(1, 0, 2), shard1 = full.narrow(1, 2, 2);
+  auto gathered = at::cat({tp::sequence_rows(shard0, 1), tp::sequence_rows(shard1, 1)});
+  EXPECT_TRUE(tp::from_sequence_rows(gathered, shard0, 1, 4).equal(full));
+  auto naive = at::cat({shard0.reshape({-1, 3}), shard1.reshape({-1, 3})}).reshape({2, 4, 3});
+  EXPECT_FALSE(naive.equal(full));
+}
+
+TEST_F(MC2Style, FailsClosedOnEveryContractLimit) {
+  // dtype
+  auto fp32 = linear(512, 512, at::kFloat);
+  HP_EXPECT_THROW_MSG(tp::MC2ColwiseParallel().apply(*fp32, *mesh),
+                      "MC2ColwiseParallel: MC2 dtype: expected one of {Half, BFloat16}, got Float");
+  // k
+  HP_EXPECT_THROW_MSG(tp::MC2ColwiseParallel().apply(*linear(128, 512), *mesh),
+                      "MC2 contraction dim k (in_features): expected in [256, 65535), got 128");
+  HP_EXPECT_THROW_MSG(tp::MC2ColwiseParallel().apply(*linear(65536, 512), *mesh),
+                      "expected in [256, 65535), got 65536");
+  // column backward n_local = 256 / 2
+  HP_EXPECT_THROW_MSG(tp::MC2ColwiseParallel().apply(*linear(512, 256), *mesh),
+                      "column backward contraction n_local (out_features / world_size): expected in "
+                      "[256, 65535), got 128");
+  // row k_local = 256 / 2
+  HP_EXPECT_THROW_MSG(tp::MC2RowwiseParallel().apply(*linear(256, 512), *mesh),
+                      "MC2RowwiseParallel: MC2 contraction dim k (in_features / world_size): expected "
+                      "in [256, 65535), got 128");
+  // world size
+  HP_EXPECT_THROW_MSG(tp::MC2RowwiseParallel(tp::MC2RowwiseParallelOptions().contract(
+                                                 tp::MC2Contract().world_sizes({4, 8})))
+                          .apply(*linear(1024, 512), *mesh),
+                      "MC2 world_size: expected one of [4, 8], got 2");
+  // rows divisible by world size (known at forward only)
+  auto row = linear(512, 512);
+  tp::parallelize_module(*row, *mesh, tp::MC2RowwiseParallel());
+  HP_EXPECT_THROW_MSG(row(at::ones({2, 7, 256}, at::kBFloat16)),
+                      "reduce_scatter needs the sequence length (dim 1 of [2, 7, 256]) divisible by world_size 2");
+  // input dtype at forward
+  HP_EXPECT_THROW_MSG(row(at::ones({2, 8, 256}, at::kFloat)), "MC2Linear::forward: MC2 dtype");
+  // The relaxed contract is explicit and runs the fused path in float32.
+  auto relaxed = linear(16, 16, at::kFloat);
+  tp::parallelize_module(*relaxed, *mesh,
+                         tp::MC2ColwiseParallel(tp::MC2ColwiseParallelOptions().contract(tp::MC2Contract::relaxed())));
+  hp::comm::reset_collective_counts();
+  EXPECT_EQ(relaxed(at::ones({1, 2, 16})).sizes(), (at::IntArrayRef{1, 4, 8}));
+  EXPECT_EQ(hp::comm::collective_count(CollectiveKind::kAllGatherMatmul), 1);
+}
+
+TEST_F(MC2Style, Llama3EnableMC2NeedsSequenceParallel) {
+  llama3::Transformer model(llama3::ModelArgs::debug());
+  HP_EXPECT_THROW_MSG(llama3::parallelize_llama3(*model, *mesh,
+                                                 llama3::ParallelizeOptions()
+                                                     .enable_sequence_parallel(false)
+                                                     .enable_mc2(true)),
+                      "parallelize_llama3: enable_mc2 requires enable_sequence_parallel");
+}
+
+}  // namespace
