@@ -6,10 +6,6 @@
 // previous, so it is exactly what each step of the rings moves. Bus bandwidth (as nccl-tests
 // defines it) = (P-1)/P * total bytes / time, comparable with the P2P figure for the same
 // per-step message size.
-#include <malloc.h>
-
-#include <algorithm>
-#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -19,28 +15,10 @@
 
 #include <hyper_parallel/core/comm.h>
 
+#include "bench_util.h"
+
 namespace hp = hyper_parallel;
 
-namespace {
-
-template <typename Fn>
-double median_seconds(const hp::comm::Group& group, int iters, Fn&& fn) {
-  fn();  // warm-up (connections, allocations)
-  std::vector<double> times;
-  for (int i = 0; i < iters; ++i) {
-    hp::comm::barrier(group);
-    auto t0 = std::chrono::steady_clock::now();
-    fn();
-    times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-  }
-  // The slowest rank decides; take the max over ranks of each rank's median.
-  std::sort(times.begin(), times.end());
-  auto med = at::full({1}, times[times.size() / 2], at::kDouble);
-  auto all = hp::comm::all_gather(med, 0, group);
-  return all.max().item<double>();
-}
-
-}  // namespace
 
 int main(int argc, char** argv) {
   int64_t max_mb = 64;
@@ -54,10 +32,7 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  // Keep freed buffers in the heap, as a caching allocator would: otherwise every large
-  // allocation is a fresh mmap whose page faults get timed (they cost more than the transfer).
-  mallopt(M_MMAP_THRESHOLD, 1 << 30);
-  mallopt(M_TRIM_THRESHOLD, 1 << 30);
+  bench::keep_freed_memory();
   hp::comm::init_process_group();
   auto group = hp::comm::world();
   const int64_t p = group.size(), r = group.rank();
@@ -68,7 +43,7 @@ int main(int argc, char** argv) {
   if (r == 0) {
     std::printf("ring collectives vs P2P, %lld ranks, fp32, median of %d (link: %s)\n",
                 static_cast<long long>(p), iters,
-                std::getenv("HP_BENCH_LINK") ? std::getenv("HP_BENCH_LINK") : "loopback");
+                bench::link_name().c_str());
     std::printf("%10s %12s %12s %12s %12s %8s %8s\n", "total MB", "p2p GB/s", "ag busGB/s",
                 "rs busGB/s", "ar busGB/s", "ag/p2p", "rs/p2p");
   }
@@ -78,18 +53,18 @@ int main(int argc, char** argv) {
     auto incoming = at::empty({step_numel});
     auto full = at::randn({step_numel * p});
     const auto next = (r + 1) % p, prev = (r + p - 1) % p;
-    double t_p2p = median_seconds(group, iters, [&] {
+    double t_p2p = bench::median_seconds(group, iters, [&] {
       auto tags = hp::comm::reserve_tags(group);
       auto s = hp::comm::isend(chunk, next, group, tags.step(0));
       auto rv = hp::comm::irecv(incoming, prev, group, tags.step(0));
       rv.wait();
       s.wait();
     });
-    double t_ag = median_seconds(group, iters, [&] { hp::comm::all_gather(chunk, 0, group); });
-    double t_rs = median_seconds(group, iters, [&] {
+    double t_ag = bench::median_seconds(group, iters, [&] { hp::comm::all_gather(chunk, 0, group); });
+    double t_rs = bench::median_seconds(group, iters, [&] {
       hp::comm::reduce_scatter(full, 0, hp::comm::ReduceOp::kSum, group);
     });
-    double t_ar = median_seconds(group, iters, [&] {
+    double t_ar = bench::median_seconds(group, iters, [&] {
       hp::comm::all_reduce(full, hp::comm::ReduceOp::kSum, group);
     });
     const double step_bytes = 4.0 * step_numel, total = step_bytes * p;

@@ -1,0 +1,119 @@
+// MC2 overlap, measured side by side in one run on the same ranks, shapes and ring:
+//   compute   the op's matmuls alone (same chunks, no communication)
+//   comm      the op's collective alone (same bytes over the same ring)
+//   unfused   collective then matmul (AG+MM) / matmul then collective (MM+RS)
+//   fused     the MC2 op, for each chunks_per_rank
+//   speedup = unfused / fused, efficiency = max(compute, comm) / fused (1.0 = perfect overlap)
+//
+//   hp-run --nproc-per-node 2 -- build/bench/bench_mc2            (loopback)
+//   bash bench/run_mc2_bench.sh                                     (loopback and a veth link)
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+
+#include <hyper_parallel/core/comm.h>
+#include <hyper_parallel/core/tensor_parallel/mc2.h>
+
+#include "bench_util.h"
+
+namespace hp = hyper_parallel;
+namespace tp = hp::tensor_parallel;
+
+namespace {
+
+struct Shape {
+  const char* name;
+  int64_t rows_per_rank, k, n;  // AG+MM: x [rows, k] gathered, w [n, k]. MM+RS: x [P rows, k], w [n, k].
+};
+
+void report(const char* op, const Shape& s, double compute, double comm, double unfused,
+            const std::vector<std::pair<int64_t, double>>& fused) {
+  double best = fused.front().second;
+  int64_t best_chunks = fused.front().first;
+  for (auto [c, t] : fused) {
+    if (t < best) best = t, best_chunks = c;
+  }
+  std::printf("%-22s %-8s %9.1f %9.1f %9.1f", op, s.name, compute * 1e3, comm * 1e3, unfused * 1e3);
+  for (auto [c, t] : fused) std::printf(" %9.1f", t * 1e3);
+  std::printf("   %5.2fx   %5.2f   (chunks %lld)\n", unfused / best, std::max(compute, comm) / best,
+              static_cast<long long>(best_chunks));
+  std::fflush(stdout);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int iters = 5;
+  std::vector<int64_t> chunk_counts{1, 2, 4};
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--iters" && i + 1 < argc) {
+      iters = std::stoi(argv[++i]);
+    } else {
+      std::fprintf(stderr, "usage: bench_mc2 [--iters N]\n");
+      return 2;
+    }
+  }
+  bench::keep_freed_memory();
+  hp::comm::init_process_group();
+  auto group = hp::comm::world();
+  const int64_t p = group.size();
+  if (p < 2) {
+    std::fprintf(stderr, "bench_mc2: needs at least 2 ranks (hp-run --nproc-per-node 2)\n");
+    return 2;
+  }
+  const bool print = group.rank() == 0;
+  const Shape shapes[] = {{"small", 512, 2048, 1024}, {"medium", 1024, 4096, 1792}};
+  if (print) {
+    std::printf("MC2 overlap, %lld ranks, bf16, median of %d, link: %s\n", static_cast<long long>(p),
+                iters, bench::link_name().c_str());
+    std::printf("%-22s %-8s %9s %9s %9s", "op", "shape", "compute", "comm", "unfused");
+    for (auto c : chunk_counts) std::printf("  fused/c%lld", static_cast<long long>(c));
+    std::printf("   speedup  effic.\n");
+    std::printf("%-22s %-8s %9s %9s %9s\n", "", "", "ms", "ms", "ms");
+  }
+  for (const auto& s : shapes) {
+    at::manual_seed(1 + group.rank());
+    auto w = at::randn({s.n, s.k}).to(at::kBFloat16);
+    {
+      // AG+MM: gather x [rows, k] from every rank, multiply by wᵀ.
+      auto x = at::randn({s.rows_per_rank, s.k}).to(at::kBFloat16);
+      auto gathered = at::randn({p * s.rows_per_rank, s.k}).to(at::kBFloat16);
+      double compute = bench::median_seconds(group, iters, [&] { at::mm(gathered, w.t()); });
+      double comm = bench::median_seconds(group, iters, [&] { hp::comm::all_gather(x, 0, group); });
+      double unfused = bench::median_seconds(group, iters, [&] {
+        at::mm(hp::comm::all_gather(x, 0, group), w.t());
+      });
+      std::vector<std::pair<int64_t, double>> fused;
+      for (auto c : chunk_counts) {
+        fused.emplace_back(c, bench::median_seconds(group, iters, [&] {
+          tp::all_gather_matmul(x, w, group, tp::MC2Options().chunks_per_rank(c));
+        }));
+      }
+      if (print) report("all_gather_matmul", s, compute, comm, unfused, fused);
+    }
+    {
+      // MM+RS: x [P rows, k] times wᵀ, reduce-scatter the rows (fp32 accumulators travel).
+      auto x = at::randn({p * s.rows_per_rank, s.k}).to(at::kBFloat16);
+      auto partial = at::randn({p * s.rows_per_rank, s.n}).to(at::kBFloat16);
+      double compute = bench::median_seconds(group, iters, [&] { at::mm(x, w.t()); });
+      double comm = bench::median_seconds(group, iters, [&] {
+        hp::comm::reduce_scatter(partial, 0, hp::comm::ReduceOp::kSum, group);
+      });
+      double unfused = bench::median_seconds(group, iters, [&] {
+        hp::comm::reduce_scatter(at::mm(x, w.t()), 0, hp::comm::ReduceOp::kSum, group);
+      });
+      std::vector<std::pair<int64_t, double>> fused;
+      for (auto c : chunk_counts) {
+        fused.emplace_back(c, bench::median_seconds(group, iters, [&] {
+          tp::matmul_reduce_scatter(x, w, group, tp::MC2Options().chunks_per_rank(c));
+        }));
+      }
+      if (print) report("matmul_reduce_scatter", s, compute, comm, unfused, fused);
+    }
+  }
+  hp::comm::destroy_process_group();
+  return 0;
+}

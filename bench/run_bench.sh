@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Runs a benchmark twice on N local ranks: over loopback, then over rate-limited veth links between
+# network namespaces (needs root and iproute2). Each table says which link it ran on.
+#   bash bench/run_bench.sh bench_mc2|bench_comm [RATE=2gbit] [NPROC=2] [-- bench args]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+name=${1:?usage: run_bench.sh bench_mc2|bench_comm [RATE] [NPROC] [-- args]}
+shift
+rate=2gbit nproc=2
+if [[ $# -gt 0 && $1 != "--" ]]; then rate=$1; shift; fi
+if [[ $# -gt 0 && $1 != "--" ]]; then nproc=$1; shift; fi
+[[ ${1:-} == "--" ]] && shift
+build_dir=${BUILD_DIR:-build}
+hp_run="$build_dir/tools/hp-run/hp-run"
+bench="$build_dir/bench/$name"
+export OMP_NUM_THREADS=1
+
+"$hp_run" --nproc-per-node "$nproc" --timeout 900 -- "$bench" "$@"
+
+if [[ $(id -u) -ne 0 ]] || ! command -v ip >/dev/null; then
+  echo "run_bench: skipping the veth link (needs root and iproute2)" >&2
+  exit 0
+fi
+trap 'bash bench/netns.sh down "$nproc"' EXIT
+bash bench/netns.sh up "$nproc" "$rate"
+HP_BENCH_LINK="veth between network namespaces, tc tbf $rate per rank" \
+  "$hp_run" --nproc-per-node "$nproc" --timeout 900 --master-addr 10.231.0.1 --master-port 29611 \
+  -- bash bench/netns.sh exec -- "$bench" "$@"
