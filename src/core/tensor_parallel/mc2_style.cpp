@@ -17,24 +17,29 @@ using dtensor::Shard;
 
 namespace {
 
-// The MC2 styles fuse Linear layers only.
-void check_linear(const char* style, torch::nn::Module& module) {
+// The checks both MC2 styles make before touching the module. They depend only on values every
+// rank shares (shapes, dtype, world size), so all ranks fail together and none is left waiting
+// in the collective that sharding the weights starts. Returns the (full) weight.
+at::Tensor check_mc2_target(const char* style, torch::nn::Module& module, const DeviceMesh& mesh,
+                            const MC2Contract& contract) {
+  detail::check_tp_mesh(style, mesh);
   auto& hm = detail::hookable(style, module);
   TORCH_CHECK(hm.module_kind() == ModuleKind::kLinear, style,
               ": expected hyper_parallel::nn::Linear, got ", module.name(),
               "; MC2 fuses Linear layers only");
+  contract.check_world_size(style, mesh.size(0));
+  auto weight = module.named_parameters(/*recurse=*/false)["weight"];
+  contract.check_dtype(style, weight.scalar_type());
+  return weight;
 }
 
-at::Tensor parameter(torch::nn::Module& module, const char* name) {
-  return module.named_parameters(/*recurse=*/false)[name];
-}
-
-void add_output_hook(HookableModule& hm, const DeviceMesh& mesh, Placement produced, Placement wanted,
-                     bool use_local_output) {
-  hm.add_output_hook([=](std::vector<at::Tensor> outputs) {
-    outputs[0] = detail::prepare(outputs[0], mesh, produced, wanted, use_local_output);
-    return outputs;
-  });
+// A sharded contraction extent, checked for the shard of every rank (they can differ by one
+// chunk under torch.chunk sizes), so the verdict is the same everywhere.
+void check_k_of_every_shard(const char* style, const char* what, const MC2Contract& contract,
+                            int64_t extent, int64_t world_size) {
+  for (int64_t k = 0; k < world_size; ++k) {
+    contract.check_k(style, what, dtensor::shard_size(extent, world_size, k));
+  }
 }
 
 }  // namespace
@@ -52,16 +57,12 @@ MC2ColwiseParallel::MC2ColwiseParallel(MC2ColwiseParallelOptions options)
 
 void MC2ColwiseParallel::apply(torch::nn::Module& module, const DeviceMesh& mesh) const {
   const char* style = "MC2ColwiseParallel";
-  detail::check_tp_mesh(style, mesh);
-  check_linear(style, module);
   const auto& contract = options_.contract();
+  const auto weight = check_mc2_target(style, module, mesh, contract);
   const int64_t p = mesh.size(0);
-  contract.check_world_size(style, p);
-  auto weight = parameter(module, "weight");
-  contract.check_dtype(style, weight.scalar_type());
   contract.check_k(style, "contraction dim k (in_features)", weight.size(1));
-  contract.check_k(style, "column backward contraction n_local (out_features / world_size)",
-                   dtensor::shard_size(weight.size(0), p, mesh.get_local_rank(0)));
+  check_k_of_every_shard(style, "column backward contraction n_local (out_features / world_size)",
+                         contract, weight.size(0), p);
 
   detail::shard_parameter(module, "weight", mesh, {Shard(0)});
   if (module.named_parameters(false).contains("bias")) {
@@ -76,7 +77,7 @@ void MC2ColwiseParallel::apply(torch::nn::Module& module, const DeviceMesh& mesh
     inputs[0] = detail::prepare(inputs[0], mesh, in, in, /*use_local_output=*/true);
     return inputs;
   });
-  add_output_hook(hm, mesh, Shard(-1), options_.output_layouts(), options_.use_local_output());
+  detail::add_output_hook(hm, mesh, Shard(-1), options_.output_layouts(), options_.use_local_output());
 }
 
 MC2RowwiseParallel::MC2RowwiseParallel(MC2RowwiseParallelOptions options)
@@ -92,15 +93,11 @@ MC2RowwiseParallel::MC2RowwiseParallel(MC2RowwiseParallelOptions options)
 
 void MC2RowwiseParallel::apply(torch::nn::Module& module, const DeviceMesh& mesh) const {
   const char* style = "MC2RowwiseParallel";
-  detail::check_tp_mesh(style, mesh);
-  check_linear(style, module);
   const auto& contract = options_.contract();
+  const auto weight = check_mc2_target(style, module, mesh, contract);
   const int64_t p = mesh.size(0);
-  contract.check_world_size(style, p);
-  auto weight = parameter(module, "weight");
-  contract.check_dtype(style, weight.scalar_type());
-  contract.check_k(style, "contraction dim k (in_features / world_size)",
-                   dtensor::shard_size(weight.size(1), p, mesh.get_local_rank(0)));
+  check_k_of_every_shard(style, "contraction dim k (in_features / world_size)", contract,
+                         weight.size(1), p);
 
   detail::shard_parameter(module, "weight", mesh, {Shard(1)});
   if (module.named_parameters(false).contains("bias")) {
@@ -118,7 +115,7 @@ void MC2RowwiseParallel::apply(torch::nn::Module& module, const DeviceMesh& mesh
     inputs[0] = detail::prepare(inputs[0], mesh, in, Shard(inputs[0].dim() - 1), true);
     return inputs;
   });
-  add_output_hook(hm, mesh, out, out, options_.use_local_output());
+  detail::add_output_hook(hm, mesh, out, out, options_.use_local_output());
 }
 
 }  // namespace hyper_parallel::tensor_parallel

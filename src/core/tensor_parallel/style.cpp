@@ -79,6 +79,14 @@ at::Tensor prepare(const at::Tensor& local, const DeviceMesh& mesh, const Placem
   return use_local_output ? d.to_local() : d.to_local_tagged();
 }
 
+void add_output_hook(HookableModule& module, const DeviceMesh& mesh, const Placement& produced,
+                     const Placement& wanted, bool use_local_output) {
+  module.add_output_hook([=](std::vector<at::Tensor> outputs) {
+    outputs[0] = prepare(outputs[0], mesh, produced, wanted, use_local_output);
+    return outputs;
+  });
+}
+
 }  // namespace detail
 
 namespace {
@@ -130,14 +138,6 @@ class RowwiseEmbeddingKernel final : public ForwardKernel {
   bool use_local_output_;
 };
 
-HookableModule::OutputHook output_hook(DeviceMesh mesh, Placement produced, Placement wanted,
-                                       bool use_local_output) {
-  return [=](std::vector<at::Tensor> outputs) {
-    outputs[0] = detail::prepare(outputs[0], mesh, produced, wanted, use_local_output);
-    return outputs;
-  };
-}
-
 void check_kind(const char* style, torch::nn::Module& module, HookableModule& hm) {
   TORCH_CHECK(hm.module_kind() == ModuleKind::kLinear || hm.module_kind() == ModuleKind::kEmbedding,
               style, ": expected hyper_parallel::nn::Linear or nn::Embedding, got ", module.name(),
@@ -174,7 +174,7 @@ void ColwiseParallel::apply(torch::nn::Module& module, const DeviceMesh& mesh) c
       return inputs;
     });
   }
-  hm.add_output_hook(output_hook(mesh, Shard(-1), out, options_.use_local_output()));
+  detail::add_output_hook(hm, mesh, Shard(-1), out, options_.use_local_output());
 }
 
 void RowwiseParallel::apply(torch::nn::Module& module, const DeviceMesh& mesh) const {
@@ -228,7 +228,7 @@ void SequenceParallel::apply(torch::nn::Module& module, const DeviceMesh& mesh) 
     }
     return inputs;
   });
-  hm.add_output_hook(output_hook(mesh, Shard(seq_dim), Shard(seq_dim), options_.use_local_output()));
+  detail::add_output_hook(hm, mesh, Shard(seq_dim), Shard(seq_dim), options_.use_local_output());
 }
 
 namespace {

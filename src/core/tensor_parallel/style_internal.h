@@ -28,6 +28,10 @@ void sync_partial_gradient(torch::nn::Module& module, const std::string& name,
 /// The DTensor a tagged input carries, else `local` read with `layout`.
 dtensor::DTensor as_dtensor(const at::Tensor& local, const dtensor::DeviceMesh& mesh,
                             const dtensor::Placement& layout);
+/// Adds an output hook that redistributes the first output from `produced` to `wanted`.
+void add_output_hook(HookableModule& module, const dtensor::DeviceMesh& mesh,
+                     const dtensor::Placement& produced, const dtensor::Placement& wanted,
+                     bool use_local_output);
 /// `local` (read as `from` unless tagged) redistributed to `to`; tagged unless use_local_output.
 at::Tensor prepare(const at::Tensor& local, const dtensor::DeviceMesh& mesh,
                    const dtensor::Placement& from, const dtensor::Placement& to,
