@@ -18,6 +18,8 @@ class FunctionalBackward final : public torch::autograd::Node {
       : fn_(std::move(fn)), name_(std::move(name)), outputs_(std::move(outputs)) {}
 
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    TORCH_CHECK(fn_ != nullptr, name_, ": expected a graph not yet freed, got one released by an "
+                "earlier backward (call backward(retain_graph=true) to backward twice)");
     for (size_t i = 0; i < grads.size(); ++i) {
       if (!grads[i].defined()) grads[i] = at::zeros(outputs_[i].sizes, outputs_[i].options);
     }

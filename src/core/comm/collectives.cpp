@@ -67,8 +67,10 @@ int64_t shard_offset_of(int64_t n, int64_t parts, int64_t j) {
 constexpr int64_t kSegmentBytes = int64_t{1} << 20;
 constexpr int64_t kMaxSegments = 8;
 
-int64_t segment_count(int64_t max_chunk_bytes) {
-  return std::clamp<int64_t>(max_chunk_bytes / kSegmentBytes, 1, kMaxSegments);
+// Capped so that (P - 1) steps x segments tags fit in one operation's tag block.
+int64_t segment_count(int64_t max_chunk_bytes, int64_t world_size) {
+  const int64_t max_for_tags = std::max<int64_t>(1, OpTags::kMaxSteps / world_size);
+  return std::clamp<int64_t>(max_chunk_bytes / kSegmentBytes, 1, std::min(kMaxSegments, max_for_tags));
 }
 
 // Segment j of a contiguous chunk, as a flat view.
@@ -97,7 +99,7 @@ void ring_all_gather(const at::Tensor& buffer, const at::Tensor& own,
                                 : buffer.numel() / buffer.size(0) * buffer.element_size();
   // With two ranks nothing is forwarded, so segments would only add messages.
   const int64_t segments =
-      p == 2 ? 1 : segment_count(*std::max_element(sizes.begin(), sizes.end()) * row_bytes);
+      p == 2 ? 1 : segment_count(*std::max_element(sizes.begin(), sizes.end()) * row_bytes, p);
   const auto tags = reserve_tags(group);
   auto tag = [&](int64_t step, int64_t j) { return tags.step(step * segments + j); };
   auto chunk = [&](int64_t c) { return buffer.narrow(0, off[c], sizes[c]); };
@@ -129,7 +131,7 @@ at::Tensor ring_reduce_scatter(const at::Tensor& x, const std::vector<int64_t>& 
   auto chunk = [&](int64_t c) { return x.narrow(0, off[c], sizes[c]); };
   if (p == 1) return chunk(0).to(acc, /*non_blocking=*/false, /*copy=*/true);
   const int64_t row_bytes = x.size(0) == 0 ? 0 : x.numel() / x.size(0) * at::elementSize(acc);
-  const int64_t segments = segment_count(*std::max_element(sizes.begin(), sizes.end()) * row_bytes);
+  const int64_t segments = segment_count(*std::max_element(sizes.begin(), sizes.end()) * row_bytes, p);
   const auto tags = reserve_tags(group);
   auto tag = [&](int64_t step, int64_t j) { return tags.step(step * segments + j); };
   const int64_t next = (r + 1) % p, prev = (r + p - 1) % p;
@@ -244,6 +246,10 @@ at::Tensor all_to_all(const at::Tensor& input, int64_t split_dim, int64_t concat
   split_dim = normalize_dim("all_to_all", split_dim, input.dim());
   concat_dim = normalize_dim("all_to_all", concat_dim, input.dim());
   const int64_t p = group.size(), r = group.rank();
+  TORCH_CHECK(split_dim != concat_dim, "hyper_parallel::comm::all_to_all: expected split_dim != "
+              "concat_dim, got both ", split_dim);
+  TORCH_CHECK(p <= OpTags::kMaxSteps, "hyper_parallel::comm::all_to_all: expected a group of at most ",
+              OpTags::kMaxSteps, " ranks, got ", p);
   auto splits = split_sizes_or_chunks("all_to_all", split_sizes, input.size(split_dim), p);
   std::vector<int64_t> recv_sizes = recv_concat_sizes.empty()
                                         ? std::vector<int64_t>(p, input.size(concat_dim))
@@ -251,6 +257,9 @@ at::Tensor all_to_all(const at::Tensor& input, int64_t split_dim, int64_t concat
   TORCH_CHECK(static_cast<int64_t>(recv_sizes.size()) == p,
               "hyper_parallel::comm::all_to_all: expected one receive size per rank (", p,
               "), got ", recv_sizes.size());
+  TORCH_CHECK(recv_sizes[r] == input.size(concat_dim), "hyper_parallel::comm::all_to_all: expected "
+              "recv_concat_sizes[", r, "] to equal this rank's extent ", input.size(concat_dim),
+              ", got ", recv_sizes[r]);
   record_collective(CollectiveKind::kAllToAll, describe(input, group));
   const auto split_off = offsets_of(splits);
   std::vector<at::Tensor> received(p);

@@ -118,8 +118,8 @@ int64_t DeviceMesh::dim_index(const std::string& name) const {
 }
 
 const std::vector<int64_t>& DeviceMesh::coordinate() const {
-  TORCH_CHECK(!impl_->coordinate.empty(), "DeviceMesh::coordinate: this rank (",
-              comm::global_rank(), ") is not in the mesh ", str());
+  TORCH_CHECK(!impl_->coordinate.empty(), "DeviceMesh::coordinate: expected a rank of ", str(),
+              " (ranks ", c10::IntArrayRef(impl_->ranks), "), got rank ", comm::global_rank());
   return impl_->coordinate;
 }
 

@@ -73,7 +73,7 @@ at::ScalarType accumulate_type(at::ScalarType t) {
 }
 
 void check_operands(const char* fn, const at::Tensor& a, const at::Tensor& b) {
-  TORCH_CHECK(a.defined() && b.defined(), fn, ": expected defined tensors");
+  TORCH_CHECK(a.defined() && b.defined(), fn, ": expected defined tensors, got an undefined one");
   TORCH_CHECK(a.dim() == 2 && b.dim() == 2, fn, ": expected 2-d operands, got ", a.sizes(), " and ",
               b.sizes());
   TORCH_CHECK(a.size(1) == b.size(0), fn, ": expected a [m, k] and b [k, n] with equal k, got ",
@@ -90,6 +90,8 @@ struct Chunks {
   std::vector<int64_t> size, offset;
   Chunks(int64_t rows, int64_t requested, int64_t world) {
     TORCH_CHECK(requested >= 1, "MC2Options: expected chunks_per_rank >= 1, got ", requested);
+    TORCH_CHECK(world <= comm::OpTags::kMaxSteps, "MC2: expected a group of at most ",
+                comm::OpTags::kMaxSteps, " ranks, got ", world);
     const int64_t count = std::min<int64_t>(requested, comm::OpTags::kMaxSteps / world);
     size = comm::chunk_sizes(rows, count);
     int64_t at = 0;
@@ -153,7 +155,7 @@ at::Tensor mm_reduce_scatter(const at::Tensor& a_in, const at::Tensor& b, const 
   check_operands("matmul_reduce_scatter", a_in, b);
   const int64_t p = group.size(), r = group.rank();
   TORCH_CHECK(a_in.size(0) % p == 0, "matmul_reduce_scatter: expected rows (", a_in.size(0),
-              ") divisible by world_size (", p, ")");
+              ") divisible by world_size (", p, "), got remainder ", a_in.size(0) % p);
   comm::record_collective(CollectiveKind::kMatmulReduceScatter, group.name());
   const auto a = a_in.contiguous();
   const int64_t m = a.size(0) / p, n = b.size(1);
@@ -275,10 +277,10 @@ at::Tensor mc2_row_linear(const at::Tensor& x, const at::Tensor& w, const at::Te
 // ---- Sequence layout --------------------------------------------------------------------------
 
 at::Tensor sequence_rows(const at::Tensor& x, int64_t sequence_dim) {
-  TORCH_CHECK(x.dim() >= 2, "MC2Linear: expected an activation with a sequence and a feature dim, got ",
-              x.sizes());
+  TORCH_CHECK(x.dim() >= 2, "MC2Linear::forward: expected an activation with a sequence and a "
+              "feature dim, got ", x.sizes());
   TORCH_CHECK(sequence_dim >= 0 && sequence_dim < x.dim() - 1,
-              "MC2Linear: expected sequence_dim to be a non-feature dim of the ", x.dim(),
+              "MC2Linear::forward: expected sequence_dim to be a non-feature dim of the ", x.dim(),
               "-d activation ", x.sizes(), ", got ", sequence_dim);
   return x.movedim(sequence_dim, 0).reshape({-1, x.size(-1)}).contiguous();
 }
@@ -307,10 +309,11 @@ class MC2LinearKernel final : public ForwardKernel {
       auto y = mc2_column_linear(sequence_rows(x, seq), w, bias, group, options);
       return from_sequence_rows(y, x, seq, x.size(seq) * p);
     }
-    TORCH_CHECK(seq >= 0 && seq < x.dim() - 1 && x.size(seq) % p == 0,
-                "MC2Linear::forward: reduce_scatter needs the sequence length (dim ", seq, " of ",
-                x.sizes(), ") divisible by world_size ", p);
-    auto y = mc2_row_linear(sequence_rows(x, seq), w, bias, group, options);
+    auto rows = sequence_rows(x, seq);  // checks seq is not the feature dim
+    TORCH_CHECK(x.size(seq) % p == 0, "MC2Linear::forward: reduce_scatter needs the sequence "
+                "length (dim ", seq, " of ", x.sizes(), ") divisible by world_size ", p, ", got ",
+                x.size(seq));
+    auto y = mc2_row_linear(rows, w, bias, group, options);
     return from_sequence_rows(y, x, seq, x.size(seq) / p);
   }
   std::string name() const override { return "MC2Linear(" + (configured ? mode : "unconfigured") + ")"; }
@@ -352,7 +355,8 @@ void MC2Linear::configure_mc2(const std::string& mode, const comm::Group& group,
   TORCH_CHECK(mode == "all_gather" || mode == "reduce_scatter",
               "MC2Linear::configure_mc2: expected mode 'all_gather' or 'reduce_scatter', got '",
               mode, "'");
-  TORCH_CHECK(group.is_member(), "MC2Linear::configure_mc2: expected a group this rank belongs to");
+  TORCH_CHECK(group.is_member(), "MC2Linear::configure_mc2: expected a group this rank belongs to, "
+              "got a non-member group");
   TORCH_CHECK(world_size == group.size(), "MC2Linear::configure_mc2: expected world_size to equal "
               "the group's size (", group.size(), "), got ", world_size);
   contract.check_world_size("MC2Linear::configure_mc2", world_size);

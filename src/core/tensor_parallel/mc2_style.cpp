@@ -27,6 +27,7 @@ at::Tensor check_mc2_target(const char* style, torch::nn::Module& module, const 
   TORCH_CHECK(hm.module_kind() == ModuleKind::kLinear, style,
               ": expected hyper_parallel::nn::Linear, got ", module.name(),
               "; MC2 fuses Linear layers only");
+  detail::check_not_parallelized(style, module);
   contract.check_world_size(style, mesh.size(0));
   auto weight = module.named_parameters(/*recurse=*/false)["weight"];
   contract.check_dtype(style, weight.scalar_type());
@@ -50,6 +51,9 @@ MC2ColwiseParallel::MC2ColwiseParallel(MC2ColwiseParallelOptions options)
               "MC2ColwiseParallel: requires a sharded input layout (sequence parallelism: the "
               "fused op all-gathers the sequence), got input_layouts ",
               options_.input_layouts().str());
+  TORCH_CHECK(options_.input_layouts().dim() != -1,
+              "MC2ColwiseParallel: expected input_layouts Shard(sequence dim), got Shard(-1), the "
+              "feature dim");
   TORCH_CHECK(!options_.output_layouts().is_partial(),
               "MC2ColwiseParallel: expected output_layouts Shard or Replicate, got ",
               options_.output_layouts().str());
@@ -73,8 +77,16 @@ void MC2ColwiseParallel::apply(torch::nn::Module& module, const DeviceMesh& mesh
                                                options_.mc2_options());
   auto& hm = detail::hookable(style, module);
   // The input stays sequence-sharded: the fused op does the gather (no redistribute here).
-  hm.add_input_hook([mesh, in](std::vector<at::Tensor> inputs) {
-    inputs[0] = detail::prepare(inputs[0], mesh, in, in, /*use_local_output=*/true);
+  // Every rank must hold the same number of tokens; the global shape (exact for inputs tagged by
+  // an upstream style) says whether they do, identically on every rank.
+  hm.add_input_hook([mesh, in, p](std::vector<at::Tensor> inputs) {
+    auto d = detail::as_dtensor(inputs[0], mesh, in);
+    if (d.placements() != dtensor::Placements{in}) d = d.redistribute({in});
+    const int64_t seq = d.placements()[0].dim();
+    TORCH_CHECK(d.shape()[seq] % p == 0, "MC2ColwiseParallel: expected the sequence length (dim ",
+                seq, " of the global activation ", c10::IntArrayRef(d.shape()),
+                ") divisible by world_size ", p, ", got ", d.shape()[seq]);
+    inputs[0] = d.to_local();
     return inputs;
   });
   detail::add_output_hook(hm, mesh, Shard(-1), options_.output_layouts(), options_.use_local_output());
@@ -86,6 +98,9 @@ MC2RowwiseParallel::MC2RowwiseParallel(MC2RowwiseParallelOptions options)
               "MC2RowwiseParallel: requires a sharded output layout (sequence parallelism: the "
               "fused op reduce-scatters the sequence), got output_layouts ",
               options_.output_layouts().str());
+  TORCH_CHECK(options_.output_layouts().dim() != -1,
+              "MC2RowwiseParallel: expected output_layouts Shard(sequence dim), got Shard(-1), the "
+              "feature dim");
   TORCH_CHECK(!options_.input_layouts().is_partial(),
               "MC2RowwiseParallel: expected input_layouts Shard or Replicate, got ",
               options_.input_layouts().str());

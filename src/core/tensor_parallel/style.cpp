@@ -29,6 +29,17 @@ HookableModule& hookable(const char* style, torch::nn::Module& module) {
   return *hm;
 }
 
+void check_not_parallelized(const char* style, torch::nn::Module& module) {
+  auto& hm = hookable(style, module);
+  for (const auto& item : module.named_parameters(/*recurse=*/false)) {
+    TORCH_CHECK(hm.parameter_layout(item.key()) == nullptr, style, ": expected a module no style ",
+                "has parallelized yet, got ", module.name(), " whose parameter '", item.key(),
+                "' is already laid out by another style");
+  }
+  TORCH_CHECK(hm.forward_kernel() == nullptr, style, ": expected a module no style has ",
+              "parallelized yet, got ", module.name(), " already using ", hm.forward_kernel()->name());
+}
+
 void check_tp_mesh(const char* style, const DeviceMesh& mesh) {
   TORCH_CHECK(mesh.ndim() == 1, style, ": expected a 1-d TP mesh, got a ", mesh.ndim(),
               "-d mesh ", mesh.str(), "; slice it by name, e.g. mesh[\"tp\"]");
@@ -150,6 +161,7 @@ void ColwiseParallel::apply(torch::nn::Module& module, const DeviceMesh& mesh) c
   detail::check_tp_mesh("ColwiseParallel", mesh);
   auto& hm = hookable("ColwiseParallel", module);
   check_kind("ColwiseParallel", module, hm);
+  detail::check_not_parallelized("ColwiseParallel", module);
   const auto in = options_.input_layouts(), out = options_.output_layouts();
   TORCH_CHECK(!in.is_partial(), "ColwiseParallel: expected input_layouts Shard or Replicate, got ",
               in.str());
@@ -181,6 +193,7 @@ void RowwiseParallel::apply(torch::nn::Module& module, const DeviceMesh& mesh) c
   detail::check_tp_mesh("RowwiseParallel", mesh);
   auto& hm = hookable("RowwiseParallel", module);
   check_kind("RowwiseParallel", module, hm);
+  detail::check_not_parallelized("RowwiseParallel", module);
   const auto in = options_.input_layouts(), out = options_.output_layouts();
   TORCH_CHECK(!out.is_partial(), "RowwiseParallel: expected output_layouts Shard or Replicate, got ",
               out.str());
@@ -215,6 +228,7 @@ void RowwiseParallel::apply(torch::nn::Module& module, const DeviceMesh& mesh) c
 void SequenceParallel::apply(torch::nn::Module& module, const DeviceMesh& mesh) const {
   detail::check_tp_mesh("SequenceParallel", mesh);
   auto& hm = hookable("SequenceParallel", module);
+  detail::check_not_parallelized("SequenceParallel", module);
   for (const auto& item : module.named_parameters(/*recurse=*/false)) {
     detail::sync_partial_gradient(module, item.key(), mesh);
   }

@@ -16,6 +16,9 @@ namespace hyper_parallel::tensor_parallel::detail {
 
 /// The module as a HookableModule, or an error naming the style and the module's type.
 HookableModule& hookable(const char* style, torch::nn::Module& module);
+/// A module's parameters and forward are changed by at most one style (Colwise, Rowwise,
+/// SequenceParallel or an MC2 style); a second one would shard already-sharded weights.
+void check_not_parallelized(const char* style, torch::nn::Module& module);
 /// Styles act on one mesh dim: the TP mesh.
 void check_tp_mesh(const char* style, const dtensor::DeviceMesh& mesh);
 /// Replaces parameter `name` of `module` by its local shard (rank 0's values) and records the

@@ -200,6 +200,9 @@ TEST(CollectiveErrors, BadArgumentsNameTheFunctionAndValue) {
   HP_EXPECT_THROW_MSG(hp::comm::irecv(at::ones({4, 4}).t(), (world.rank() + 1) % p, world, 0),
                       "expected a contiguous tensor");
   HP_EXPECT_THROW_MSG(hp::comm::Group().rank(), "non-member");
+  HP_EXPECT_THROW_MSG(hp::comm::all_to_all(at::ones({4, 4}), 0, 0, world), "expected split_dim != concat_dim");
+  HP_EXPECT_THROW_MSG(hp::comm::all_to_all(at::ones({4, 4}), 0, 1, world, {}, std::vector<int64_t>(p, 5)),
+                      "expected recv_concat_sizes[" + std::to_string(world.rank()) + "] to equal this rank's extent 4, got 5");
   HP_EXPECT_THROW_MSG(hp::comm::init_process_group(), "already initialised");
 }
 

@@ -42,7 +42,10 @@ class DTensor {
   /// The local shard; gradients flowing into it take this DTensor's placements.
   const at::Tensor& to_local() const { return local_; }
   /// The local shard; its gradient is declared to have `grad_placements` (e.g. Partial after a
-  /// column-parallel matmul consumed a Replicate input).
+  /// column-parallel matmul consumed a Replicate input). The declaration holds for the whole
+  /// gradient reaching this DTensor's local tensor (as in PyTorch, where the summed gradient has
+  /// one placement): every consumer of it must produce gradients of those placements. A second
+  /// declaration that differs is an error.
   at::Tensor to_local(const Placements& grad_placements) const;
 
   /// The local shard, remembered as this DTensor: a consumer that calls DTensor::from_tagged on

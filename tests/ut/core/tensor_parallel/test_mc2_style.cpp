@@ -97,6 +97,10 @@ TEST_F(MC2Style, StylesRequireSequenceParallelLayouts) {
                       "MC2RowwiseParallel: requires a sharded output layout");
   HP_EXPECT_THROW_MSG(tp::MC2ColwiseParallel(tp::MC2ColwiseParallelOptions().output_layouts(Partial())),
                       "expected output_layouts Shard or Replicate, got Partial(sum)");
+  HP_EXPECT_THROW_MSG(tp::MC2ColwiseParallel(tp::MC2ColwiseParallelOptions().input_layouts(Shard(-1))),
+                      "MC2ColwiseParallel: expected input_layouts Shard(sequence dim), got Shard(-1)");
+  HP_EXPECT_THROW_MSG(tp::MC2RowwiseParallel(tp::MC2RowwiseParallelOptions().output_layouts(Shard(-1))),
+                      "MC2RowwiseParallel: expected output_layouts Shard(sequence dim), got Shard(-1)");
 }
 
 TEST_F(MC2Style, ApplyYieldsConfiguredMC2LinearsWithPlainShards) {
@@ -222,6 +226,38 @@ TEST_F(MC2Style, FailsClosedOnEveryContractLimit) {
   hp::comm::reset_collective_counts();
   EXPECT_EQ(relaxed(at::ones({1, 2, 16})).sizes(), (at::IntArrayRef{1, 4, 8}));
   EXPECT_EQ(hp::comm::collective_count(CollectiveKind::kAllGatherMatmul), 1);
+}
+
+TEST_F(MC2Style, AModuleTakesOneStyleAndIsLeftUntouchedOnError) {
+  auto lin = linear(512, 512);
+  tp::parallelize_module(*lin, *mesh, tp::ColwiseParallel());
+  auto shard = lin->weight.detach().clone();
+  HP_EXPECT_THROW_MSG(tp::parallelize_module(*lin, *mesh, tp::MC2ColwiseParallel()),
+                      "MC2ColwiseParallel: expected a module no style has parallelized yet");
+  HP_EXPECT_THROW_MSG(tp::parallelize_module(*lin, *mesh, tp::RowwiseParallel()),
+                      "parameter 'weight' is already laid out by another style");
+  EXPECT_TRUE(lin->weight.equal(shard));
+  EXPECT_FALSE(tp::MC2Linear::of(*lin).has_value());
+}
+
+TEST_F(MC2Style, UnevenSequenceShardsAreRejectedOnEveryRank) {
+  // 7 tokens over 2 ranks (4 + 3): the fused ring needs equal blocks.
+  auto col = linear(512, 512);
+  tp::parallelize_module(*col, *mesh, tp::MC2ColwiseParallel());
+  auto local = at::ones({2, 4 - hp_test::rank(), 512}, at::kBFloat16);
+  auto x = DTensor::from_local(local, *mesh, {Shard(1)}, FromLocalOptions().run_check(true));
+  HP_EXPECT_THROW_MSG(col(x.to_local_tagged()),
+                      "MC2ColwiseParallel: expected the sequence length (dim 1 of the global "
+                      "activation [2, 7, 512]) divisible by world_size 2, got 7");
+}
+
+TEST_F(MC2Style, SecondBackwardWithoutRetainedGraphIsAClearError) {
+  auto col = linear(512, 512);
+  tp::parallelize_module(*col, *mesh, tp::MC2ColwiseParallel());
+  auto y = col(at::ones({1, 2, 512}, at::kBFloat16).requires_grad_(true)).sum();
+  y.backward({}, /*retain_graph=*/true);
+  y.backward();
+  HP_EXPECT_THROW_MSG(y.backward(), "Backward: expected a graph not yet freed, got one released by an earlier backward");
 }
 
 TEST_F(MC2Style, Llama3EnableMC2NeedsSequenceParallel) {
