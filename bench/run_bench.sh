@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Runs a benchmark twice on N local ranks: over loopback, then over rate-limited veth links between
 # network namespaces (needs root and iproute2). Each table says which link it ran on.
-#   bash bench/run_bench.sh bench_mc2|bench_comm [RATE=2gbit] [NPROC=2] [-- bench args]
+#   bash bench/run_bench.sh bench_mc2|bench_comm|PATH/TO/PROGRAM [RATE=2gbit] [NPROC=2] [-- args]
+# e.g. Llama 3 steps with and without MC2 over the link:
+#   bash bench/run_bench.sh build/examples/torch/llama3/llama3_train 2gbit 2 -- \
+#     --preset bench --dtype bf16 --steps 8 --enable-mc2
 set -euo pipefail
 cd "$(dirname "$0")/.."
 name=${1:?usage: run_bench.sh bench_mc2|bench_comm [RATE] [NPROC] [-- args]}
@@ -13,6 +16,7 @@ if [[ $# -gt 0 && $1 != "--" ]]; then nproc=$1; shift; fi
 build_dir=${BUILD_DIR:-build}
 hp_run="$build_dir/tools/hp-run/hp-run"
 bench="$build_dir/bench/$name"
+[[ $name == */* ]] && bench=$name
 export OMP_NUM_THREADS=1
 
 "$hp_run" --nproc-per-node "$nproc" --timeout 900 -- "$bench" "$@"

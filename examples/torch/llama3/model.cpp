@@ -34,11 +34,24 @@ ModelArgs ModelArgs::llama3_8b(int64_t n_layers) {
   return a;
 }
 
+ModelArgs ModelArgs::bench() {
+  ModelArgs a;
+  a.dim = 1024;
+  a.n_layers = 2;
+  a.n_heads = 8;
+  a.n_kv_heads = 8;
+  a.vocab_size = 4096;
+  a.ffn_dim_multiplier = 1.0;
+  a.max_seq_len = 256;
+  return a;
+}
+
 ModelArgs ModelArgs::from_preset(const std::string& name) {
   if (name == "debug") return debug();
+  if (name == "bench") return bench();
   if (name == "llama3_8b") return llama3_8b();
   if (name == "llama3_8b_1layer") return llama3_8b(1);
-  TORCH_CHECK(false, "ModelArgs::from_preset: expected 'debug', 'llama3_8b' or 'llama3_8b_1layer', got '",
+  TORCH_CHECK(false, "ModelArgs::from_preset: expected 'debug', 'bench', 'llama3_8b' or 'llama3_8b_1layer', got '",
               name, "'");
 }
 

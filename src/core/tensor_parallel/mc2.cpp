@@ -1,6 +1,7 @@
 #include <hyper_parallel/core/tensor_parallel/mc2.h>
 
 #include <algorithm>
+#include <mutex>
 #include <sstream>
 
 #include <ATen/ATen.h>
@@ -226,14 +227,25 @@ at::Tensor sum_rows(const at::Tensor& t) {
 
 }  // namespace
 
-at::Tensor mc2_column_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias,
-                             const comm::Group& group, const MC2Options& options) {
-  at::Tensor y, gathered;
+namespace {
+
+// The column-parallel Linear. With `gathered` undefined it runs the fused all-gather + matmul;
+// with the gather of x already at hand (another layer just gathered the same activation) it
+// multiplies without communicating. The gather used is returned through `gathered_out`.
+at::Tensor column_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias,
+                         const comm::Group& group, const MC2Options& options, at::Tensor gathered,
+                         at::Tensor* gathered_out) {
+  at::Tensor y;
   {
     at::NoGradGuard no_grad;
-    std::tie(y, gathered) = all_gather_matmul(x, w, group, options);
+    if (gathered.defined()) {
+      y = local_matmul(gathered, w.t());
+    } else {
+      std::tie(y, gathered) = all_gather_matmul(x, w, group, options);
+    }
     if (bias.defined()) y.add_(bias);  // after the collective
   }
+  if (gathered_out != nullptr) *gathered_out = gathered;
   return detail::attach_backward(
       {x, w, bias}, {y},
       [gathered, w = w.detach(), group, options, need_x = x.requires_grad(),
@@ -249,6 +261,55 @@ at::Tensor mc2_column_linear(const at::Tensor& x, const at::Tensor& w, const at:
         return {dx, dw, db};
       },
       "MC2ColumnLinearBackward")[0];
+}
+
+// The last activation an MC2 column layer gathered, so that the next column layer reading the
+// very same activation (Llama's w1 and w3 both read the FFN input) reuses the gather instead of
+// moving the same bytes again, as async-TP's all-gather with several weights does. An entry
+// matches only while the activation's storage is alive, at the same view and version (no
+// in-place change since), on the same group and sequence dim.
+class SharedGather {
+ public:
+  at::Tensor lookup(const at::Tensor& x, int64_t seq, const comm::Group& group) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto storage = storage_.lock();
+    const bool same = storage && storage.get() == x.storage().unsafeGetStorageImpl() &&
+                      offset_ == x.storage_offset() && sizes_ == x.sizes().vec() &&
+                      strides_ == x.strides().vec() && version_ == x._version() && seq_ == seq &&
+                      group_ == &group.impl();
+    return same ? gathered_ : at::Tensor();
+  }
+  void remember(const at::Tensor& x, int64_t seq, const comm::Group& group, at::Tensor gathered) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    storage_ = x.storage().getWeakStorageImpl();
+    offset_ = x.storage_offset();
+    sizes_ = x.sizes().vec();
+    strides_ = x.strides().vec();
+    version_ = x._version();
+    seq_ = seq;
+    group_ = &group.impl();
+    gathered_ = std::move(gathered);
+  }
+
+ private:
+  std::mutex mutex_;
+  c10::weak_intrusive_ptr<c10::StorageImpl> storage_{c10::intrusive_ptr<c10::StorageImpl>()};
+  int64_t offset_ = 0, version_ = -1, seq_ = -1;
+  std::vector<int64_t> sizes_, strides_;
+  const void* group_ = nullptr;
+  at::Tensor gathered_;
+};
+
+SharedGather& shared_gather() {
+  static SharedGather cache;
+  return cache;
+}
+
+}  // namespace
+
+at::Tensor mc2_column_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias,
+                             const comm::Group& group, const MC2Options& options) {
+  return column_linear(x, w, bias, group, options, at::Tensor(), nullptr);
 }
 
 at::Tensor mc2_row_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias,
@@ -306,7 +367,10 @@ class MC2LinearKernel final : public ForwardKernel {
     const int64_t seq = sequence_dim < 0 ? sequence_dim + x.dim() : sequence_dim;
     const int64_t p = world_size;
     if (mode == "all_gather") {
-      auto y = mc2_column_linear(sequence_rows(x, seq), w, bias, group, options);
+      auto rows = sequence_rows(x, seq);
+      at::Tensor shared = shared_gather().lookup(x, seq, group), gathered;
+      auto y = column_linear(rows, w, bias, group, options, shared, &gathered);
+      if (!shared.defined()) shared_gather().remember(x, seq, group, gathered);
       return from_sequence_rows(y, x, seq, x.size(seq) * p);
     }
     auto rows = sequence_rows(x, seq);  // checks seq is not the feature dim

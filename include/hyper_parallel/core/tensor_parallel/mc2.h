@@ -99,7 +99,9 @@ at::Tensor mc2_row_linear(const at::Tensor& x, const at::Tensor& w, const at::Te
 class MC2LinearKernel;
 
 /// A handle on an nn::Linear whose forward runs an MC2 fused op. Converting keeps the module
-/// object and its parameters; only the forward changes.
+/// object and its parameters; only the forward changes. In "all_gather" mode, a layer whose input
+/// is the very activation the previous all_gather-mode layer just gathered (same storage, view
+/// and version, same group) reuses that gather and multiplies without communicating.
 ///
 /// Usage:
 ///   auto mc2 = MC2Linear::from_linear(*linear);

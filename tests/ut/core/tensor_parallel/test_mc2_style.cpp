@@ -169,6 +169,43 @@ TEST_F(MC2Style, RowPathRunsOneFusedOpEachWayAndNothingElse) {
   EXPECT_EQ(hp::comm::total_collective_count(), 2) << "no gradient sync: the bias gradient is complete";
 }
 
+TEST_F(MC2Style, ColumnLayersReadingOneActivationShareOneGather) {
+  auto w1 = linear(512, 512), w3 = linear(512, 512), lone = linear(512, 512);
+  for (auto* m : {&w1, &w3, &lone}) tp::parallelize_module(**m, *mesh, tp::MC2ColwiseParallel());
+  auto x = at::randn({2, 4, 512}).to(at::kBFloat16).requires_grad_(true);
+  hp::comm::reset_collective_counts();
+  at::Tensor y1, y3;
+  {
+    hp::comm::CommRegion r("forward");
+    y1 = w1(x);
+    y3 = w3(x);  // same activation: reuses w1's gather
+  }
+  EXPECT_EQ(hp::comm::total_collective_count("forward"), 1);
+  {
+    hp::comm::CommRegion r("backward");
+    (y1 + y3).sum().backward();
+  }
+  EXPECT_EQ(hp::comm::collective_count(CollectiveKind::kMatmulReduceScatter, "backward"), 2);
+  // Same values and input gradient as gathering separately (a copy is another activation).
+  auto x3 = x.detach().clone().requires_grad_(true);
+  auto y3_alone = w3(x3);
+  EXPECT_TRUE(y3_alone.equal(y3));
+  auto x1 = x.detach().clone().requires_grad_(true);
+  (w1(x1) + 0).sum().backward();
+  y3_alone.sum().backward();
+  EXPECT_TRUE((x1.grad() + x3.grad()).equal(x.grad()));
+  // An in-place change of the activation (new version) means a fresh gather.
+  auto z = at::randn({2, 4, 512}).to(at::kBFloat16);
+  hp::comm::reset_collective_counts();
+  lone(z);
+  {
+    at::NoGradGuard g;
+    z.mul_(2);
+  }
+  lone(z);
+  EXPECT_EQ(hp::comm::collective_count(CollectiveKind::kAllGatherMatmul), 2);
+}
+
 TEST_F(MC2Style, SequenceRowsRoundTripAndTheNaiveFlattenCounterexample) {
   auto x = at::arange(2 * 3 * 4, at::kFloat).reshape({2, 3, 4});  // [B, S, H]
   auto rows = tp::sequence_rows(x, 1);
