@@ -14,13 +14,15 @@ class FunctionalBackward final : public torch::autograd::Node {
     std::vector<int64_t> sizes;
     at::TensorOptions options;
   };
-  FunctionalBackward(BackwardFn fn, std::string name, std::vector<OutputMeta> outputs)
-      : fn_(std::move(fn)), name_(std::move(name)), outputs_(std::move(outputs)) {}
+  FunctionalBackward(BackwardFn fn, std::string name, std::vector<OutputMeta> outputs,
+                     bool materialize)
+      : fn_(std::move(fn)), name_(std::move(name)), outputs_(std::move(outputs)),
+        materialize_(materialize) {}
 
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
     TORCH_CHECK(fn_ != nullptr, name_, ": expected a graph not yet freed, got one released by an "
                 "earlier backward (call backward(retain_graph=true) to backward twice)");
-    for (size_t i = 0; i < grads.size(); ++i) {
+    for (size_t i = 0; materialize_ && i < grads.size(); ++i) {
       if (!grads[i].defined()) grads[i] = at::zeros(outputs_[i].sizes, outputs_[i].options);
     }
     return fn_(std::move(grads));
@@ -32,20 +34,22 @@ class FunctionalBackward final : public torch::autograd::Node {
   BackwardFn fn_;
   std::string name_;
   std::vector<OutputMeta> outputs_;  // to make zeros for outputs that got no gradient
+  bool materialize_;
 };
 
 }  // namespace
 
 std::vector<at::Tensor> attach_backward(const std::vector<at::Tensor>& inputs,
                                         std::vector<at::Tensor> outputs, BackwardFn backward,
-                                        std::string name) {
+                                        std::string name, bool materialize_grads) {
   bool any = false;
   for (const auto& t : inputs) any = any || (t.defined() && t.requires_grad());
   if (!any || !torch::autograd::GradMode::is_enabled()) return outputs;
   std::vector<FunctionalBackward::OutputMeta> metas;
   for (auto& out : outputs) metas.push_back({out.sizes().vec(), out.options()});
   std::shared_ptr<FunctionalBackward> node(
-      new FunctionalBackward(std::move(backward), std::move(name), std::move(metas)),
+      new FunctionalBackward(std::move(backward), std::move(name), std::move(metas),
+                             materialize_grads),
       torch::autograd::deleteNode);
   node->set_next_edges(torch::autograd::collect_next_edges(inputs));
   for (auto& out : outputs) {

@@ -11,15 +11,15 @@
 
 namespace hyper_parallel::detail {
 
-/// Gradients of the outputs (undefined ones already replaced by zeros) -> gradients of the
-/// inputs (undefined where an input needs none).
+/// Gradients of the outputs (undefined ones replaced by zeros unless materialize_grads is false)
+/// -> gradients of the inputs (undefined where an input needs none).
 using BackwardFn = std::function<std::vector<at::Tensor>(std::vector<at::Tensor> grad_outputs)>;
 
 /// Makes `outputs` (computed from `inputs` under no-grad; must not alias them) differentiable
 /// with `backward`. Returns them unchanged when no input requires grad or grad mode is off.
 std::vector<at::Tensor> attach_backward(const std::vector<at::Tensor>& inputs,
                                         std::vector<at::Tensor> outputs, BackwardFn backward,
-                                        std::string name);
+                                        std::string name, bool materialize_grads = true);
 
 /// Single-input, single-output convenience.
 at::Tensor attach_backward(const at::Tensor& input, at::Tensor output,

@@ -151,8 +151,13 @@ std::pair<at::Tensor, at::Tensor> all_gather_mm(const at::Tensor& a_in, const at
   return {y, gathered};
 }
 
-at::Tensor mm_reduce_scatter(const at::Tensor& a_in, const at::Tensor& b, const comm::Group& group,
-                             const MC2Options& options) {
+namespace {
+
+// reduce_scatter(a @ b + addend) in one ring; `addend` ([M, n] or undefined) is added to each
+// block's partial product before it joins the accumulator.
+at::Tensor ring_mm_reduce_scatter(const at::Tensor& a_in, const at::Tensor& b,
+                                  const comm::Group& group, const MC2Options& options,
+                                  const at::Tensor& addend) {
   check_operands("matmul_reduce_scatter", a_in, b);
   const int64_t p = group.size(), r = group.rank();
   TORCH_CHECK(a_in.size(0) % p == 0, "matmul_reduce_scatter: expected rows (", a_in.size(0),
@@ -160,7 +165,9 @@ at::Tensor mm_reduce_scatter(const at::Tensor& a_in, const at::Tensor& b, const 
   comm::record_collective(CollectiveKind::kMatmulReduceScatter, group.name());
   const auto a = a_in.contiguous();
   const int64_t m = a.size(0) / p, n = b.size(1);
-  if (p == 1) return local_matmul(a, b);
+  TORCH_INTERNAL_ASSERT(!addend.defined() || addend.sizes() == c10::IntArrayRef({a.size(0), n}),
+                        "matmul_reduce_scatter: addend of shape ", addend.sizes());
+  if (p == 1) return addend.defined() ? local_matmul(a, b) + addend : local_matmul(a, b);
   const auto acc = accumulate_type(a.scalar_type());
   const Chunks chunks(m, options.chunks_per_rank(), p);
   const auto tags = comm::reserve_tags(group);
@@ -183,15 +190,17 @@ at::Tensor mm_reduce_scatter(const at::Tensor& a_in, const at::Tensor& b, const 
   for (int64_t s = 0; s < p; ++s) {
     const int64_t c = (r - s - 1 + 2 * p) % p;
     for (int64_t j = 0; j < chunks.count(); ++j) {
-      auto part = local_matmul(a.narrow(0, c * m + chunks.offset[j], chunks.size[j]), b);
+      const int64_t row = c * m + chunks.offset[j];
+      auto part = local_matmul(a.narrow(0, row, chunks.size[j]), b);
       at::Tensor sum;
       if (s == 0) {
-        sum = part.to(acc);
+        sum = part.to(acc);  // a fresh tensor either way
       } else {
         recvs[(s - 1) * chunks.count() + j].wait();
         sum = incoming[(s - 1) * chunks.count() + j];
         sum.add_(part);
       }
+      if (addend.defined()) sum.add_(addend.narrow(0, row, chunks.size[j]));
       if (s + 1 < p) {
         sends.push_back(comm::isend(sum, next, group, tag(s, j)));
         outgoing.push_back(sum);
@@ -202,6 +211,13 @@ at::Tensor mm_reduce_scatter(const at::Tensor& a_in, const at::Tensor& b, const 
   }
   for (auto& w : sends) w.wait();
   return result.to(a.scalar_type());
+}
+
+}  // namespace
+
+at::Tensor mm_reduce_scatter(const at::Tensor& a, const at::Tensor& b, const comm::Group& group,
+                             const MC2Options& options) {
+  return ring_mm_reduce_scatter(a, b, group, options, at::Tensor());
 }
 
 std::pair<at::Tensor, at::Tensor> all_gather_matmul(const at::Tensor& x, const at::Tensor& w,
@@ -229,38 +245,62 @@ at::Tensor sum_rows(const at::Tensor& t) {
 
 namespace {
 
-// The column-parallel Linear. With `gathered` undefined it runs the fused all-gather + matmul;
-// with the gather of x already at hand (another layer just gathered the same activation) it
-// multiplies without communicating. The gather used is returned through `gathered_out`.
-at::Tensor column_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias,
-                         const comm::Group& group, const MC2Options& options, at::Tensor gathered,
-                         at::Tensor* gathered_out) {
-  at::Tensor y;
+// The column-parallel Linear: (y, G) with G = all_gather(x) returned as a differentiable
+// output, so that other layers reading the same activation can multiply G directly
+// (shared_column_linear). Backward: dX = reduce_scatter(dY W + dG) in one fused ring, where dG
+// is the sum of those layers' (local, uncommunicated) gradients; dW = dYᵀ G; db = Σ_rows dY.
+std::pair<at::Tensor, at::Tensor> column_linear(const at::Tensor& x, const at::Tensor& w,
+                                                const at::Tensor& bias, const comm::Group& group,
+                                                const MC2Options& options) {
+  at::Tensor y, gathered;
   {
     at::NoGradGuard no_grad;
-    if (gathered.defined()) {
-      y = local_matmul(gathered, w.t());
-    } else {
-      std::tie(y, gathered) = all_gather_matmul(x, w, group, options);
-    }
+    std::tie(y, gathered) = all_gather_matmul(x, w, group, options);
     if (bias.defined()) y.add_(bias);  // after the collective
   }
-  if (gathered_out != nullptr) *gathered_out = gathered;
-  return detail::attach_backward(
-      {x, w, bias}, {y},
+  // The closure keeps the plain gather (no autograd history), not the output: no cycle.
+  auto outs = detail::attach_backward(
+      {x, w, bias}, {y, gathered},
       [gathered, w = w.detach(), group, options, need_x = x.requires_grad(),
        need_w = w.requires_grad(), need_b = bias.defined() && bias.requires_grad()](
           std::vector<at::Tensor> grads) -> std::vector<at::Tensor> {
-        const auto dy = grads[0].contiguous();
+        const auto dy = grads[0].defined()
+                            ? grads[0].contiguous()
+                            : at::zeros({gathered.size(0), w.size(0)}, gathered.options());
+        const auto& d_gathered = grads[1];  // undefined unless another layer shared the gather
         at::Tensor dx, dw, db;
-        // dX: the dual op, contracting over n_local: reduce_scatter(dY W).
-        if (need_x) dx = mm_reduce_scatter(dy, w, group, options);
+        // dX: the dual op, contracting over n_local: reduce_scatter(dY W (+ dG)).
+        if (need_x) dx = ring_mm_reduce_scatter(dy, w, group, options, d_gathered);
         // dW from the gathered X saved in forward: no second gather.
         if (need_w) dw = local_matmul(dy.t(), gathered);
         if (need_b) db = sum_rows(dy);
         return {dx, dw, db};
       },
-      "MC2ColumnLinearBackward")[0];
+      "MC2ColumnLinearBackward", /*materialize_grads=*/false);
+  return {outs[0], outs[1]};
+}
+
+// A column-parallel Linear on a gather another MC2 layer already made: y = G Wᵀ + b, no
+// communication. Its input gradient dG = dY W stays local and joins the gathering layer's
+// reduce-scatter.
+at::Tensor shared_column_linear(const at::Tensor& gathered, const at::Tensor& w,
+                                const at::Tensor& bias) {
+  at::Tensor y;
+  {
+    at::NoGradGuard no_grad;
+    y = local_matmul(gathered, w.t());
+    if (bias.defined()) y.add_(bias);
+  }
+  return detail::attach_backward(
+      {gathered, w, bias}, {y},
+      [g = gathered.detach(), w = w.detach(), need_g = gathered.requires_grad(),
+       need_w = w.requires_grad(), need_b = bias.defined() && bias.requires_grad()](
+          std::vector<at::Tensor> grads) -> std::vector<at::Tensor> {
+        const auto dy = grads[0].contiguous();
+        return {need_g ? local_matmul(dy, w) : at::Tensor(),
+                need_w ? local_matmul(dy.t(), g) : at::Tensor(), need_b ? sum_rows(dy) : at::Tensor()};
+      },
+      "MC2SharedColumnLinearBackward")[0];
 }
 
 // The last activation an MC2 column layer gathered, so that the next column layer reading the
@@ -309,7 +349,7 @@ SharedGather& shared_gather() {
 
 at::Tensor mc2_column_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias,
                              const comm::Group& group, const MC2Options& options) {
-  return column_linear(x, w, bias, group, options, at::Tensor(), nullptr);
+  return column_linear(x, w, bias, group, options).first;
 }
 
 at::Tensor mc2_row_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias,
@@ -367,10 +407,14 @@ class MC2LinearKernel final : public ForwardKernel {
     const int64_t seq = sequence_dim < 0 ? sequence_dim + x.dim() : sequence_dim;
     const int64_t p = world_size;
     if (mode == "all_gather") {
-      auto rows = sequence_rows(x, seq);
-      at::Tensor shared = shared_gather().lookup(x, seq, group), gathered;
-      auto y = column_linear(rows, w, bias, group, options, shared, &gathered);
-      if (!shared.defined()) shared_gather().remember(x, seq, group, gathered);
+      at::Tensor y;
+      if (auto shared = shared_gather().lookup(x, seq, group); shared.defined()) {
+        y = shared_column_linear(shared, w, bias);
+      } else {
+        at::Tensor gathered;
+        std::tie(y, gathered) = column_linear(sequence_rows(x, seq), w, bias, group, options);
+        shared_gather().remember(x, seq, group, gathered);
+      }
       return from_sequence_rows(y, x, seq, x.size(seq) * p);
     }
     auto rows = sequence_rows(x, seq);  // checks seq is not the feature dim
