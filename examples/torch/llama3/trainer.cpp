@@ -43,8 +43,14 @@ std::vector<StepResult> train(const TrainOptions& options,
   if (!options.reference()) {
     parallelize_llama3(*model, tp_mesh,
                        ParallelizeOptions()
-                         .enable_sequence_parallel(options.enable_sequence_parallel())
-                         .enable_loss_parallel(options.enable_loss_parallel())
+                           .enable_sequence_parallel(options.enable_sequence_parallel())
+                           .enable_loss_parallel(options.enable_loss_parallel())
+                           .enable_mc2(options.enable_mc2())
+                           .mc2_contract(options.relaxed_mc2_contract()
+                                             ? hp::tensor_parallel::MC2Contract::relaxed()
+                                             : hp::tensor_parallel::MC2Contract::strict())
+                           .mc2_options(hp::tensor_parallel::MC2Options().chunks_per_rank(
+                               options.mc2_chunks_per_rank()))
                            .seq_len(seq_len));
   }
   torch::optim::AdamW optimizer(model->parameters(),

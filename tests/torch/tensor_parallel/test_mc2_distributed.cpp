@@ -232,8 +232,15 @@ TEST(Llama3MC2, SameLossesAsWithoutMC2) {
   for (const auto& c : {Case{"bf16", false, 1e-2}, Case{"fp32", true, 1e-4}}) {
     SCOPED_TRACE(c.dtype);
     auto base = llama3::TrainOptions().dtype(c.dtype);
+    hp::comm::reset_collective_counts();
     auto plain = losses(base);
+    EXPECT_EQ(hp::comm::collective_count(CollectiveKind::kAllGatherMatmul), 0);
+    hp::comm::reset_collective_counts();
     auto fused = losses(llama3::TrainOptions(base).enable_mc2(true).relaxed_mc2_contract(c.relaxed));
+    // The fused path really ran: per step and layer one all-gather-matmul forward (w1, shared
+    // with w3) and one backward (w2).
+    EXPECT_EQ(hp::comm::collective_count(CollectiveKind::kAllGatherMatmul),
+              5 * 2 * llama3::ModelArgs::debug().n_layers);
     for (size_t i = 0; i < plain.size(); ++i) {
       EXPECT_NEAR(fused[i], plain[i], c.rtol * plain[i]) << "step " << i + 1;
     }
