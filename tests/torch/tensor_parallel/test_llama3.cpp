@@ -35,8 +35,14 @@ std::pair<std::vector<llama3::StepResult>, Grads> run(llama3::TrainOptions optio
 }
 
 void expect_same_training(const llama3::TrainOptions& options) {
+  hp::comm::reset_collective_counts();
   auto [ref, ref_grads] = run(llama3::TrainOptions(options).reference(true));
+  EXPECT_EQ(hp::comm::total_collective_count(), 0) << "the reference is single-process";
   auto [par, par_grads] = run(options);
+  // 5 steps, each with the plan's all-gathers (SP) or all-reduces (no SP) in every block.
+  const auto kind = options.enable_sequence_parallel() ? CollectiveKind::kAllGather : CollectiveKind::kAllReduce;
+  EXPECT_GE(hp::comm::collective_count(kind), 5 * 2 * llama3::ModelArgs::debug().n_layers)
+      << "the TP run really is parallel: " << hp::comm::collective_counts_summary();
   ASSERT_EQ(ref.size(), par.size());
   for (size_t i = 0; i < ref.size(); ++i) {
     EXPECT_NEAR(par[i].loss, ref[i].loss, kLossRtol * std::abs(ref[i].loss)) << "step " << i + 1;
