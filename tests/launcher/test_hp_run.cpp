@@ -313,12 +313,24 @@ TEST(HpRun, KillReachesTheRanksOwnSubprocesses) {
   std::remove(marker.c_str());
 }
 
+// The shell command of a rank that would leave a marker file after 3 s if it survived.
+std::string leaves_marker_if_alive(const std::string& marker) {
+  return "(sleep 3; touch '" + marker + "$RANK') & wait";
+}
+
+bool any_marker(const std::string& marker) {
+  return ::access((marker + "0").c_str(), F_OK) == 0 || ::access((marker + "1").c_str(), F_OK) == 0;
+}
+
 TEST(HpRun, TimeoutKillsAllRanks) {
-  const Result r = run_hp_run(sh_job(2, "sleep 60", {"--timeout", "1"}));
+  const std::string marker = ::testing::TempDir() + "hp_run_timeout_" + std::to_string(::getpid());
+  const Result r = run_hp_run(sh_job(2, leaves_marker_if_alive(marker), {"--timeout", "1"}));
   EXPECT_EQ(r.exit_code, 124) << describe(r);
   EXPECT_NE(r.err.find("hp-run: timeout after 1 s; killing all ranks"), std::string::npos)
       << describe(r);
   EXPECT_LT(r.seconds, 8.0);
+  std::this_thread::sleep_for(4s);
+  EXPECT_FALSE(any_marker(marker)) << "a rank outlived the timeout";
 }
 
 TEST(HpRun, MissingProgramIsAFailingRank) {
@@ -334,7 +346,9 @@ class HpRunSignal : public ::testing::TestWithParam<int> {};
 
 TEST_P(HpRunSignal, IsForwardedToAllRanks) {
   const int sig = GetParam();
-  Launch launch(sh_job(2, "echo ready; sleep 60", {"--grace", "1"}));
+  const std::string marker = ::testing::TempDir() + "hp_run_signal_" + std::to_string(sig) + "_" +
+                             std::to_string(::getpid());
+  Launch launch(sh_job(2, "echo ready; " + leaves_marker_if_alive(marker), {"--grace", "1"}));
   ASSERT_TRUE(launch.wait_for_stdout("[rank 1] ready", 10s) &&
               launch.wait_for_stdout("[rank 0] ready", 10s));
   ASSERT_EQ(::kill(launch.pid(), sig), 0);
@@ -342,6 +356,8 @@ TEST_P(HpRunSignal, IsForwardedToAllRanks) {
   EXPECT_EQ(r.exit_code, 128 + sig) << describe(r);
   EXPECT_NE(r.err.find("terminating all ranks"), std::string::npos) << describe(r);
   EXPECT_LT(r.seconds, 10.0);
+  std::this_thread::sleep_for(4s);
+  EXPECT_FALSE(any_marker(marker)) << "a rank outlived the forwarded signal";
 }
 
 INSTANTIATE_TEST_SUITE_P(IntAndTerm, HpRunSignal, ::testing::Values(SIGINT, SIGTERM),
@@ -425,16 +441,16 @@ INSTANTIATE_TEST_SUITE_P(
         BadFlags{"NodeRankTooLarge",
                  {"--nproc-per-node", "2", "--nnodes", "2", "--node-rank", "2", "--master-port",
                   "29500", "--", "true"},
-                 "--node-rank"},
+                 "--node-rank: expected a value in [0, 2) for --nnodes 2, got 2"},
         BadFlags{"NodeRankNegative",
                  {"--nproc-per-node", "2", "--node-rank", "-1", "--", "true"},
-                 "--node-rank"},
+                 "--node-rank: expected a non-negative integer, got '-1'"},
         BadFlags{"PortTooLarge",
                  {"--nproc-per-node", "2", "--master-port", "65536", "--", "true"},
                  "--master-port: expected an integer in [0, 65535], got '65536'"},
         BadFlags{"PortNegative",
                  {"--nproc-per-node", "2", "--master-port", "-5", "--", "true"},
-                 "--master-port"},
+                 "--master-port: expected an integer in [0, 65535], got '-5'"},
         BadFlags{"PickedPortWithTwoNodes",
                  {"--nproc-per-node", "2", "--nnodes", "2", "--", "true"},
                  "--master-port 0 (pick a free port) only works with --nnodes 1; give every "
@@ -449,9 +465,10 @@ INSTANTIATE_TEST_SUITE_P(
                  "expected '--' followed by a program to run"},
         BadFlags{"TimeoutNotANumber",
                  {"--nproc-per-node", "2", "--timeout", "soon", "--", "true"},
-                 "--timeout"},
+                 "--timeout: expected a non-negative integer (seconds), got 'soon'"},
         BadFlags{
-            "GraceNegative", {"--nproc-per-node", "2", "--grace", "-1", "--", "true"}, "--grace"}),
+            "GraceNegative", {"--nproc-per-node", "2", "--grace", "-1", "--", "true"},
+            "--grace: expected a non-negative integer (seconds), got '-1'"}),
     [](const auto& info) { return info.param.name; });
 
 }  // namespace

@@ -167,6 +167,8 @@ std::string DeviceMesh::str() const {
 
 DeviceMesh init_device_mesh(const std::string& device_type, const std::vector<int64_t>& mesh_shape,
                             const std::vector<std::string>& mesh_dim_names) {
+  TORCH_CHECK(comm::is_initialized(), "init_device_mesh: process group is not initialised; call "
+              "init_process_group() first");
   const int64_t world = comm::world_size();
   const int64_t numel =
       std::accumulate(mesh_shape.begin(), mesh_shape.end(), int64_t{1}, std::multiplies<>());

@@ -279,9 +279,18 @@ TEST(ParallelizeModule, SequenceParallelMLPCollectiveCounts) {
   auto out = run_counted([&] { return model(full_x.narrow(0, r * 4, 4)); });
   // Forward: all-gather (net1 input), reduce-scatter (net2 output); backward: all-gather
   // (net2's output gradient); the input needs no gradient, so no reduce-scatter for it.
-  EXPECT_EQ(hp::comm::collective_count(CollectiveKind::kAllGather), 2);
-  EXPECT_EQ(hp::comm::collective_count(CollectiveKind::kReduceScatter), 1);
-  expect_close(out, ref(full_x).narrow(0, r * 4, 4));
+  EXPECT_EQ(fwd(CollectiveKind::kAllGather), 1);
+  EXPECT_EQ(fwd(CollectiveKind::kReduceScatter), 1);
+  EXPECT_EQ(bwd(CollectiveKind::kAllGather), 1);
+  EXPECT_EQ(fwd_total(), 2) << hp::comm::collective_counts_summary();
+  EXPECT_EQ(bwd_total(), 1) << hp::comm::collective_counts_summary();
+  auto expected = ref(full_x);
+  expect_close(out, expected.narrow(0, r * 4, 4));
+  expected.sum().backward();
+  auto ref_params = ref->named_parameters();
+  for (const auto& [name, g] : tp::full_named_parameters(*model, /*gradients=*/true)) {
+    expect_close(g, ref_params[name].grad(), name + " grad");
+  }
 }
 
 class TreeImpl : public torch::nn::Module {
@@ -375,12 +384,17 @@ TEST(PrepareModuleInputOutput, PerInputLayoutsAndLeaveAlone) {
                          tp::PrepareModuleOutput(tp::PrepareModuleOutputOptions()
                                                      .output_layouts({Replicate(), std::nullopt})
                                                      .desired_output_layouts({Shard(1), std::nullopt})));
-  auto a = at::full({2, 2 * p}, double(r));
+  // Element (i, j) of rank r's a is 100 r + 10 i + j: every value says where it came from.
+  auto a_of = [&](int64_t rank) {
+    return at::arange(2, at::kFloat).unsqueeze(1) * 10 + at::arange(2 * p, at::kFloat) + 100.0 * rank;
+  };
+  auto a = a_of(r);
   auto b = at::full({3}, double(r));
   auto outs = m(a, b);
-  // a: gathered over dim 0 (values 0..p-1 by row block), then sliced on dim 1.
-  EXPECT_EQ(outs[0].sizes(), (at::IntArrayRef{2 * p, 2}));
-  expect_close(outs[0].select(1, 0), at::arange(p, at::kFloat).repeat_interleave(2));
+  // a: gathered over dim 0 (Shard(0) -> Replicate), then this rank's columns (-> Shard(1)).
+  std::vector<at::Tensor> blocks;
+  for (int64_t k = 0; k < p; ++k) blocks.push_back(a_of(k));
+  EXPECT_TRUE(outs[0].equal(at::cat(blocks, 0).narrow(1, 2 * r, 2))) << outs[0];
   EXPECT_TRUE(outs[1].equal(b));  // left alone
   auto again = m(a, b);  // hooks are reusable
   EXPECT_TRUE(again[0].equal(outs[0]));

@@ -29,7 +29,8 @@ TEST(ProcessGroupErrors, UseBeforeInitNamesTheFix) {
   ASSERT_FALSE(hp::comm::is_initialized());
   HP_EXPECT_THROW_MSG(hp::comm::world(), "process group is not initialised; call init_process_group()");
   HP_EXPECT_THROW_MSG(hp::comm::new_group({0}), "new_group: process group is not initialised");
-  HP_EXPECT_THROW_MSG(hp::dtensor::init_device_mesh("cpu", {1}), "not initialised");
+  HP_EXPECT_THROW_MSG(hp::dtensor::init_device_mesh("cpu", {1}),
+                      "init_device_mesh: process group is not initialised; call init_process_group()");
 }
 
 TEST(ProcessGroupErrors, MissingOrBadEnvironment) {
