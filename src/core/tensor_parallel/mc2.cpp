@@ -307,20 +307,29 @@ at::Tensor shared_column_linear(const at::Tensor& gathered, const at::Tensor& w,
 // very same activation (Llama's w1 and w3 both read the FFN input) reuses the gather instead of
 // moving the same bytes again, as async-TP's all-gather with several weights does. An entry
 // matches only while the activation's storage is alive, at the same view and version (no
-// in-place change since), on the same group and sequence dim.
+// in-place change since), on the same group and sequence dim, and serves each layer once: a
+// layer that asks again (a new forward pass over the same input) gathers afresh, so a gather
+// and its autograd node never outlive the pass that made them.
 class SharedGather {
  public:
-  at::Tensor lookup(const at::Tensor& x, int64_t seq, const comm::Group& group) {
+  /// The gather of x made by another layer in this pass, or undefined. `layer` identifies the
+  /// caller.
+  at::Tensor lookup(const at::Tensor& x, int64_t seq, const comm::Group& group, const void* layer) {
     std::lock_guard<std::mutex> lock(mutex_);
     auto storage = storage_.lock();
     const bool same = storage && storage.get() == x.storage().unsafeGetStorageImpl() &&
                       offset_ == x.storage_offset() && sizes_ == x.sizes().vec() &&
                       strides_ == x.strides().vec() && version_ == x._version() && seq_ == seq &&
                       group_ == &group.impl();
-    return same ? gathered_ : at::Tensor();
+    const bool served = std::find(served_.begin(), served_.end(), layer) != served_.end();
+    if (!same || served) return at::Tensor();
+    served_.push_back(layer);
+    return gathered_;
   }
-  void remember(const at::Tensor& x, int64_t seq, const comm::Group& group, at::Tensor gathered) {
+  void remember(const at::Tensor& x, int64_t seq, const comm::Group& group, at::Tensor gathered,
+                const void* layer) {
     std::lock_guard<std::mutex> lock(mutex_);
+    served_.assign(1, layer);
     storage_ = x.storage().getWeakStorageImpl();
     offset_ = x.storage_offset();
     sizes_ = x.sizes().vec();
@@ -338,6 +347,7 @@ class SharedGather {
   std::vector<int64_t> sizes_, strides_;
   const void* group_ = nullptr;
   at::Tensor gathered_;
+  std::vector<const void*> served_;  // the layer that gathered, then those that reused it
 };
 
 SharedGather& shared_gather() {
@@ -408,12 +418,12 @@ class MC2LinearKernel final : public ForwardKernel {
     const int64_t p = world_size;
     if (mode == "all_gather") {
       at::Tensor y;
-      if (auto shared = shared_gather().lookup(x, seq, group); shared.defined()) {
+      if (auto shared = shared_gather().lookup(x, seq, group, this); shared.defined()) {
         y = shared_column_linear(shared, w, bias);
       } else {
         at::Tensor gathered;
         std::tie(y, gathered) = column_linear(sequence_rows(x, seq), w, bias, group, options);
-        shared_gather().remember(x, seq, group, gathered);
+        shared_gather().remember(x, seq, group, gathered, this);
       }
       return from_sequence_rows(y, x, seq, x.size(seq) * p);
     }

@@ -197,6 +197,16 @@ TEST_F(MC2Style, ColumnLayersReadingOneActivationShareOneGather) {
   y3_alone.sum().backward();
   hp_test::expect_close(x.grad(), (x1.grad().to(at::kFloat) + x3.grad().to(at::kFloat)),
                         "shared-gather input gradient");
+  // A layer called again on the same activation (a new pass) gathers afresh, and both passes
+  // backpropagate through their own gathers.
+  hp::comm::reset_collective_counts();
+  auto xa = at::randn({2, 4, 512}).to(at::kBFloat16).requires_grad_(true);
+  auto first = w1(xa);
+  auto second = w1(xa);
+  EXPECT_EQ(hp::comm::collective_count(CollectiveKind::kAllGatherMatmul), 2);
+  first.sum().backward();
+  second.sum().backward();
+  EXPECT_TRUE(first.equal(second));
   // An in-place change of the activation (new version) means a fresh gather.
   auto z = at::randn({2, 4, 512}).to(at::kBFloat16);
   hp::comm::reset_collective_counts();
