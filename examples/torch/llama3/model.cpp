@@ -34,6 +34,19 @@ ModelArgs ModelArgs::llama3_8b(int64_t n_layers) {
   return a;
 }
 
+ModelArgs ModelArgs::tiny() {
+  ModelArgs a;
+  a.dim = 16;
+  a.n_layers = 2;
+  a.n_heads = 4;
+  a.n_kv_heads = 4;
+  a.vocab_size = 8;
+  a.multiple_of = 16;
+  a.ffn_dim_multiplier = 1.0;
+  a.max_seq_len = 8;
+  return a;
+}
+
 ModelArgs ModelArgs::bench() {
   ModelArgs a;
   a.dim = 1024;
@@ -49,9 +62,10 @@ ModelArgs ModelArgs::bench() {
 ModelArgs ModelArgs::from_preset(const std::string& name) {
   if (name == "debug") return debug();
   if (name == "bench") return bench();
+  if (name == "tiny") return tiny();
   if (name == "llama3_8b") return llama3_8b();
   if (name == "llama3_8b_1layer") return llama3_8b(1);
-  TORCH_CHECK(false, "ModelArgs::from_preset: expected 'debug', 'bench', 'llama3_8b' or 'llama3_8b_1layer', got '",
+  TORCH_CHECK(false, "ModelArgs::from_preset: expected 'debug', 'tiny', 'bench', 'llama3_8b' or 'llama3_8b_1layer', got '",
               name, "'");
 }
 

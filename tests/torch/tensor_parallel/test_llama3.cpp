@@ -122,15 +122,7 @@ TEST(Llama3, SequenceParallelCollectiveCountsPerStep) {
 TEST(Llama3, TinyTransformerFloat64EqualsSingleProcess) {
   const int64_t p = hp_test::world_size();
   auto mesh = hp::dtensor::init_device_mesh("cpu", {p}, {"tp"});
-  llama3::ModelArgs args;
-  args.dim = 16;
-  args.n_layers = 2;
-  args.n_heads = 4;
-  args.n_kv_heads = 4;
-  args.vocab_size = 8;
-  args.multiple_of = 16;
-  args.ffn_dim_multiplier = 1.0;
-  args.max_seq_len = 8;
+  const auto args = llama3::ModelArgs::tiny();
   for (bool sp : {false, true}) {
     SCOPED_TRACE(sp ? "with SP" : "without SP");
     auto make = [&] {
