@@ -13,7 +13,7 @@ namespace {
 
 void usage() {
   std::fprintf(stderr,
-               "usage: llama3_train [--preset debug|bench|llama3_8b_1layer] [--steps N] [--batch-size N]\n"
+               "usage: llama3_train [--preset debug|tiny|bench|llama3_8b_1layer] [--steps N] [--batch-size N]\n"
                "                    [--seq-len N] [--dtype fp32|bf16] [--lr X] [--seed N]\n"
                "                    [--no-sequence-parallel] [--loss-parallel]\n"
                "                    [--enable-mc2 [--mc2-chunks N] [--relaxed-mc2-contract]]\n");
