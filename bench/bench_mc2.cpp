@@ -1,6 +1,6 @@
 // MC2 overlap, measured side by side in one run on the same ranks, shapes and ring:
 //   compute   the op's matmuls alone (same chunks, no communication)
-//   comm      the op's collective alone (same bytes over the same ring)
+//   comm      the op's ring alone: same transfers, chunks and schedule, matmuls left out
 //   unfused   collective then matmul (AG+MM) / matmul then collective (MM+RS)
 //   fused     the MC2 op, for each chunks_per_rank
 //   speedup = unfused / fused, efficiency = max(compute, comm) / fused (1.0 = perfect overlap)
@@ -28,17 +28,23 @@ struct Shape {
   int64_t rows_per_rank, k, n;  // AG+MM: x [rows, k] gathered, w [n, k]. MM+RS: x [P rows, k], w [n, k].
 };
 
-void report(const char* op, const Shape& s, double compute, double comm, double unfused,
-            const std::vector<std::pair<int64_t, double>>& fused) {
-  double best = fused.front().second;
-  int64_t best_chunks = fused.front().first;
-  for (auto [c, t] : fused) {
-    if (t < best) best = t, best_chunks = c;
+struct Timing {
+  int64_t chunks;
+  double fused, comm;  // the fused op, and its ring alone, at this chunk count
+};
+
+// One line per op and shape; speedup and efficiency for the chunk count that ran fastest.
+void report(const char* op, const Shape& s, double compute, double unfused,
+            const std::vector<Timing>& timings) {
+  const Timing* best = &timings.front();
+  for (const auto& t : timings) {
+    if (t.fused < best->fused) best = &t;
   }
-  std::printf("%-22s %-8s %9.1f %9.1f %9.1f", op, s.name, compute * 1e3, comm * 1e3, unfused * 1e3);
-  for (auto [c, t] : fused) std::printf(" %9.1f", t * 1e3);
-  std::printf("   %5.2fx   %5.2f   (chunks %lld)\n", unfused / best, std::max(compute, comm) / best,
-              static_cast<long long>(best_chunks));
+  std::printf("%-22s %-8s %9.1f %9.1f %9.1f", op, s.name, compute * 1e3, best->comm * 1e3,
+              unfused * 1e3);
+  for (const auto& t : timings) std::printf(" %9.1f", t.fused * 1e3);
+  std::printf("   %5.2fx   %5.2f   (chunks %lld)\n", unfused / best->fused,
+              std::max(compute, best->comm) / best->fused, static_cast<long long>(best->chunks));
   std::fflush(stdout);
 }
 
@@ -83,36 +89,37 @@ int main(int argc, char** argv) {
       auto x = at::randn({s.rows_per_rank, s.k}).to(at::kBFloat16);
       auto gathered = at::randn({p * s.rows_per_rank, s.k}).to(at::kBFloat16);
       double compute = bench::median_seconds(group, iters, [&] { at::mm(gathered, w.t()); });
-      double comm = bench::median_seconds(group, iters, [&] { hp::comm::all_gather(x, 0, group); });
       double unfused = bench::median_seconds(group, iters, [&] {
         at::mm(hp::comm::all_gather(x, 0, group), w.t());
       });
-      std::vector<std::pair<int64_t, double>> fused;
+      std::vector<Timing> timings;
       for (auto c : chunk_counts) {
-        fused.emplace_back(c, bench::median_seconds(group, iters, [&] {
-          tp::all_gather_matmul(x, w, group, tp::MC2Options().chunks_per_rank(c));
-        }));
+        const auto opts = tp::MC2Options().chunks_per_rank(c);
+        timings.push_back(
+            {c, bench::median_seconds(group, iters, [&] { tp::all_gather_matmul(x, w, group, opts); }),
+             bench::median_seconds(group, iters, [&] {
+               tp::detail::all_gather_matmul_transfers_only(x, w, group, opts);
+             })});
       }
-      if (print) report("all_gather_matmul", s, compute, comm, unfused, fused);
+      if (print) report("all_gather_matmul", s, compute, unfused, timings);
     }
     {
       // MM+RS: x [P rows, k] times wᵀ, reduce-scatter the rows (fp32 accumulators travel).
       auto x = at::randn({p * s.rows_per_rank, s.k}).to(at::kBFloat16);
-      auto partial = at::randn({p * s.rows_per_rank, s.n}).to(at::kBFloat16);
       double compute = bench::median_seconds(group, iters, [&] { at::mm(x, w.t()); });
-      double comm = bench::median_seconds(group, iters, [&] {
-        hp::comm::reduce_scatter(partial, 0, hp::comm::ReduceOp::kSum, group);
-      });
       double unfused = bench::median_seconds(group, iters, [&] {
         hp::comm::reduce_scatter(at::mm(x, w.t()), 0, hp::comm::ReduceOp::kSum, group);
       });
-      std::vector<std::pair<int64_t, double>> fused;
+      std::vector<Timing> timings;
       for (auto c : chunk_counts) {
-        fused.emplace_back(c, bench::median_seconds(group, iters, [&] {
-          tp::matmul_reduce_scatter(x, w, group, tp::MC2Options().chunks_per_rank(c));
-        }));
+        const auto opts = tp::MC2Options().chunks_per_rank(c);
+        timings.push_back(
+            {c, bench::median_seconds(group, iters, [&] { tp::matmul_reduce_scatter(x, w, group, opts); }),
+             bench::median_seconds(group, iters, [&] {
+               tp::detail::matmul_reduce_scatter_transfers_only(x, w, group, opts);
+             })});
       }
-      if (print) report("matmul_reduce_scatter", s, compute, comm, unfused, fused);
+      if (print) report("matmul_reduce_scatter", s, compute, unfused, timings);
     }
   }
   hp::comm::destroy_process_group();

@@ -44,7 +44,7 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& local_logits, const at
     softmax_local = exp / sum_exp.unsqueeze(-1);
   }
   // d loss / d logits = (softmax - onehot(target)) / N, each rank on its vocabulary chunk.
-  return detail::attach_backward(
+  return hyper_parallel::detail::attach_backward(
       local_logits, loss,
       [softmax_local, target_mask, local_target, dtype = local_logits.scalar_type()](
           const at::Tensor& grad) {

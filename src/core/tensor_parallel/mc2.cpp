@@ -104,13 +104,13 @@ struct Chunks {
   int64_t count() const { return static_cast<int64_t>(size.size()); }
 };
 
-}  // namespace
-
-std::pair<at::Tensor, at::Tensor> all_gather_mm(const at::Tensor& a_in, const at::Tensor& b,
-                                                const comm::Group& group, const MC2Options& options) {
+// The AG+MM ring. With compute false it only moves the bytes (for timing the ring alone).
+std::pair<at::Tensor, at::Tensor> ring_all_gather_mm(const at::Tensor& a_in, const at::Tensor& b,
+                                                     const comm::Group& group,
+                                                     const MC2Options& options, bool compute) {
   check_operands("all_gather_matmul", a_in, b);
   const int64_t p = group.size(), r = group.rank();
-  comm::record_collective(CollectiveKind::kAllGatherMatmul, group.name());
+  if (compute) comm::record_collective(CollectiveKind::kAllGatherMatmul, group.name());
   const auto a = a_in.contiguous();
   const int64_t m = a.size(0), k = a.size(1), n = b.size(1);
   auto gathered = at::empty({p * m, k}, a.options());
@@ -144,25 +144,24 @@ std::pair<at::Tensor, at::Tensor> all_gather_mm(const at::Tensor& a_in, const at
     for (int64_t j = 0; j < chunks.count(); ++j) {
       if (s > 0) recvs[(s - 1) * chunks.count() + j].wait();
       if (s + 1 < p && s > 0) sends.push_back(comm::isend(rows(gathered, block, j), next, group, tag(s, j)));
-      matmul_into(rows(y, block, j), rows(gathered, block, j), b);
+      if (compute) matmul_into(rows(y, block, j), rows(gathered, block, j), b);
     }
   }
   for (auto& w : sends) w.wait();
   return {y, gathered};
 }
 
-namespace {
-
 // reduce_scatter(a @ b + addend) in one ring; `addend` ([M, n] or undefined) is added to each
 // block's partial product before it joins the accumulator.
+// With compute false it only moves the bytes (for timing the ring alone).
 at::Tensor ring_mm_reduce_scatter(const at::Tensor& a_in, const at::Tensor& b,
                                   const comm::Group& group, const MC2Options& options,
-                                  const at::Tensor& addend) {
+                                  const at::Tensor& addend, bool compute = true) {
   check_operands("matmul_reduce_scatter", a_in, b);
   const int64_t p = group.size(), r = group.rank();
   TORCH_CHECK(a_in.size(0) % p == 0, "matmul_reduce_scatter: expected rows (", a_in.size(0),
               ") divisible by world_size (", p, "), got remainder ", a_in.size(0) % p);
-  comm::record_collective(CollectiveKind::kMatmulReduceScatter, group.name());
+  if (compute) comm::record_collective(CollectiveKind::kMatmulReduceScatter, group.name());
   const auto a = a_in.contiguous();
   const int64_t m = a.size(0) / p, n = b.size(1);
   TORCH_INTERNAL_ASSERT(!addend.defined() || addend.sizes() == c10::IntArrayRef({a.size(0), n}),
@@ -191,16 +190,21 @@ at::Tensor ring_mm_reduce_scatter(const at::Tensor& a_in, const at::Tensor& b,
     const int64_t c = (r - s - 1 + 2 * p) % p;
     for (int64_t j = 0; j < chunks.count(); ++j) {
       const int64_t row = c * m + chunks.offset[j];
-      auto part = local_matmul(a.narrow(0, row, chunks.size[j]), b);
       at::Tensor sum;
-      if (s == 0) {
-        sum = part.to(acc);  // a fresh tensor either way
+      if (!compute && s == 0) {
+        sum = at::empty({chunks.size[j], n}, a.options().dtype(acc));
+      } else if (!compute) {
+        recvs[(s - 1) * chunks.count() + j].wait();
+        sum = incoming[(s - 1) * chunks.count() + j];
+      } else if (s == 0) {
+        sum = local_matmul(a.narrow(0, row, chunks.size[j]), b).to(acc);  // fresh either way
       } else {
+        auto part = local_matmul(a.narrow(0, row, chunks.size[j]), b);
         recvs[(s - 1) * chunks.count() + j].wait();
         sum = incoming[(s - 1) * chunks.count() + j];
         sum.add_(part);
       }
-      if (addend.defined()) sum.add_(addend.narrow(0, row, chunks.size[j]));
+      if (compute && addend.defined()) sum.add_(addend.narrow(0, row, chunks.size[j]));
       if (s + 1 < p) {
         sends.push_back(comm::isend(sum, next, group, tag(s, j)));
         outgoing.push_back(sum);
@@ -215,10 +219,29 @@ at::Tensor ring_mm_reduce_scatter(const at::Tensor& a_in, const at::Tensor& b,
 
 }  // namespace
 
+std::pair<at::Tensor, at::Tensor> all_gather_mm(const at::Tensor& a, const at::Tensor& b,
+                                                const comm::Group& group, const MC2Options& options) {
+  return ring_all_gather_mm(a, b, group, options, /*compute=*/true);
+}
+
 at::Tensor mm_reduce_scatter(const at::Tensor& a, const at::Tensor& b, const comm::Group& group,
                              const MC2Options& options) {
   return ring_mm_reduce_scatter(a, b, group, options, at::Tensor());
 }
+
+namespace detail {
+
+void all_gather_matmul_transfers_only(const at::Tensor& x, const at::Tensor& w,
+                                      const comm::Group& group, const MC2Options& options) {
+  ring_all_gather_mm(x, w.t(), group, options, /*compute=*/false);
+}
+
+void matmul_reduce_scatter_transfers_only(const at::Tensor& x, const at::Tensor& w,
+                                          const comm::Group& group, const MC2Options& options) {
+  ring_mm_reduce_scatter(x, w.t(), group, options, at::Tensor(), /*compute=*/false);
+}
+
+}  // namespace detail
 
 std::pair<at::Tensor, at::Tensor> all_gather_matmul(const at::Tensor& x, const at::Tensor& w,
                                                     const comm::Group& group,
@@ -259,7 +282,7 @@ std::pair<at::Tensor, at::Tensor> column_linear(const at::Tensor& x, const at::T
     if (bias.defined()) y.add_(bias);  // after the collective
   }
   // The closure keeps the plain gather (no autograd history), not the output: no cycle.
-  auto outs = detail::attach_backward(
+  auto outs = hyper_parallel::detail::attach_backward(
       {x, w, bias}, {y, gathered},
       [gathered, w = w.detach(), group, options, need_x = x.requires_grad(),
        need_w = w.requires_grad(), need_b = bias.defined() && bias.requires_grad()](
@@ -291,7 +314,7 @@ at::Tensor shared_column_linear(const at::Tensor& gathered, const at::Tensor& w,
     y = local_matmul(gathered, w.t());
     if (bias.defined()) y.add_(bias);
   }
-  return detail::attach_backward(
+  return hyper_parallel::detail::attach_backward(
       {gathered, w, bias}, {y},
       [g = gathered.detach(), w = w.detach(), need_g = gathered.requires_grad(),
        need_w = w.requires_grad(), need_b = bias.defined() && bias.requires_grad()](
@@ -370,7 +393,7 @@ at::Tensor mc2_row_linear(const at::Tensor& x, const at::Tensor& w, const at::Te
     y = matmul_reduce_scatter(x, w, group, options);
     if (bias.defined()) y.add_(bias);  // once, to the reduced output
   }
-  return detail::attach_backward(
+  return hyper_parallel::detail::attach_backward(
       {x, w, bias}, {y},
       [x = x.detach(), w = w.detach(), group, options, need_x = x.requires_grad(),
        need_w = w.requires_grad(), need_b = bias.defined() && bias.requires_grad()](

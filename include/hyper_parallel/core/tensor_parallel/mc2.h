@@ -83,6 +83,16 @@ std::pair<at::Tensor, at::Tensor> all_gather_mm(const at::Tensor& a, const at::T
 at::Tensor mm_reduce_scatter(const at::Tensor& a, const at::Tensor& b, const comm::Group& group,
                              const MC2Options& options = {});
 
+namespace detail {
+/// For benchmarks: the rings of all_gather_matmul / matmul_reduce_scatter with the matmuls left
+/// out: the same transfers, chunks, accumulator dtype and schedule, so timing them gives the
+/// communication the fused op has to hide. Results are meaningless; not counted as collectives.
+void all_gather_matmul_transfers_only(const at::Tensor& x, const at::Tensor& w,
+                                      const comm::Group& group, const MC2Options& options = {});
+void matmul_reduce_scatter_transfers_only(const at::Tensor& x, const at::Tensor& w,
+                                          const comm::Group& group, const MC2Options& options = {});
+}  // namespace detail
+
 // ---- Differentiable fused Linear ------------------------------------------------------------
 
 /// Column-parallel: y = all_gather(x) Wᵀ + b on 2-d views. Backward (contract):
