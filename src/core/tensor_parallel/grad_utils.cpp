@@ -42,7 +42,8 @@ bool is_sharded(const ParameterLayout* layout) {
 
 double clip_grad_norm_(torch::nn::Module& module, double max_norm) {
   TORCH_CHECK(max_norm > 0, "clip_grad_norm_: expected max_norm > 0, got ", max_norm);
-  double replicated_sq = 0;
+  // Squared norms summed as tensors; one .item() at the end, not one per parameter.
+  at::Tensor replicated_sq = at::zeros({1}, at::kDouble);
   at::Tensor sharded_sq = at::zeros({1}, at::kDouble);
   std::optional<dtensor::DeviceMesh> mesh;
   std::vector<at::Tensor> grads;
@@ -50,7 +51,7 @@ double clip_grad_norm_(torch::nn::Module& module, double max_norm) {
     const auto& g = e.param.grad();
     if (!g.defined()) continue;
     grads.push_back(g);
-    const double sq = g.to(at::kDouble).pow(2).sum().item<double>();
+    const auto sq = g.to(at::kDouble).pow(2).sum();
     if (is_sharded(e.layout)) {
       TORCH_CHECK(!mesh || *mesh == e.layout->mesh,
                   "clip_grad_norm_: expected every sharded parameter on one mesh, got ", e.name,
@@ -61,10 +62,8 @@ double clip_grad_norm_(torch::nn::Module& module, double max_norm) {
       replicated_sq += sq;
     }
   }
-  double total_sq = replicated_sq;
-  if (mesh) {
-    total_sq += comm::all_reduce(sharded_sq, comm::ReduceOp::kSum, mesh->get_group(0)).item<double>();
-  }
+  if (mesh) sharded_sq = comm::all_reduce(sharded_sq, comm::ReduceOp::kSum, mesh->get_group(0));
+  const double total_sq = (replicated_sq + sharded_sq).item<double>();
   const double norm = std::sqrt(total_sq);
   const double scale = max_norm / (norm + 1e-6);
   if (scale < 1) {
