@@ -6,6 +6,7 @@
 #include <hyper_parallel/core/dtensor/placement.h>
 
 #include "../autograd/attach_backward.h"
+#include "style_internal.h"
 
 namespace hyper_parallel::tensor_parallel {
 
@@ -13,17 +14,18 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& local_logits, const at
                                         int64_t vocab_size, const dtensor::DeviceMesh& mesh) {
   TORCH_CHECK(mesh.ndim() == 1, "vocab_parallel_cross_entropy: expected a 1-d mesh, got ",
               mesh.ndim(), "-d");
-  const int64_t p = mesh.size(0), k = mesh.get_local_rank(0);
-  const int64_t start = dtensor::shard_offset(vocab_size, p, k);
-  const int64_t n = dtensor::shard_size(vocab_size, p, k);
+  const auto shard = detail::vocab_shard(targets, vocab_size, mesh);
+  const int64_t n = shard.size;
   TORCH_CHECK(local_logits.dim() >= 1 && local_logits.size(-1) == n,
-              "vocab_parallel_cross_entropy: expected local logits [..., ", n, "] (chunk ", k,
+              "vocab_parallel_cross_entropy: expected local logits [..., ", n, "] (chunk ", mesh.get_local_rank(0),
               " of vocab ", vocab_size, "), got ", local_logits.sizes());
   TORCH_CHECK(targets.sizes() == local_logits.sizes().slice(0, local_logits.dim() - 1),
               "vocab_parallel_cross_entropy: expected targets of shape ",
               local_logits.sizes().slice(0, local_logits.dim() - 1), ", got ", targets.sizes());
   auto group = mesh.get_group(0);
-  at::Tensor loss, softmax_local, target_mask, local_target;
+  // The target's logit lives on exactly one rank.
+  const at::Tensor target_mask = shard.outside, local_target = shard.local_ids;
+  at::Tensor loss, softmax_local;
   {
     at::NoGradGuard no_grad;
     auto logits = local_logits.to(at::kFloat);
@@ -34,9 +36,6 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& local_logits, const at
     auto shifted = logits - global_max.unsqueeze(-1);
     auto exp = shifted.exp();
     auto sum_exp = comm::all_reduce(exp.sum(-1), comm::ReduceOp::kSum, group);
-    // The target's logit lives on exactly one rank.
-    target_mask = (targets < start).logical_or(targets >= start + n);
-    local_target = (targets - start).masked_fill(target_mask, 0);
     auto picked = n > 0 ? shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
                         : at::zeros(targets.sizes());
     picked = comm::all_reduce(picked.masked_fill(target_mask, 0), comm::ReduceOp::kSum, group);

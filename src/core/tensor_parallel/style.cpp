@@ -90,6 +90,14 @@ at::Tensor prepare(const at::Tensor& local, const DeviceMesh& mesh, const Placem
   return use_local_output ? d.to_local() : d.to_local_tagged();
 }
 
+VocabShard vocab_shard(const at::Tensor& ids, int64_t vocab_size, const DeviceMesh& mesh) {
+  const int64_t p = mesh.size(0), k = mesh.get_local_rank(0);
+  VocabShard v{dtensor::shard_offset(vocab_size, p, k), dtensor::shard_size(vocab_size, p, k), {}, {}};
+  v.outside = (ids < v.start).logical_or(ids >= v.start + v.size);
+  v.local_ids = (ids - v.start).masked_fill(v.outside, 0);
+  return v;
+}
+
 void add_output_hook(HookableModule& module, const DeviceMesh& mesh, const Placement& produced,
                      const Placement& wanted, bool use_local_output) {
   module.add_output_hook([=](std::vector<at::Tensor> outputs) {
@@ -132,11 +140,9 @@ class RowwiseEmbeddingKernel final : public ForwardKernel {
   RowwiseEmbeddingKernel(DeviceMesh mesh, int64_t vocab, Placement output, bool use_local_output)
       : mesh_(std::move(mesh)), vocab_(vocab), output_(output), use_local_output_(use_local_output) {}
   at::Tensor forward(const at::Tensor& ids, const at::Tensor& weight, const at::Tensor&) override {
-    const int64_t p = mesh_.size(0), k = mesh_.get_local_rank(0);
-    const int64_t start = dtensor::shard_offset(vocab_, p, k), n = dtensor::shard_size(vocab_, p, k);
-    auto outside = (ids < start).logical_or(ids >= start + n);
-    auto local_ids = (ids - start).masked_fill(outside, 0);
-    auto partial = at::embedding(weight, local_ids).masked_fill(outside.unsqueeze(-1), 0);
+    const auto shard = detail::vocab_shard(ids, vocab_, mesh_);
+    auto partial =
+        at::embedding(weight, shard.local_ids).masked_fill(shard.outside.unsqueeze(-1), 0);
     auto y = DTensor::from_local(partial, mesh_, {Partial()}).redistribute({output_});
     return use_local_output_ ? y.to_local() : y.to_local_tagged();
   }

@@ -1,5 +1,5 @@
 #pragma once
-// Internal helpers shared by the styles (style.cpp, mc2_style.cpp).
+// Internal helpers shared by the styles (style.cpp, mc2_style.cpp) and loss parallel.
 
 #include <string>
 
@@ -16,6 +16,14 @@ namespace hyper_parallel::tensor_parallel::detail {
 
 /// The module as a HookableModule, or an error naming the style and the module's type.
 HookableModule& hookable(const char* style, torch::nn::Module& module);
+/// This rank's chunk [start, start + size) of a vocabulary sharded over a 1-d mesh, and global
+/// ids mapped into it: `outside` marks ids another rank holds; their local id is 0.
+struct VocabShard {
+  int64_t start, size;
+  at::Tensor local_ids, outside;
+};
+VocabShard vocab_shard(const at::Tensor& ids, int64_t vocab_size, const dtensor::DeviceMesh& mesh);
+
 /// A module's parameters and forward are changed by at most one style (Colwise, Rowwise,
 /// SequenceParallel or an MC2 style); a second one would shard already-sharded weights.
 void check_not_parallelized(const char* style, torch::nn::Module& module);
