@@ -38,7 +38,9 @@ at::Tensor LinearImpl::forward(const at::Tensor& input) {
 
 void LinearImpl::pretty_print(std::ostream& stream) const {
   stream << "hyper_parallel::nn::Linear(in_features=" << options.in_features()
-         << ", out_features=" << options.out_features() << ", bias=" << options.bias() << ")";
+         << ", out_features=" << options.out_features() << ", bias=" << (options.bias() ? "true" : "false");
+  print_parallel_state(stream);
+  stream << ")";
 }
 
 EmbeddingImpl::EmbeddingImpl(const EmbeddingOptions& options_) : options(options_) {
@@ -64,7 +66,9 @@ at::Tensor EmbeddingImpl::forward(const at::Tensor& input) {
 
 void EmbeddingImpl::pretty_print(std::ostream& stream) const {
   stream << "hyper_parallel::nn::Embedding(num_embeddings=" << options.num_embeddings()
-         << ", embedding_dim=" << options.embedding_dim() << ")";
+         << ", embedding_dim=" << options.embedding_dim();
+  print_parallel_state(stream);
+  stream << ")";
 }
 
 RMSNormImpl::RMSNormImpl(const RMSNormOptions& options_) : options(options_) {
@@ -84,7 +88,9 @@ at::Tensor RMSNormImpl::forward(const at::Tensor& input) {
 }
 
 void RMSNormImpl::pretty_print(std::ostream& stream) const {
-  stream << "hyper_parallel::nn::RMSNorm(dim=" << options.dim() << ", eps=" << options.eps() << ")";
+  stream << "hyper_parallel::nn::RMSNorm(dim=" << options.dim() << ", eps=" << options.eps();
+  print_parallel_state(stream);
+  stream << ")";
 }
 
 }  // namespace hyper_parallel::nn

@@ -7,6 +7,7 @@
 
 #include <hyper_parallel/core/comm.h>
 
+#include "common/run_main.h"
 #include "trainer.h"
 
 namespace {
@@ -56,6 +57,7 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
+  return hp_examples::run_main("llama3_train", [&] {
   hyper_parallel::comm::init_process_group();
   auto results = llama3::train(options);
   const bool fell = results.size() < 2 || results.back().loss < results.front().loss;
@@ -65,4 +67,5 @@ int main(int argc, char** argv) {
   }
   hyper_parallel::comm::destroy_process_group();
   return fell ? 0 : 1;
+  });
 }

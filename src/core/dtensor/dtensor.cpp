@@ -325,23 +325,20 @@ DTensor distribute_tensor(const at::Tensor& tensor, const DeviceMesh& mesh,
     at::NoGradGuard no_grad;
     at::Tensor full = tensor;
     if (src_data_rank) {
-      const auto& ranks = mesh.ranks();
-      auto pos = std::find(ranks.begin(), ranks.end(), *src_data_rank);
-      TORCH_CHECK(pos != ranks.end(), "distribute_tensor: expected src_data_rank to be a rank of ",
-                  mesh.str(), ", got ", *src_data_rank);
-      // Broadcast along each mesh dim from the source's coordinate: first its line along dim 0,
-      // then from those ranks along dim 1, and so on.
-      int64_t flat = pos - ranks.begin();
-      std::vector<int64_t> src_coord(mesh.ndim());
-      for (int64_t i = mesh.ndim() - 1; i >= 0; --i) {
-        src_coord[i] = flat % mesh.size(i);
-        flat /= mesh.size(i);
+      // The source is the rank at coordinate src_data_rank on every mesh dim. Broadcast along
+      // mesh dim 0 on the plane whose later coordinates are the source's, then along dim 1 from
+      // those ranks, and so on: each rank receives once.
+      for (int64_t i = 0; i < mesh.ndim(); ++i) {
+        TORCH_CHECK(*src_data_rank >= 0 && *src_data_rank < mesh.size(i),
+                    "distribute_tensor: expected src_data_rank (the source's coordinate on every "
+                    "mesh dim) in [0, ", mesh.size(i), ") for mesh dim ", i, " of ", mesh.str(),
+                    ", got ", *src_data_rank);
       }
       const auto& coord = mesh.coordinate();
       for (int64_t i = 0; i < mesh.ndim(); ++i) {
         bool on_source_plane = true;  // coordinates after i match the source's
-        for (int64_t j = i + 1; j < mesh.ndim(); ++j) on_source_plane &= coord[j] == src_coord[j];
-        if (on_source_plane) full = comm::broadcast(full, src_coord[i], mesh.get_group(i));
+        for (int64_t j = i + 1; j < mesh.ndim(); ++j) on_source_plane &= coord[j] == *src_data_rank;
+        if (on_source_plane) full = comm::broadcast(full, *src_data_rank, mesh.get_group(i));
       }
     }
     local = redistribute_local(full, mesh, shape, Placements(mesh.ndim(), Replicate()), pl);

@@ -439,6 +439,16 @@ class MC2LinearKernel final : public ForwardKernel {
                 x.sizes());
     const int64_t seq = sequence_dim < 0 ? sequence_dim + x.dim() : sequence_dim;
     const int64_t p = world_size;
+    // The contract's limits on the local weight, for a layer configured without a style (the
+    // styles check them at apply time, for every rank's shard).
+    const char* where = "MC2Linear::forward";
+    if (mode == "all_gather") {
+      contract.check_k(where, "contraction dim k (in_features)", w.size(1));
+      contract.check_k(where, "column backward contraction n_local (out_features / world_size)", w.size(0));
+    } else {
+      contract.check_k(where, "contraction dim k (in_features / world_size)", w.size(1));
+      contract.check_k(where, "row backward contraction n (out_features)", w.size(0));
+    }
     if (mode == "all_gather") {
       at::Tensor y;
       if (auto shared = shared_gather().lookup(x, seq, group, this); shared.defined()) {

@@ -22,7 +22,6 @@ namespace {
 // in the collective that sharding the weights starts. Returns the (full) weight.
 at::Tensor check_mc2_target(const char* style, torch::nn::Module& module, const DeviceMesh& mesh,
                             const MC2Contract& contract) {
-  detail::check_tp_mesh(style, mesh);
   auto& hm = detail::hookable(style, module);
   TORCH_CHECK(hm.module_kind() == ModuleKind::kLinear, style,
               ": expected hyper_parallel::nn::Linear, got ", module.name(),
@@ -59,7 +58,8 @@ MC2ColwiseParallel::MC2ColwiseParallel(MC2ColwiseParallelOptions options)
               options_.output_layouts().str());
 }
 
-void MC2ColwiseParallel::apply(torch::nn::Module& module, const DeviceMesh& mesh) const {
+void MC2ColwiseParallel::apply_to(torch::nn::Module& module, const DeviceMesh& mesh,
+                                  std::optional<int64_t> src_data_rank) const {
   const char* style = "MC2ColwiseParallel";
   const auto& contract = options_.contract();
   const auto weight = check_mc2_target(style, module, mesh, contract);
@@ -68,9 +68,9 @@ void MC2ColwiseParallel::apply(torch::nn::Module& module, const DeviceMesh& mesh
   check_k_of_every_shard(style, "column backward contraction n_local (out_features / world_size)",
                          contract, weight.size(0), p);
 
-  detail::shard_parameter(module, "weight", mesh, {Shard(0)});
+  detail::shard_parameter(module, "weight", mesh, {Shard(0)}, src_data_rank);
   if (module.named_parameters(false).contains("bias")) {
-    detail::shard_parameter(module, "bias", mesh, {Shard(0)});
+    detail::shard_parameter(module, "bias", mesh, {Shard(0)}, src_data_rank);
   }
   const Placement in = options_.input_layouts();
   MC2Linear::from_linear(module).configure_mc2("all_gather", mesh.get_group(0), p, in.dim(), contract,
@@ -106,18 +106,21 @@ MC2RowwiseParallel::MC2RowwiseParallel(MC2RowwiseParallelOptions options)
               options_.input_layouts().str());
 }
 
-void MC2RowwiseParallel::apply(torch::nn::Module& module, const DeviceMesh& mesh) const {
+void MC2RowwiseParallel::apply_to(torch::nn::Module& module, const DeviceMesh& mesh,
+                                  std::optional<int64_t> src_data_rank) const {
   const char* style = "MC2RowwiseParallel";
   const auto& contract = options_.contract();
   const auto weight = check_mc2_target(style, module, mesh, contract);
   const int64_t p = mesh.size(0);
   check_k_of_every_shard(style, "contraction dim k (in_features / world_size)", contract,
                          weight.size(1), p);
+  // The backward all-gather-matmul multiplies dY [rows, out_features] by W: it contracts over n.
+  contract.check_k(style, "row backward contraction n (out_features)", weight.size(0));
 
-  detail::shard_parameter(module, "weight", mesh, {Shard(1)});
+  detail::shard_parameter(module, "weight", mesh, {Shard(1)}, src_data_rank);
   if (module.named_parameters(false).contains("bias")) {
     // The fused backward gathers dY, so the bias gradient is complete on every rank.
-    detail::shard_parameter(module, "bias", mesh, {Replicate()});
+    detail::shard_parameter(module, "bias", mesh, {Replicate()}, src_data_rank);
   }
   const Placement out = options_.output_layouts();
   MC2Linear::from_linear(module).configure_mc2("reduce_scatter", mesh.get_group(0), p, out.dim(),

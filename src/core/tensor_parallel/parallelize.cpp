@@ -21,15 +21,16 @@ std::vector<std::string> split_path(const std::string& key) {
 // Applies `style` to every module below `module` whose path matches tokens[depth..]; returns how
 // many matched.
 int apply_matching(torch::nn::Module& module, const std::vector<std::string>& tokens, size_t depth,
-                   const dtensor::DeviceMesh& mesh, const ParallelStyle& style) {
+                   const dtensor::DeviceMesh& mesh, const ParallelStyle& style,
+                   std::optional<int64_t> src_data_rank) {
   if (depth == tokens.size()) {
-    style.apply(module, mesh);
+    style.apply(module, mesh, src_data_rank);
     return 1;
   }
   int matched = 0;
   for (const auto& child : module.named_children()) {
     if (fnmatch(tokens[depth].c_str(), child.key().c_str(), 0) == 0) {
-      matched += apply_matching(*child.value(), tokens, depth + 1, mesh, style);
+      matched += apply_matching(*child.value(), tokens, depth + 1, mesh, style, src_data_rank);
     }
   }
   return matched;
@@ -43,13 +44,13 @@ void check_mesh(const dtensor::DeviceMesh& mesh) {
 }  // namespace
 
 void parallelize_module(torch::nn::Module& module, const dtensor::DeviceMesh& mesh,
-                        const ParallelStyle& style) {
+                        const ParallelStyle& style, std::optional<int64_t> src_data_rank) {
   check_mesh(mesh);
-  style.apply(module, mesh);
+  style.apply(module, mesh, src_data_rank);
 }
 
 void parallelize_module(torch::nn::Module& module, const dtensor::DeviceMesh& mesh,
-                        const ParallelizePlan& plan) {
+                        const ParallelizePlan& plan, std::optional<int64_t> src_data_rank) {
   check_mesh(mesh);
   if (plan.empty()) {
     TORCH_WARN("parallelize_module: the plan is empty; nothing in ", module.name(),
@@ -60,7 +61,7 @@ void parallelize_module(torch::nn::Module& module, const dtensor::DeviceMesh& me
     TORCH_CHECK(style != nullptr, "parallelize_module: expected a style for plan key '", key,
                 "', got nullptr");
     if (key.empty()) {
-      style->apply(module, mesh);
+      style->apply(module, mesh, src_data_rank);
       continue;
     }
     const auto tokens = split_path(key);
@@ -68,7 +69,7 @@ void parallelize_module(torch::nn::Module& module, const dtensor::DeviceMesh& me
       TORCH_CHECK(!t.empty(), "parallelize_module: expected plan key tokens separated by single "
                   "dots, got '", key, "'");
     }
-    if (apply_matching(module, tokens, 0, mesh, *style) == 0) {
+    if (apply_matching(module, tokens, 0, mesh, *style, src_data_rank) == 0) {
       TORCH_WARN("parallelize_module: plan key '", key, "' (", style->name(),
                  ") matched no submodule of ", module.name());
     }

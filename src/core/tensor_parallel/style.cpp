@@ -46,14 +46,14 @@ void check_tp_mesh(const char* style, const DeviceMesh& mesh) {
 }
 
 void shard_parameter(torch::nn::Module& module, const std::string& name, const DeviceMesh& mesh,
-                     const Placements& placements) {
+                     const Placements& placements, std::optional<int64_t> src_data_rank) {
   auto params = module.named_parameters(/*recurse=*/false);  // handles to the module's tensors
   auto* param = params.find(name);
   TORCH_INTERNAL_ASSERT(param != nullptr, "shard_parameter: no parameter '", name, "'");
   const auto shape = param->sizes().vec();
-  // Rank 0's values win (src_data_rank 0), so all ranks hold shards of one tensor even if their
-  // initialisation differed.
-  auto local = dtensor::distribute_tensor(param->detach(), mesh, placements, 0).to_local();
+  // The source rank's values win, so all ranks hold shards of one tensor even if their
+  // initialisation differed (unless src_data_rank is nullopt: then each shards its own copy).
+  auto local = dtensor::distribute_tensor(param->detach(), mesh, placements, src_data_rank).to_local();
   {
     at::NoGradGuard no_grad;
     param->set_data(local.contiguous());
@@ -62,12 +62,12 @@ void shard_parameter(torch::nn::Module& module, const std::string& name, const D
 }
 
 void sync_partial_gradient(torch::nn::Module& module, const std::string& name,
-                           const DeviceMesh& mesh) {
+                           const DeviceMesh& mesh, std::optional<int64_t> src_data_rank) {
   auto params = module.named_parameters(/*recurse=*/false);
   auto* param = params.find(name);
   TORCH_INTERNAL_ASSERT(param != nullptr, "sync_partial_gradient: no parameter '", name, "'");
   // Keep the values identical on every rank (they are replicated), then record the layout.
-  shard_parameter(module, name, mesh, {Replicate()});
+  shard_parameter(module, name, mesh, {Replicate()}, src_data_rank);
   if (mesh.size(0) == 1 || !param->requires_grad()) return;
   auto group = mesh.get_group(0);
   param->register_hook([group](const at::Tensor& grad) {
@@ -107,6 +107,14 @@ void add_output_hook(HookableModule& module, const DeviceMesh& mesh, const Place
 }
 
 }  // namespace detail
+
+void ParallelStyle::apply(torch::nn::Module& module, const DeviceMesh& mesh,
+                          std::optional<int64_t> src_data_rank) const {
+  const auto style = name();
+  detail::check_tp_mesh(style.c_str(), mesh);
+  apply_to(module, mesh, src_data_rank);
+  if (auto* hm = dynamic_cast<HookableModule*>(&module)) hm->add_applied_style(style);
+}
 
 namespace {
 
@@ -163,8 +171,8 @@ void check_kind(const char* style, torch::nn::Module& module, HookableModule& hm
 
 }  // namespace
 
-void ColwiseParallel::apply(torch::nn::Module& module, const DeviceMesh& mesh) const {
-  detail::check_tp_mesh("ColwiseParallel", mesh);
+void ColwiseParallel::apply_to(torch::nn::Module& module, const DeviceMesh& mesh,
+                           std::optional<int64_t> src_data_rank) const {
   auto& hm = hookable("ColwiseParallel", module);
   check_kind("ColwiseParallel", module, hm);
   detail::check_not_parallelized("ColwiseParallel", module);
@@ -174,9 +182,9 @@ void ColwiseParallel::apply(torch::nn::Module& module, const DeviceMesh& mesh) c
   TORCH_CHECK(!out.is_partial(), "ColwiseParallel: expected output_layouts Shard or Replicate, got ",
               out.str());
   if (hm.module_kind() == ModuleKind::kLinear) {
-    detail::shard_parameter(module, "weight", mesh, {Shard(0)});
+    detail::shard_parameter(module, "weight", mesh, {Shard(0)}, src_data_rank);
     if (module.named_parameters(false).contains("bias")) {
-      detail::shard_parameter(module, "bias", mesh, {Shard(0)});
+      detail::shard_parameter(module, "bias", mesh, {Shard(0)}, src_data_rank);
     }
     // Replicate input; its gradient out of the column-sharded matmul is Partial.
     hm.add_input_hook([mesh, in](std::vector<at::Tensor> inputs) {
@@ -186,7 +194,7 @@ void ColwiseParallel::apply(torch::nn::Module& module, const DeviceMesh& mesh) c
       return inputs;
     });
   } else {
-    detail::shard_parameter(module, "weight", mesh, {Shard(1)});
+    detail::shard_parameter(module, "weight", mesh, {Shard(1)}, src_data_rank);
     hm.add_input_hook([mesh, in](std::vector<at::Tensor> inputs) {
       inputs[0] = detail::prepare(inputs[0], mesh, in, Replicate(), true);
       return inputs;
@@ -195,8 +203,8 @@ void ColwiseParallel::apply(torch::nn::Module& module, const DeviceMesh& mesh) c
   detail::add_output_hook(hm, mesh, Shard(-1), out, options_.use_local_output());
 }
 
-void RowwiseParallel::apply(torch::nn::Module& module, const DeviceMesh& mesh) const {
-  detail::check_tp_mesh("RowwiseParallel", mesh);
+void RowwiseParallel::apply_to(torch::nn::Module& module, const DeviceMesh& mesh,
+                           std::optional<int64_t> src_data_rank) const {
   auto& hm = hookable("RowwiseParallel", module);
   check_kind("RowwiseParallel", module, hm);
   detail::check_not_parallelized("RowwiseParallel", module);
@@ -206,13 +214,13 @@ void RowwiseParallel::apply(torch::nn::Module& module, const DeviceMesh& mesh) c
   if (hm.module_kind() == ModuleKind::kLinear) {
     TORCH_CHECK(!in.is_partial(), "RowwiseParallel: expected input_layouts Shard or Replicate, got ",
                 in.str());
-    detail::shard_parameter(module, "weight", mesh, {Shard(1)});
+    detail::shard_parameter(module, "weight", mesh, {Shard(1)}, src_data_rank);
     if (module.named_parameters(false).contains("bias")) {
       // A Shard output leaves each rank the bias gradient of its own rows only.
       if (out.is_shard()) {
-        detail::sync_partial_gradient(module, "bias", mesh);
+        detail::sync_partial_gradient(module, "bias", mesh, src_data_rank);
       } else {
-        detail::shard_parameter(module, "bias", mesh, {Replicate()});
+        detail::shard_parameter(module, "bias", mesh, {Replicate()}, src_data_rank);
       }
     }
     hm.add_input_hook([mesh, in](std::vector<at::Tensor> inputs) {
@@ -225,18 +233,18 @@ void RowwiseParallel::apply(torch::nn::Module& module, const DeviceMesh& mesh) c
     TORCH_CHECK(in.is_replicate(), "RowwiseParallel: expected input_layouts Replicate for an ",
                 "Embedding (ids index the whole vocabulary), got ", in.str());
     const int64_t vocab = module.named_parameters(false)["weight"].size(0);
-    detail::shard_parameter(module, "weight", mesh, {Shard(0)});
+    detail::shard_parameter(module, "weight", mesh, {Shard(0)}, src_data_rank);
     hm.set_forward_kernel(
         std::make_shared<RowwiseEmbeddingKernel>(mesh, vocab, out, options_.use_local_output()));
   }
 }
 
-void SequenceParallel::apply(torch::nn::Module& module, const DeviceMesh& mesh) const {
-  detail::check_tp_mesh("SequenceParallel", mesh);
+void SequenceParallel::apply_to(torch::nn::Module& module, const DeviceMesh& mesh,
+                           std::optional<int64_t> src_data_rank) const {
   auto& hm = hookable("SequenceParallel", module);
   detail::check_not_parallelized("SequenceParallel", module);
   for (const auto& item : module.named_parameters(/*recurse=*/false)) {
-    detail::sync_partial_gradient(module, item.key(), mesh);
+    detail::sync_partial_gradient(module, item.key(), mesh, src_data_rank);
   }
   const int64_t seq_dim = options_.sequence_dim();
   hm.add_input_hook([mesh, seq_dim](std::vector<at::Tensor> inputs) {
@@ -282,8 +290,8 @@ PrepareModuleInput::PrepareModuleInput(PrepareModuleInputOptions options) : opti
                      "desired_input_layouts", options_.desired_input_layouts());
 }
 
-void PrepareModuleInput::apply(torch::nn::Module& module, const DeviceMesh& mesh) const {
-  detail::check_tp_mesh("PrepareModuleInput", mesh);
+void PrepareModuleInput::apply_to(torch::nn::Module& module, const DeviceMesh& mesh,
+                           std::optional<int64_t> src_data_rank) const {
   auto& hm = hookable("PrepareModuleInput", module);
   hm.add_input_hook([mesh, opts = options_](std::vector<at::Tensor> inputs) {
     return convert_all("PrepareModuleInput", "inputs", std::move(inputs), mesh, opts.input_layouts(),
@@ -297,8 +305,8 @@ PrepareModuleOutput::PrepareModuleOutput(PrepareModuleOutputOptions options)
                      "desired_output_layouts", options_.desired_output_layouts());
 }
 
-void PrepareModuleOutput::apply(torch::nn::Module& module, const DeviceMesh& mesh) const {
-  detail::check_tp_mesh("PrepareModuleOutput", mesh);
+void PrepareModuleOutput::apply_to(torch::nn::Module& module, const DeviceMesh& mesh,
+                           std::optional<int64_t> src_data_rank) const {
   auto& hm = hookable("PrepareModuleOutput", module);
   hm.add_output_hook([mesh, opts = options_](std::vector<at::Tensor> outputs) {
     return convert_all("PrepareModuleOutput", "outputs", std::move(outputs), mesh,

@@ -1,6 +1,7 @@
 #pragma once
 // Internal helpers shared by the styles (style.cpp, mc2_style.cpp) and loss parallel.
 
+#include <optional>
 #include <string>
 
 #include <ATen/core/Tensor.h>
@@ -29,13 +30,14 @@ VocabShard vocab_shard(const at::Tensor& ids, int64_t vocab_size, const dtensor:
 void check_not_parallelized(const char* style, torch::nn::Module& module);
 /// Styles act on one mesh dim: the TP mesh.
 void check_tp_mesh(const char* style, const dtensor::DeviceMesh& mesh);
-/// Replaces parameter `name` of `module` by its local shard (rank 0's values) and records the
-/// layout.
+/// Replaces parameter `name` of `module` by its local shard (cut from the values of TP rank
+/// src_data_rank, or of each rank's own copy if nullopt) and records the layout.
 void shard_parameter(torch::nn::Module& module, const std::string& name,
-                     const dtensor::DeviceMesh& mesh, const dtensor::Placements& placements);
+                     const dtensor::DeviceMesh& mesh, const dtensor::Placements& placements,
+                     std::optional<int64_t> src_data_rank);
 /// A replicated parameter whose gradient is Partial: summed over the mesh by a gradient hook.
 void sync_partial_gradient(torch::nn::Module& module, const std::string& name,
-                           const dtensor::DeviceMesh& mesh);
+                           const dtensor::DeviceMesh& mesh, std::optional<int64_t> src_data_rank);
 /// The DTensor a tagged input carries, else `local` read with `layout`.
 dtensor::DTensor as_dtensor(const at::Tensor& local, const dtensor::DeviceMesh& mesh,
                             const dtensor::Placement& layout);

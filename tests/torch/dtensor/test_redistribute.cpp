@@ -173,13 +173,14 @@ TEST(DistributeTensor, BroadcastsFromSourceAndGathersGradient) {
   EXPECT_EQ(own.to_local().size(1), shard_size(2, p, r));
 }
 
-TEST(DistributeTensor, TwoDimMeshFromAnyRank) {
+TEST(DistributeTensor, TwoDimMeshFromEachSourceCoordinate) {
   if (hp_test::world_size() != 4) GTEST_SKIP() << "needs 4 ranks";
   auto mesh = init_device_mesh("cpu", {2, 2}, {"dp", "tp"});
-  for (int64_t src = 0; src < 4; ++src) {
+  // src_data_rank is the source's coordinate on every mesh dim: rank (src, src) of the 2 x 2 grid.
+  for (int64_t src = 0; src < 2; ++src) {
     auto d = distribute_tensor(at::full({4, 4}, double(hp_test::rank()), at::kDouble), mesh,
                                {Shard(0), Shard(1)}, src);
-    expect_close(d.full_tensor(), at::full({4, 4}, double(src), at::kDouble));
+    expect_close(d.full_tensor(), at::full({4, 4}, double(src * 2 + src), at::kDouble));
   }
 }
 
@@ -208,7 +209,8 @@ TEST(MeshAndDTensorErrors, NameFunctionExpectedAndGot) {
   HP_EXPECT_THROW_MSG(distribute_tensor(at::ones({2}), mesh, {Partial()}),
                       "distribute_tensor: does not support Partial placements");
   HP_EXPECT_THROW_MSG(distribute_tensor(at::ones({2}), mesh, {Shard(0)}, p),
-                      "expected src_data_rank to be a rank of");
+                      "distribute_tensor: expected src_data_rank (the source's coordinate on every "
+                      "mesh dim) in [0, ");
   HP_EXPECT_THROW_MSG(DTensor::from_local(at::ones({2, 2}), mesh, {Shard(0)},
                                           FromLocalOptions().shape(std::vector<int64_t>{2 * p + 5, 2})),
                       "from_local: expected local shape");

@@ -86,10 +86,17 @@ class DTensor {
                                    std::optional<int64_t>);
 };
 
-/// Splits a full tensor over the mesh. With src_data_rank = r (a global rank in the mesh), rank
-/// r's tensor is broadcast first so all ranks shard the same data; with nullopt each rank
-/// shards its own copy (no communication). Partial placements are rejected. Differentiable:
-/// the gradient of the full tensor is the gathered gradient.
+/// Splits a full tensor over the mesh, as torch.distributed.tensor.distribute_tensor does.
+/// `src_data_rank` is the source's coordinate on every mesh dim (group rank src_data_rank of each
+/// dim's group; default 0): that rank's tensor is broadcast first, so all ranks shard the same
+/// data. On a mesh sliced from a larger one (mesh["tp"]) it names a rank of each slice, not a
+/// global rank. With nullopt every rank already holds the full tensor and shards its own copy,
+/// with no communication. Partial placements are rejected. Differentiable: the gradient of the
+/// full tensor is the gathered gradient.
+///
+/// Usage:
+///   auto w = distribute_tensor(full, tp_mesh, {Shard(0)});          // tp rank 0's values
+///   auto mine = distribute_tensor(full, tp_mesh, {Shard(0)}, std::nullopt);  // no communication
 DTensor distribute_tensor(const at::Tensor& tensor, const DeviceMesh& mesh,
                           const Placements& placements,
                           std::optional<int64_t> src_data_rank = 0);

@@ -5,6 +5,7 @@
 // without any change to the model's code.
 
 #include <functional>
+#include <iosfwd>
 #include <map>
 #include <memory>
 #include <string>
@@ -68,6 +69,14 @@ class HookableModule {
     return it == layouts_.end() ? nullptr : &it->second;
   }
 
+  /// Names of the styles applied to this module, in order (for printing).
+  void add_applied_style(std::string name) { styles_.push_back(std::move(name)); }
+  const std::vector<std::string>& applied_styles() const { return styles_; }
+
+  /// What styles did to this module, for pretty_print: ", style=ColwiseParallel,
+  /// weight=Shard(0) over tp[2], forward=..." (nothing if no style touched it).
+  void print_parallel_state(std::ostream& stream) const;
+
  protected:
   /// Call at the start of forward with the tensor inputs; use what it returns.
   std::vector<at::Tensor> run_input_hooks(std::vector<at::Tensor> inputs) const {
@@ -92,6 +101,7 @@ class HookableModule {
   std::vector<OutputHook> output_hooks_;
   std::shared_ptr<ForwardKernel> kernel_;
   std::map<std::string, ParameterLayout> layouts_;
+  std::vector<std::string> styles_;
 };
 
 }  // namespace hyper_parallel::tensor_parallel

@@ -23,8 +23,11 @@ struct MC2ColwiseParallelOptions {
 class MC2ColwiseParallel : public ParallelStyle {
  public:
   explicit MC2ColwiseParallel(MC2ColwiseParallelOptions options = {});
-  void apply(torch::nn::Module& module, const dtensor::DeviceMesh& mesh) const override;
   std::string name() const override { return "MC2ColwiseParallel"; }
+
+ protected:
+  void apply_to(torch::nn::Module& module, const dtensor::DeviceMesh& mesh,
+                std::optional<int64_t> src_data_rank) const override;
 
  private:
   MC2ColwiseParallelOptions options_;
@@ -43,8 +46,11 @@ struct MC2RowwiseParallelOptions {
 class MC2RowwiseParallel : public ParallelStyle {
  public:
   explicit MC2RowwiseParallel(MC2RowwiseParallelOptions options = {});
-  void apply(torch::nn::Module& module, const dtensor::DeviceMesh& mesh) const override;
   std::string name() const override { return "MC2RowwiseParallel"; }
+
+ protected:
+  void apply_to(torch::nn::Module& module, const dtensor::DeviceMesh& mesh,
+                std::optional<int64_t> src_data_rank) const override;
 
  private:
   MC2RowwiseParallelOptions options_;

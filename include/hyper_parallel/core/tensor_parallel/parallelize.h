@@ -2,6 +2,7 @@
 // parallelize_module: applies parallel styles to a module tree.
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -20,8 +21,10 @@ namespace hyper_parallel::tensor_parallel {
 using ParallelizePlan = std::vector<std::pair<std::string, std::shared_ptr<ParallelStyle>>>;
 
 /// Applies `style` to `module`. The mesh must be 1-d (the TP mesh; slice a 2-d mesh by name).
+/// `src_data_rank`: the TP rank whose parameter values are sharded (as in distribute_tensor);
+/// nullopt: every rank already holds the full parameters and shards its own copy.
 void parallelize_module(torch::nn::Module& module, const dtensor::DeviceMesh& mesh,
-                        const ParallelStyle& style);
+                        const ParallelStyle& style, std::optional<int64_t> src_data_rank = 0);
 
 /// Applies each style to every submodule its key matches, in plan order. A key matching nothing,
 /// or an empty plan, is reported with a warning (TORCH_WARN), never silently ignored.
@@ -31,6 +34,6 @@ void parallelize_module(torch::nn::Module& module, const dtensor::DeviceMesh& me
 ///       {"layers.*.feed_forward.w1", std::make_shared<ColwiseParallel>()},
 ///       {"layers.*.feed_forward.w2", std::make_shared<RowwiseParallel>()}});
 void parallelize_module(torch::nn::Module& module, const dtensor::DeviceMesh& mesh,
-                        const ParallelizePlan& plan);
+                        const ParallelizePlan& plan, std::optional<int64_t> src_data_rank = 0);
 
 }  // namespace hyper_parallel::tensor_parallel

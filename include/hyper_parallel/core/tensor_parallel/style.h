@@ -27,9 +27,18 @@ namespace hyper_parallel::tensor_parallel {
 class ParallelStyle {
  public:
   virtual ~ParallelStyle() = default;
-  /// Applies the style to `module` on a 1-d mesh. Throws for modules the style does not support.
-  virtual void apply(torch::nn::Module& module, const dtensor::DeviceMesh& mesh) const = 0;
+  /// Applies the style to `module` on a 1-d mesh (the TP mesh; slice a larger one by name).
+  /// Throws for modules the style does not support. `src_data_rank` is the TP rank whose
+  /// parameter values every rank's shard is cut from (as in distribute_tensor); nullopt: each
+  /// rank already holds the full parameters and shards its own copy, with no communication.
+  void apply(torch::nn::Module& module, const dtensor::DeviceMesh& mesh,
+             std::optional<int64_t> src_data_rank = 0) const;
   virtual std::string name() const = 0;
+
+ protected:
+  /// The style's own work, after apply checked that the mesh is 1-d.
+  virtual void apply_to(torch::nn::Module& module, const dtensor::DeviceMesh& mesh,
+                        std::optional<int64_t> src_data_rank) const = 0;
 };
 
 /// ColwiseParallel: Linear weight and bias Shard(0), Embedding weight Shard(1); the input is made
@@ -47,9 +56,12 @@ struct ColwiseParallelOptions {
 class ColwiseParallel : public ParallelStyle {
  public:
   explicit ColwiseParallel(ColwiseParallelOptions options = {}) : options_(std::move(options)) {}
-  void apply(torch::nn::Module& module, const dtensor::DeviceMesh& mesh) const override;
   std::string name() const override { return "ColwiseParallel"; }
   const ColwiseParallelOptions& options() const { return options_; }
+
+ protected:
+  void apply_to(torch::nn::Module& module, const dtensor::DeviceMesh& mesh,
+                std::optional<int64_t> src_data_rank) const override;
 
  private:
   ColwiseParallelOptions options_;
@@ -70,9 +82,12 @@ struct RowwiseParallelOptions {
 class RowwiseParallel : public ParallelStyle {
  public:
   explicit RowwiseParallel(RowwiseParallelOptions options = {}) : options_(std::move(options)) {}
-  void apply(torch::nn::Module& module, const dtensor::DeviceMesh& mesh) const override;
   std::string name() const override { return "RowwiseParallel"; }
   const RowwiseParallelOptions& options() const { return options_; }
+
+ protected:
+  void apply_to(torch::nn::Module& module, const dtensor::DeviceMesh& mesh,
+                std::optional<int64_t> src_data_rank) const override;
 
  private:
   RowwiseParallelOptions options_;
@@ -94,8 +109,11 @@ struct SequenceParallelOptions {
 class SequenceParallel : public ParallelStyle {
  public:
   explicit SequenceParallel(SequenceParallelOptions options = {}) : options_(std::move(options)) {}
-  void apply(torch::nn::Module& module, const dtensor::DeviceMesh& mesh) const override;
   std::string name() const override { return "SequenceParallel"; }
+
+ protected:
+  void apply_to(torch::nn::Module& module, const dtensor::DeviceMesh& mesh,
+                std::optional<int64_t> src_data_rank) const override;
 
  private:
   SequenceParallelOptions options_;
@@ -120,8 +138,11 @@ struct PrepareModuleInputOptions {
 class PrepareModuleInput : public ParallelStyle {
  public:
   explicit PrepareModuleInput(PrepareModuleInputOptions options);
-  void apply(torch::nn::Module& module, const dtensor::DeviceMesh& mesh) const override;
   std::string name() const override { return "PrepareModuleInput"; }
+
+ protected:
+  void apply_to(torch::nn::Module& module, const dtensor::DeviceMesh& mesh,
+                std::optional<int64_t> src_data_rank) const override;
 
  private:
   PrepareModuleInputOptions options_;
@@ -137,8 +158,11 @@ struct PrepareModuleOutputOptions {
 class PrepareModuleOutput : public ParallelStyle {
  public:
   explicit PrepareModuleOutput(PrepareModuleOutputOptions options);
-  void apply(torch::nn::Module& module, const dtensor::DeviceMesh& mesh) const override;
   std::string name() const override { return "PrepareModuleOutput"; }
+
+ protected:
+  void apply_to(torch::nn::Module& module, const dtensor::DeviceMesh& mesh,
+                std::optional<int64_t> src_data_rank) const override;
 
  private:
   PrepareModuleOutputOptions options_;

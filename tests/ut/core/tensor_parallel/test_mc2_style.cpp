@@ -278,6 +278,74 @@ TEST_F(MC2Style, FailsClosedOnEveryContractLimit) {
   EXPECT_EQ(hp::comm::collective_count(CollectiveKind::kAllGatherMatmul), 1);
 }
 
+// Each limit of the kernel contract, forward and backward, for both styles, at apply time.
+TEST_F(MC2Style, EveryContractLimitIsCheckedAtApplyTimeForBothStyles) {
+  struct Case {
+    const char* what;
+    int64_t in, out;
+    at::ScalarType dtype;
+    bool column;
+    const char* message;
+  };
+  const Case cases[] = {
+      {"column forward k = in_features", 128, 512, at::kBFloat16, true,
+       "MC2ColwiseParallel: MC2 contraction dim k (in_features): expected in [256, 65535), got 128"},
+      {"column forward k upper bound", 65535, 512, at::kBFloat16, true,
+       "MC2ColwiseParallel: MC2 contraction dim k (in_features): expected in [256, 65535), got 65535"},
+      {"column backward n_local = out_features / P", 512, 256, at::kBFloat16, true,
+       "MC2ColwiseParallel: MC2 column backward contraction n_local (out_features / world_size): "
+       "expected in [256, 65535), got 128"},
+      {"row forward k_local = in_features / P", 256, 512, at::kBFloat16, false,
+       "MC2RowwiseParallel: MC2 contraction dim k (in_features / world_size): expected in [256, "
+       "65535), got 128"},
+      {"row backward n = out_features", 1024, 128, at::kBFloat16, false,
+       "MC2RowwiseParallel: MC2 row backward contraction n (out_features): expected in [256, "
+       "65535), got 128"},
+      {"row backward n upper bound", 1024, 65535, at::kBFloat16, false,
+       "MC2RowwiseParallel: MC2 row backward contraction n (out_features): expected in [256, "
+       "65535), got 65535"},
+      {"column dtype", 512, 512, at::kFloat, true,
+       "MC2ColwiseParallel: MC2 dtype: expected one of {Half, BFloat16}, got Float"},
+      {"row dtype", 512, 512, at::kDouble, false,
+       "MC2RowwiseParallel: MC2 dtype: expected one of {Half, BFloat16}, got Double"},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.what);
+    auto lin = linear(c.in, c.out, c.dtype);
+    auto weight = lin->weight.detach().clone();
+    if (c.column) {
+      HP_EXPECT_THROW_MSG(tp::MC2ColwiseParallel().apply(*lin, *mesh), c.message);
+    } else {
+      HP_EXPECT_THROW_MSG(tp::MC2RowwiseParallel().apply(*lin, *mesh), c.message);
+    }
+    // Nothing was touched: the weight is whole and the forward is the plain one.
+    EXPECT_TRUE(lin->weight.equal(weight));
+    EXPECT_FALSE(tp::MC2Linear::of(*lin).has_value());
+  }
+  // World size, for both styles.
+  const auto only_4_8 = tp::MC2Contract().world_sizes({4, 8});
+  HP_EXPECT_THROW_MSG(tp::MC2ColwiseParallel(tp::MC2ColwiseParallelOptions().contract(only_4_8))
+                          .apply(*linear(512, 1024), *mesh),
+                      "MC2ColwiseParallel: MC2 world_size: expected one of [4, 8], got 2");
+  HP_EXPECT_THROW_MSG(tp::MC2RowwiseParallel(tp::MC2RowwiseParallelOptions().contract(only_4_8))
+                          .apply(*linear(1024, 512), *mesh),
+                      "MC2RowwiseParallel: MC2 world_size: expected one of [4, 8], got 2");
+}
+
+// The same limits hold for an MC2Linear configured by hand (no style): checked at forward.
+TEST_F(MC2Style, HandConfiguredLinearChecksTheContractAtForward) {
+  auto row = linear(1024, 128);
+  tp::MC2Linear::from_linear(*row).configure_mc2("reduce_scatter", mesh->get_group(0), 2, 1);
+  HP_EXPECT_THROW_MSG(row(at::ones({1, 4, 1024}, at::kBFloat16)),
+                      "MC2Linear::forward: MC2 row backward contraction n (out_features): expected "
+                      "in [256, 65535), got 128");
+  auto col = linear(128, 512);
+  tp::MC2Linear::from_linear(*col).configure_mc2("all_gather", mesh->get_group(0), 2, 1);
+  HP_EXPECT_THROW_MSG(col(at::ones({1, 4, 128}, at::kBFloat16)),
+                      "MC2Linear::forward: MC2 contraction dim k (in_features): expected in [256, "
+                      "65535), got 128");
+}
+
 TEST_F(MC2Style, AModuleTakesOneStyleAndIsLeftUntouchedOnError) {
   auto lin = linear(512, 512);
   tp::parallelize_module(*lin, *mesh, tp::ColwiseParallel());

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# A user error in an example is one line "program: message" and exit status 1 on the rank that
+# hit it (no abort, no backtrace), and hp-run names the rank.
+#   one_line_errors.sh HP_RUN LLAMA3_TRAIN
+set -uo pipefail
+hp_run=$1 train=$2
+fail() { echo "FAIL: $*"; echo "--- output ---"; cat "$out"; exit 1; }
+out=$(mktemp)
+trap 'rm -f "$out"' EXIT
+
+# seq_len 7 is not divisible by TP 2: the plan rejects it on every rank.
+"$hp_run" --nproc-per-node 2 --timeout 120 -- "$train" --preset tiny --seq-len 7 --steps 1 >"$out" 2>&1
+code=$?
+[[ $code -eq 1 ]] || fail "expected exit status 1, got $code"
+grep -q '^\[rank [01]\] llama3_train: parallelize_llama3: expected seq_len (7) divisible by the TP size (2)' "$out" \
+  || fail "expected the one-line error"
+grep -q 'hp-run: rank [01] exited with code 1' "$out" || fail "expected hp-run to name the rank"
+if grep -q -e 'Exception raised from' -e 'terminate called' -e 'SIGABRT' -e 'frame #' "$out"; then
+  fail "expected no backtrace or abort"
+fi
+lines=$(grep -c 'llama3_train: ' "$out")
+[[ $lines -le 2 ]] || fail "expected one error line per rank, got $lines"
+
+# A bad preset name, single rank.
+"$hp_run" --nproc-per-node 1 --timeout 60 -- "$train" --preset nope >"$out" 2>&1
+code=$?
+[[ $code -eq 1 ]] || fail "expected exit status 1 for a bad preset, got $code"
+grep -q "llama3_train: ModelArgs::from_preset: expected 'debug', 'tiny', 'bench'" "$out" \
+  || fail "expected the preset error on one line"
+echo "PASS"
