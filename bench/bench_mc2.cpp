@@ -6,7 +6,7 @@
 //   speedup = unfused / fused, efficiency = max(compute, comm) / fused (1.0 = perfect overlap)
 //
 //   hp-run --nproc-per-node 2 -- build/bench/bench_mc2            (loopback)
-//   bash bench/run_mc2_bench.sh                                     (loopback and a veth link)
+//   bash bench/run_bench.sh bench_mc2                               (loopback and a veth link)
 #include <cstdio>
 #include <string>
 #include <vector>

@@ -8,6 +8,7 @@ packages=(
   libgloo-dev           # Gloo headers needed by ProcessGroupGloo.hpp
   libopenblas0-pthread  # fast fp32 matmul (the reference BLAS is ~20x slower)
   libgtest-dev libgmock-dev
+  libcli11-dev          # command-line flags of hp-run and the examples
   iproute2              # ip netns / tc, for benchmarks over a rate-limited link
 )
 

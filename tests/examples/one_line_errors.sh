@@ -21,10 +21,16 @@ fi
 lines=$(grep -c 'llama3_train: ' "$out")
 [[ $lines -le 2 ]] || fail "expected one error line per rank, got $lines"
 
-# A bad preset name, single rank.
-"$hp_run" --nproc-per-node 1 --timeout 60 -- "$train" --preset nope >"$out" 2>&1
+# An error inside the model on a single rank: the sequence is longer than the preset allows.
+"$hp_run" --nproc-per-node 1 --timeout 60 -- "$train" --preset tiny --seq-len 9 --steps 1 >"$out" 2>&1
 code=$?
-[[ $code -eq 1 ]] || fail "expected exit status 1 for a bad preset, got $code"
-grep -q "llama3_train: ModelArgs::from_preset: expected 'debug', 'tiny', 'bench'" "$out" \
-  || fail "expected the preset error on one line"
+[[ $code -eq 1 ]] || fail "expected exit status 1 for a too-long sequence, got $code"
+grep -q "llama3_train: Attention: expected seq_len <= max_seq_len 8, got 9" "$out" \
+  || fail "expected the model's error on one line"
+
+# A bad flag value is a usage error (exit 2) that names the flag and the value.
+"$train" --preset nope >"$out" 2>&1
+code=$?
+[[ $code -eq 2 ]] || fail "expected exit status 2 for a bad flag, got $code"
+grep -q -- "--preset: nope" "$out" || fail "expected the message to name --preset and 'nope'"
 echo "PASS"

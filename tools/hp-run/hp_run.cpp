@@ -4,6 +4,9 @@
 //   hp-run --nproc-per-node N [--nnodes M] [--node-rank R] [--master-addr A]
 //          [--master-port P] [--timeout S] [--grace S] -- program args...
 //
+// Flags are parsed by CLI11 (Debian's libcli11-dev, header-only), so the launcher still needs
+// nothing but the C++ standard library at run time.
+//
 // It starts N local ranks, each in its own process group with the usual
 // RANK / WORLD_SIZE / MASTER_* environment, prefixes every line the ranks
 // print with "[rank N] ", and tears the whole job down as soon as one rank
@@ -37,6 +40,8 @@
 #include <utility>
 #include <vector>
 
+#include <CLI/CLI.hpp>
+
 extern char** environ;
 
 namespace {
@@ -56,30 +61,19 @@ constexpr std::size_t kMaxPendingLine = std::size_t{1} << 20;
 // that still holds the pipe open; we must not wait for that forever.
 constexpr std::chrono::milliseconds kDrainAfterExit{1000};
 
-constexpr std::string_view kUsage =
+constexpr const char* kDescription =
     R"(usage: hp-run --nproc-per-node N [options] -- program [args...]
 
 Starts N copies of program on this node, one per local rank, and prefixes
-every line they print with "[rank R] ".
+every line they print with "[rank R] ". Flags also take --flag=value.)";
 
-options (also accepted as --flag=value):
-  --nproc-per-node N   processes (ranks) to start on this node (required)
-  --nnodes M           number of nodes in the job (default 1)
-  --node-rank R        index of this node, 0 <= R < M (default 0)
-  --master-addr A      address of the rendezvous master (default 127.0.0.1)
-  --master-port P      port of the rendezvous master; 0 picks a free port,
-                       which only works with --nnodes 1 (default 0)
-  --timeout S          kill all ranks after S seconds; 0 = never (default 0)
-  --grace S            seconds between SIGTERM and SIGKILL (default 5)
-  -h, --help           show this help
-
-Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK,
+constexpr const char* kFooter =
+    R"(Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK,
 MASTER_ADDR and MASTER_PORT in its environment.
 
 exit status: 0 if every rank succeeded; the first failing rank's exit code
 (128+signal if it was killed); 124 on timeout; 128+signal if hp-run was
-interrupted; 2 on a usage error.
-)";
+interrupted; 2 on a usage error.)";
 
 // ---------------------------------------------------------------------------
 // Small I/O helpers. Everything goes through write(2) rather than stdio so
@@ -137,60 +131,30 @@ class UsageError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-struct HelpRequested {};
-
-std::optional<long long> parse_integer(std::string_view text) {
-  long long value = 0;
-  const char* end = text.data() + text.size();
-  const auto [stop, error] = std::from_chars(text.data(), end, value);
-  if (text.empty() || error != std::errc() || stop != end) return std::nullopt;
-  return value;
-}
-
-int parse_int_in_range(std::string_view flag, const std::string& text, long long lo, long long hi,
-                       std::string_view expectation) {
-  const std::optional<long long> value = parse_integer(text);
-  if (!value || *value < lo || *value > hi) {
-    throw UsageError(std::string(flag) + ": expected " + std::string(expectation) + ", got '" +
-                     text + "'");
-  }
-  return static_cast<int>(*value);
-}
+struct HelpRequested {
+  std::string text;
+};
 
 constexpr long long kIntMax = 2147483647;
 
-bool is_known_flag(std::string_view flag) {
-  static constexpr std::string_view kFlags[] = {"--nproc-per-node", "--nnodes",      "--node-rank",
-                                                "--master-addr",    "--master-port", "--timeout",
-                                                "--grace"};
-  return std::find(std::begin(kFlags), std::end(kFlags), flag) != std::end(kFlags);
-}
-
-// Applies one "--flag value" pair; `flag` is one of kFlags.
-void apply_flag(Options& opts, std::string_view flag, const std::string& value, bool& saw_nproc) {
-  if (flag == "--nproc-per-node") {
-    opts.nproc_per_node = parse_int_in_range(flag, value, 1, kIntMax, "a positive integer");
-    saw_nproc = true;
-  } else if (flag == "--nnodes") {
-    opts.nnodes = parse_int_in_range(flag, value, 1, kIntMax, "a positive integer");
-  } else if (flag == "--node-rank") {
-    opts.node_rank = parse_int_in_range(flag, value, 0, kIntMax, "a non-negative integer");
-  } else if (flag == "--master-addr") {
-    if (value.empty()) throw UsageError("--master-addr: expected a non-empty address");
-    opts.master_addr = value;
-  } else if (flag == "--master-port") {
-    opts.master_port = parse_int_in_range(flag, value, 0, 65535, "an integer in [0, 65535]");
-  } else if (flag == "--timeout") {
-    opts.timeout_s =
-        parse_int_in_range(flag, value, 0, kIntMax, "a non-negative integer (seconds)");
-  } else if (flag == "--grace") {
-    opts.grace_s = parse_int_in_range(flag, value, 0, kIntMax, "a non-negative integer (seconds)");
-  }
+// A CLI11 check that the value is an integer in [lo, hi]; its message names the value (CLI11
+// prefixes the flag): "--timeout: expected a non-negative integer (seconds), got 'soon'".
+CLI::Validator integer_in(long long lo, long long hi, const std::string& expectation) {
+  return CLI::Validator(
+      [=](std::string& text) -> std::string {
+        long long value = 0;
+        const char* end = text.data() + text.size();
+        const auto [stop, error] = std::from_chars(text.data(), end, value);
+        if (text.empty() || error != std::errc() || stop != end || value < lo || value > hi) {
+          return "expected " + expectation + ", got '" + text + "'";
+        }
+        return {};
+      },
+      expectation);
 }
 
 // Checks that need every flag to be known first.
-void validate(const Options& opts, bool saw_nproc) {
-  if (!saw_nproc) throw UsageError("--nproc-per-node is required");
+void validate(const Options& opts) {
   if (opts.node_rank >= opts.nnodes) {
     throw UsageError("--node-rank: expected a value in [0, " + std::to_string(opts.nnodes) +
                      ") for --nnodes " + std::to_string(opts.nnodes) + ", got " +
@@ -207,33 +171,60 @@ void validate(const Options& opts, bool saw_nproc) {
   }
 }
 
+// hp-run's own flags come before "--"; everything after it is the program and its arguments,
+// passed on untouched (they may look like flags).
 Options parse_args(int argc, char** argv) {
   const std::vector<std::string> args(argv + 1, argv + argc);
+  const auto separator = std::find(args.begin(), args.end(), "--");
   Options opts;
-  bool saw_nproc = false;
-  std::size_t i = 0;
-  for (; i < args.size() && args[i] != "--"; ++i) {
-    const std::string& arg = args[i];
-    if (arg == "-h" || arg == "--help") throw HelpRequested{};
-    if (arg.empty() || arg[0] != '-') {
-      throw UsageError("expected '--' followed by a program to run (got '" + arg + "')");
-    }
-    const std::size_t equals = arg.find('=');
-    const std::string flag = arg.substr(0, equals);
-    if (!is_known_flag(flag)) throw UsageError("unknown flag '" + flag + "'");
-    std::string value;
-    if (equals != std::string::npos) {
-      value = arg.substr(equals + 1);
-    } else if (i + 1 < args.size() && !args[i + 1].starts_with("--")) {
-      value = args[++i];
-    } else {
-      throw UsageError(flag + ": missing value");
-    }
-    apply_flag(opts, flag, value, saw_nproc);
+  CLI::App app(kDescription, "hp-run");
+  app.footer(kFooter);
+  app.allow_extras();  // reported below in hp-run's own words
+  app.add_option("--nproc-per-node", opts.nproc_per_node,
+                 "processes (ranks) to start on this node")
+      ->required()
+      ->check(integer_in(1, kIntMax, "a positive integer"));
+  app.add_option("--nnodes", opts.nnodes, "number of nodes in the job")
+      ->capture_default_str()
+      ->check(integer_in(1, kIntMax, "a positive integer"));
+  app.add_option("--node-rank", opts.node_rank, "index of this node, 0 <= R < nnodes")
+      ->capture_default_str()
+      ->check(integer_in(0, kIntMax, "a non-negative integer"));
+  app.add_option("--master-addr", opts.master_addr, "address of the rendezvous master")
+      ->capture_default_str()
+      ->check(CLI::Validator(
+          [](std::string& text) { return text.empty() ? std::string("expected a non-empty address") : ""; },
+          "ADDRESS"));
+  app.add_option("--master-port", opts.master_port,
+                 "port of the rendezvous master; 0 picks a free port (only with --nnodes 1)")
+      ->capture_default_str()
+      ->check(integer_in(0, 65535, "an integer in [0, 65535]"));
+  app.add_option("--timeout", opts.timeout_s, "kill all ranks after S seconds; 0 = never")
+      ->capture_default_str()
+      ->check(integer_in(0, kIntMax, "a non-negative integer (seconds)"));
+  app.add_option("--grace", opts.grace_s, "seconds between SIGTERM and SIGKILL")
+      ->capture_default_str()
+      ->check(integer_in(0, kIntMax, "a non-negative integer (seconds)"));
+  try {
+    app.parse(std::vector<std::string>(std::make_reverse_iterator(separator), args.rend()));
+  } catch (const CLI::CallForHelp&) {
+    throw HelpRequested{app.help()};
+  } catch (const CLI::ArgumentMismatch& e) {
+    // CLI11 says "--nnodes: 1 required INT:... missing"; name the flag and the problem.
+    const std::string text = e.what();
+    throw UsageError(text.substr(0, text.find(':')) + ": missing value");
+  } catch (const CLI::ParseError& e) {
+    throw UsageError(e.what());
   }
-  validate(opts, saw_nproc);
-  if (i + 1 >= args.size()) throw UsageError("expected '--' followed by a program to run");
-  opts.command.assign(args.begin() + static_cast<std::ptrdiff_t>(i) + 1, args.end());
+  for (const auto& extra : app.remaining()) {
+    if (extra.starts_with("-")) throw UsageError("unknown flag '" + extra.substr(0, extra.find('=')) + "'");
+    throw UsageError("expected '--' followed by a program to run (got '" + extra + "')");
+  }
+  validate(opts);
+  if (separator == args.end() || separator + 1 == args.end()) {
+    throw UsageError("expected '--' followed by a program to run");
+  }
+  opts.command.assign(separator + 1, args.end());
   return opts;
 }
 
@@ -750,8 +741,8 @@ int main(int argc, char** argv) {
   Options opts;
   try {
     opts = parse_args(argc, argv);
-  } catch (const HelpRequested&) {
-    write_all(STDOUT_FILENO, kUsage);
+  } catch (const HelpRequested& help) {
+    write_all(STDOUT_FILENO, help.text);
     return 0;
   } catch (const UsageError& e) {
     log_message(e.what());

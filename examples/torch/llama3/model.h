@@ -1,7 +1,8 @@
 #pragma once
 // Llama 3 (decoder-only transformer): RMSNorm, rotary position embedding, grouped-query causal
-// attention, SwiGLU feed-forward. A plain model: it knows nothing of parallelism. Its modules
-// expose the library's hook points (HookableModule), and the plan in parallelize.h shards it.
+// attention, SwiGLU feed-forward. A plain model: it knows nothing of parallelism. It is built
+// from this library's nn modules, whose hook points (nn::HookableModule) the plan in
+// parallelize.h fills.
 // Head counts are read from tensor shapes, so the same code runs on sharded weights.
 
 #include <string>
@@ -11,7 +12,6 @@
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/pimpl.h>
 
-#include <hyper_parallel/core/tensor_parallel/hookable_module.h>
 #include <hyper_parallel/nn.h>
 
 namespace llama3 {
@@ -47,7 +47,7 @@ struct ModelArgs {
 };
 
 class AttentionImpl : public torch::nn::Cloneable<AttentionImpl>,
-                      public hyper_parallel::tensor_parallel::HookableModule {
+                      public hyper_parallel::nn::HookableModule {
  public:
   explicit AttentionImpl(const ModelArgs& args);
   void reset() override;
@@ -61,7 +61,7 @@ class AttentionImpl : public torch::nn::Cloneable<AttentionImpl>,
 TORCH_MODULE(Attention);
 
 class FeedForwardImpl : public torch::nn::Cloneable<FeedForwardImpl>,
-                        public hyper_parallel::tensor_parallel::HookableModule {
+                        public hyper_parallel::nn::HookableModule {
  public:
   FeedForwardImpl(int64_t dim, int64_t hidden_dim);
   void reset() override;

@@ -12,8 +12,7 @@ using hyper_parallel::dtensor::Shard;
 
 void parallelize_llama3(TransformerImpl& model, const hyper_parallel::dtensor::DeviceMesh& tp_mesh,
                         const ParallelizeOptions& options) {
-  TORCH_CHECK(tp_mesh.ndim() == 1, "parallelize_llama3: expected a 1-d TP mesh, got ",
-              tp_mesh.ndim(), "-d");
+  tp::check_tp_mesh("parallelize_llama3", tp_mesh);
   const auto& a = model.args;
   const int64_t tp_size = tp_mesh.size(0);
   TORCH_CHECK(a.n_heads % tp_size == 0, "parallelize_llama3: expected n_heads (", a.n_heads,

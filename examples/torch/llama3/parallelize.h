@@ -7,7 +7,7 @@
 #include <torch/arg.h>
 
 #include <hyper_parallel/core/dtensor/device_mesh.h>
-#include <hyper_parallel/core/tensor_parallel/mc2.h>
+#include <hyper_parallel/core/tensor_parallel/mc2_linear.h>
 
 #include "model.h"
 

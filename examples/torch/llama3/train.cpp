@@ -1,9 +1,10 @@
 // Trains Llama 3 with tensor parallelism (+ sequence parallelism) on synthetic data.
 //   hp-run --nproc-per-node 2 -- build/examples/torch/llama3/llama3_train --steps 20
+//   llama3_train --help
 #include <cstdio>
-#include <cstdlib>
-#include <cstring>
 #include <string>
+
+#include <CLI/CLI.hpp>
 
 #include <hyper_parallel/core/comm.h>
 
@@ -12,60 +13,75 @@
 
 namespace {
 
-void usage() {
-  std::fprintf(stderr,
-               "usage: llama3_train [--preset debug|tiny|bench|llama3_8b_1layer] [--steps N] [--batch-size N]\n"
-               "                    [--seq-len N] [--dtype fp32|bf16] [--lr X] [--seed N]\n"
-               "                    [--no-sequence-parallel] [--loss-parallel]\n"
-               "                    [--enable-mc2 [--mc2-chunks N] [--relaxed-mc2-contract]]\n");
+// The command line, as TrainOptions. Returns nullopt after printing help; throws
+// CLI::ParseError on a bad flag.
+std::optional<llama3::TrainOptions> parse_flags(int argc, char** argv) {
+  llama3::TrainOptions o;
+  std::string preset = o.preset(), dtype = o.dtype();
+  int64_t steps = o.steps(), batch_size = o.batch_size(), chunks = o.mc2_chunks_per_rank();
+  std::optional<int64_t> seq_len;
+  double lr = o.lr();
+  uint64_t seed = o.seed();
+  bool no_sp = false, loss_parallel = false, mc2 = false, relaxed = false;
+
+  CLI::App app("Trains Llama 3 with tensor (+ sequence) parallelism on synthetic data; run it "
+               "under hp-run, one rank per TP shard.",
+               "llama3_train");
+  app.add_option("--preset", preset, "model size")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"debug", "tiny", "bench", "llama3_8b", "llama3_8b_1layer"}));
+  app.add_option("--steps", steps, "training steps")->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--batch-size", batch_size, "sequences per step")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--seq-len", seq_len, "tokens per sequence (default: the preset's)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--dtype", dtype, "parameter and activation dtype")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"fp32", "bf16"}));
+  app.add_option("--lr", lr, "AdamW learning rate")->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--seed", seed, "weights and data")->capture_default_str();
+  app.add_flag("--no-sequence-parallel", no_sp, "replicate activations between blocks");
+  app.add_flag("--loss-parallel", loss_parallel, "keep logits sharded over the vocabulary");
+  auto* mc2_flag = app.add_flag("--enable-mc2", mc2, "fuse the feed-forward's collectives into its matmuls");
+  app.add_option("--mc2-chunks", chunks, "MC2 chunks per rank")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber)
+      ->needs(mc2_flag);
+  app.add_flag("--relaxed-mc2-contract", relaxed, "allow fp32 and any size under MC2 (debugging)")
+      ->needs(mc2_flag);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp&) {
+    std::printf("%s", app.help().c_str());
+    return std::nullopt;
+  }
+  o.preset(preset).dtype(dtype).steps(steps).batch_size(batch_size).seq_len(seq_len).lr(lr).seed(seed);
+  o.enable_sequence_parallel(!no_sp).enable_loss_parallel(loss_parallel);
+  o.enable_mc2(mc2).relaxed_mc2_contract(relaxed).mc2_chunks_per_rank(chunks);
+  return o;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  llama3::TrainOptions options;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    auto value = [&]() -> std::string {
-      if (i + 1 >= argc) {
-        std::fprintf(stderr, "llama3_train: %s expects a value\n", a.c_str());
-        std::exit(2);
-      }
-      return argv[++i];
-    };
-    try {
-      if (a == "--preset") options.preset(value());
-      else if (a == "--steps") options.steps(std::stoll(value()));
-      else if (a == "--batch-size") options.batch_size(std::stoll(value()));
-      else if (a == "--seq-len") options.seq_len(std::stoll(value()));
-      else if (a == "--dtype") options.dtype(value());
-      else if (a == "--lr") options.lr(std::stod(value()));
-      else if (a == "--seed") options.seed(std::stoull(value()));
-      else if (a == "--no-sequence-parallel") options.enable_sequence_parallel(false);
-      else if (a == "--loss-parallel") options.enable_loss_parallel(true);
-      else if (a == "--enable-mc2") options.enable_mc2(true);
-      else if (a == "--relaxed-mc2-contract") options.relaxed_mc2_contract(true);
-      else if (a == "--mc2-chunks") options.mc2_chunks_per_rank(std::stoll(value()));
-      else if (a == "-h" || a == "--help") { usage(); return 0; }
-      else {
-        std::fprintf(stderr, "llama3_train: unknown flag '%s'\n", a.c_str());
-        usage();
-        return 2;
-      }
-    } catch (const std::logic_error&) {
-      std::fprintf(stderr, "llama3_train: %s: expected a number, got '%s'\n", a.c_str(), argv[i]);
-      return 2;
-    }
+  std::optional<llama3::TrainOptions> options;
+  try {
+    options = parse_flags(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    std::fprintf(stderr, "llama3_train: %s\nTry 'llama3_train --help' for more information.\n", e.what());
+    return 2;
   }
+  if (!options) return 0;
   return hp_examples::run_main("llama3_train", [&] {
-  hyper_parallel::comm::init_process_group();
-  auto results = llama3::train(options);
-  const bool fell = results.size() < 2 || results.back().loss < results.front().loss;
-  if (hyper_parallel::comm::global_rank() == 0) {
-    std::printf("loss %s: %.4f -> %.4f\n", fell ? "fell" : "did NOT fall", results.front().loss,
-                results.back().loss);
-  }
-  hyper_parallel::comm::destroy_process_group();
-  return fell ? 0 : 1;
+    hyper_parallel::comm::init_process_group();
+    auto results = llama3::train(*options);
+    const bool fell = results.size() < 2 || results.back().loss < results.front().loss;
+    if (hyper_parallel::comm::global_rank() == 0) {
+      std::printf("loss %s: %.4f -> %.4f\n", fell ? "fell" : "did NOT fall", results.front().loss,
+                  results.back().loss);
+    }
+    hyper_parallel::comm::destroy_process_group();
+    return fell ? 0 : 1;
   });
 }

@@ -1,7 +1,10 @@
 #pragma once
-// core/comm: process groups, point-to-point transfers, ring collectives, counters.
+// core/comm: process groups, point-to-point transfers, the schedule engine, collectives,
+// counters.
+#include <hyper_parallel/core/comm/chunks.h>
 #include <hyper_parallel/core/comm/collectives.h>
 #include <hyper_parallel/core/comm/counters.h>
 #include <hyper_parallel/core/comm/p2p.h>
 #include <hyper_parallel/core/comm/process_group.h>
+#include <hyper_parallel/core/comm/schedule.h>
 #include <hyper_parallel/core/comm/work.h>

@@ -5,7 +5,7 @@
 #include <torch/nn/cloneable.h>
 #include <torch/nn/pimpl.h>
 
-#include <hyper_parallel/core/tensor_parallel/hookable_module.h>
+#include <hyper_parallel/nn/hookable_module.h>
 
 namespace hyper_parallel::nn {
 
@@ -19,7 +19,7 @@ struct EmbeddingOptions {
 };
 
 class EmbeddingImpl : public torch::nn::Cloneable<EmbeddingImpl>,
-                      public tensor_parallel::HookableModule {
+                      public HookableModule {
  public:
   EmbeddingImpl(int64_t num_embeddings, int64_t embedding_dim)
       : EmbeddingImpl(EmbeddingOptions(num_embeddings, embedding_dim)) {}
@@ -29,8 +29,8 @@ class EmbeddingImpl : public torch::nn::Cloneable<EmbeddingImpl>,
   void reset() override;
   /// Integer ids [...] -> [..., embedding_dim].
   at::Tensor forward(const at::Tensor& ids);
-  tensor_parallel::ModuleKind module_kind() const override {
-    return tensor_parallel::ModuleKind::kEmbedding;
+  ModuleKind module_kind() const override {
+    return ModuleKind::kEmbedding;
   }
   void pretty_print(std::ostream& stream) const override;
 

@@ -5,7 +5,7 @@
 #include <torch/nn/cloneable.h>
 #include <torch/nn/pimpl.h>
 
-#include <hyper_parallel/core/tensor_parallel/hookable_module.h>
+#include <hyper_parallel/nn/hookable_module.h>
 
 namespace hyper_parallel::nn {
 
@@ -19,7 +19,7 @@ struct LinearOptions {
   TORCH_ARG(bool, bias) = true;
 };
 
-class LinearImpl : public torch::nn::Cloneable<LinearImpl>, public tensor_parallel::HookableModule {
+class LinearImpl : public torch::nn::Cloneable<LinearImpl>, public HookableModule {
  public:
   LinearImpl(int64_t in_features, int64_t out_features)
       : LinearImpl(LinearOptions(in_features, out_features)) {}
@@ -29,8 +29,8 @@ class LinearImpl : public torch::nn::Cloneable<LinearImpl>, public tensor_parall
   void reset() override;
   /// Input [..., in_features] -> [..., out_features] (local shapes once a style sharded it).
   at::Tensor forward(const at::Tensor& input);
-  tensor_parallel::ModuleKind module_kind() const override {
-    return tensor_parallel::ModuleKind::kLinear;
+  ModuleKind module_kind() const override {
+    return ModuleKind::kLinear;
   }
   void pretty_print(std::ostream& stream) const override;
 

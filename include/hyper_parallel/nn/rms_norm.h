@@ -5,7 +5,7 @@
 #include <torch/nn/cloneable.h>
 #include <torch/nn/pimpl.h>
 
-#include <hyper_parallel/core/tensor_parallel/hookable_module.h>
+#include <hyper_parallel/nn/hookable_module.h>
 
 namespace hyper_parallel::nn {
 
@@ -17,7 +17,7 @@ struct RMSNormOptions {
   TORCH_ARG(double, eps) = 1e-5;
 };
 
-class RMSNormImpl : public torch::nn::Cloneable<RMSNormImpl>, public tensor_parallel::HookableModule {
+class RMSNormImpl : public torch::nn::Cloneable<RMSNormImpl>, public HookableModule {
  public:
   explicit RMSNormImpl(int64_t dim) : RMSNormImpl(RMSNormOptions(dim)) {}
   explicit RMSNormImpl(const RMSNormOptions& options);

@@ -5,9 +5,11 @@
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
+#include <c10/util/accumulate.h>
 
 #include <hyper_parallel/core/comm/counters.h>
 #include <hyper_parallel/core/comm/p2p.h>
+#include <hyper_parallel/core/comm/schedule.h>
 
 #include "group_impl.h"
 
@@ -34,11 +36,6 @@ int64_t normalize_dim(const char* fn, int64_t dim, int64_t ndim) {
   return dim < 0 ? dim + ndim : dim;
 }
 
-// Float32 accumulation for 16-bit floats: the sum is rounded once, at the end.
-at::ScalarType accumulate_type(at::ScalarType t) {
-  return (t == at::kBFloat16 || t == at::kHalf) ? at::kFloat : t;
-}
-
 void check_reduce_op(const char* fn, ReduceOp op, const at::Tensor& t) {
   TORCH_CHECK(op != ReduceOp::kAvg || at::isFloatingType(t.scalar_type()), "hyper_parallel::comm::",
               fn, ": ReduceOp avg does not support integer dtype ", t.scalar_type(),
@@ -57,105 +54,42 @@ std::string describe(const at::Tensor& t, const Group& g) {
   return s.str();
 }
 
-int64_t shard_offset_of(int64_t n, int64_t parts, int64_t j) {
-  return std::min(n, j * ((n + parts - 1) / parts));
+// The flat collectives cut each rank's block into chunks of at least kChunkBytes, at most
+// kMaxChunks of them, so a rank forwards (all-gather) or reduces and forwards (reduce-scatter)
+// the first chunks of a block while the last ones are still arriving. With two ranks nothing is
+// forwarded, so an all-gather sends each block whole.
+constexpr int64_t kChunkBytes = int64_t{1} << 20;
+constexpr int64_t kMaxChunks = 8;
+
+int64_t chunks_for(int64_t max_block_bytes) {
+  return std::clamp<int64_t>(max_block_bytes / kChunkBytes, 1, kMaxChunks);
 }
 
-// Segments: each chunk travels as up to kMaxSegments pieces of at least kSegmentBytes, so a
-// rank can forward (all-gather) or reduce and forward (reduce-scatter) the first segments of a
-// chunk while the last ones are still arriving.
-constexpr int64_t kSegmentBytes = int64_t{1} << 20;
-constexpr int64_t kMaxSegments = 8;
-
-// Capped so that (P - 1) steps x segments tags fit in one operation's tag block.
-int64_t segment_count(int64_t max_chunk_bytes, int64_t world_size) {
-  const int64_t max_for_tags = std::max<int64_t>(1, OpTags::kMaxSteps / world_size);
-  return std::clamp<int64_t>(max_chunk_bytes / kSegmentBytes, 1, std::min(kMaxSegments, max_for_tags));
+// Rows of the flat collectives are single elements: block b holds sizes[b] * row_elems of them.
+BlockLayout flat_layout(const std::vector<int64_t>& sizes, int64_t row_elems, int64_t chunks) {
+  std::vector<int64_t> elems;
+  for (auto s : sizes) elems.push_back(s * row_elems);
+  return BlockLayout(std::move(elems), chunks);
 }
 
-// Segment j of a contiguous chunk, as a flat view.
-at::Tensor segment(const at::Tensor& chunk, int64_t segments, int64_t j) {
-  auto flat = chunk.view({-1});
-  const int64_t n = flat.numel();
-  const int64_t begin = shard_offset_of(n, segments, j), end = shard_offset_of(n, segments, j + 1);
-  return flat.narrow(0, begin, end - begin);
-}
-
-// Ring all-gather of chunks along dim 0 of a contiguous buffer. This rank's chunk `own` leaves at
-// step 0 straight from where it is, while it is copied into its place in `buffer`. Step s
-// receives chunk (r - s - 1) from the previous rank and forwards each segment to the next rank
-// as soon as it arrives (it is the chunk sent at step s + 1).
-void ring_all_gather(const at::Tensor& buffer, const at::Tensor& own,
-                     const std::vector<int64_t>& sizes, const Group& group) {
-  const int64_t p = group.size(), r = group.rank();
-  const auto off = offsets_of(sizes);
-  auto own_slot = buffer.narrow(0, off[r], sizes[r]);
-  if (p == 1) {
-    own_slot.copy_(own.view(own_slot.sizes()));
-    return;
-  }
-  const int64_t row_bytes = buffer.numel() == 0 || buffer.size(0) == 0
-                                ? 0
-                                : buffer.numel() / buffer.size(0) * buffer.element_size();
-  // With two ranks nothing is forwarded, so segments would only add messages.
-  const int64_t segments =
-      p == 2 ? 1 : segment_count(*std::max_element(sizes.begin(), sizes.end()) * row_bytes, p);
-  const auto tags = reserve_tags(group);
-  auto tag = [&](int64_t step, int64_t j) { return tags.step(step * segments + j); };
-  auto chunk = [&](int64_t c) { return buffer.narrow(0, off[c], sizes[c]); };
-  const int64_t next = (r + 1) % p, prev = (r + p - 1) % p;
-  std::vector<Work> sends;
-  for (int64_t j = 0; j < segments; ++j) sends.push_back(isend(segment(own, segments, j), next, group, tag(0, j)));
-  if (own.data_ptr() != own_slot.data_ptr()) own_slot.copy_(own.view(own_slot.sizes()));
-  for (int64_t s = 0; s + 1 < p; ++s) {
-    auto incoming = chunk((r - s - 1 + 2 * p) % p);
-    std::vector<Work> recvs;
-    for (int64_t j = 0; j < segments; ++j) recvs.push_back(irecv(segment(incoming, segments, j), prev, group, tag(s, j)));
-    for (int64_t j = 0; j < segments; ++j) {
-      recvs[j].wait();
-      if (s + 2 < p) sends.push_back(isend(segment(incoming, segments, j), next, group, tag(s + 1, j)));
-    }
-  }
-  for (auto& w : sends) w.wait();
-}
-
-// Ring reduce-scatter along dim 0 of `x` (contiguous); returns this rank's reduced chunk in the
-// accumulation dtype. Step s receives the partial sum of chunk (r - s - 2) from the previous
-// rank, adds this rank's part segment by segment, and forwards each reduced segment at once.
-// Chunk c starts at rank c + 1 and ends, complete, at rank c.
-at::Tensor ring_reduce_scatter(const at::Tensor& x, const std::vector<int64_t>& sizes,
-                               const Group& group) {
-  const int64_t p = group.size(), r = group.rank();
-  const auto off = offsets_of(sizes);
+// Reduce-scatter of the flat, contiguous `x` whose blocks hold sizes[b] * row_elems elements;
+// returns this rank's block in the accumulate dtype. Each rank adds its own elements to the
+// partial sum that arrives (segment by segment) and forwards it at once.
+at::Tensor flat_reduce_scatter(const at::Tensor& x, const std::vector<int64_t>& sizes,
+                               int64_t row_elems, const Group& group) {
   const auto acc = accumulate_type(x.scalar_type());
-  auto chunk = [&](int64_t c) { return x.narrow(0, off[c], sizes[c]); };
-  if (p == 1) return chunk(0).to(acc, /*non_blocking=*/false, /*copy=*/true);
-  const int64_t row_bytes = x.size(0) == 0 ? 0 : x.numel() / x.size(0) * at::elementSize(acc);
-  const int64_t segments = segment_count(*std::max_element(sizes.begin(), sizes.end()) * row_bytes, p);
-  const auto tags = reserve_tags(group);
-  auto tag = [&](int64_t step, int64_t j) { return tags.step(step * segments + j); };
-  const int64_t next = (r + 1) % p, prev = (r + p - 1) % p;
-  // Same dtype: send straight from the input, no copy.
-  const at::Tensor first = chunk((r - 1 + p) % p).to(acc).contiguous();
-  std::vector<Work> sends;
-  for (int64_t j = 0; j < segments; ++j) sends.push_back(isend(segment(first, segments, j), next, group, tag(0, j)));
-  std::vector<at::Tensor> in_flight;  // buffers being sent, kept alive until the sends finish
-  at::Tensor incoming;
-  for (int64_t s = 0; s + 1 < p; ++s) {
-    const int64_t c = (r - s - 2 + 2 * p) % p;
-    incoming = at::empty(chunk(c).sizes(), x.options().dtype(acc));
-    std::vector<Work> recvs;
-    for (int64_t j = 0; j < segments; ++j) recvs.push_back(irecv(segment(incoming, segments, j), prev, group, tag(s, j)));
-    const auto mine = chunk(c).contiguous();
-    for (int64_t j = 0; j < segments; ++j) {
-      recvs[j].wait();
-      segment(incoming, segments, j).add_(segment(mine, segments, j));
-      if (s + 2 < p) sends.push_back(isend(segment(incoming, segments, j), next, group, tag(s + 1, j)));
-    }
-    in_flight.push_back(incoming);
-  }
-  for (auto& w : sends) w.wait();
-  return incoming;
+  const int64_t max_rows = *std::max_element(sizes.begin(), sizes.end());
+  const auto layout = flat_layout(sizes, row_elems, chunks_for(max_rows * row_elems * at::elementSize(acc)));
+  const auto flat = x.view({-1, 1});
+  return ring_reduce_scatter(
+             layout, 1, x.options(), group,
+             [&](int64_t block, int64_t chunk, const std::function<at::Tensor()>& arrived) {
+               auto mine = layout.chunk(flat, block, chunk);
+               auto sum = arrived();
+               if (!sum.defined()) return mine.to(acc).contiguous();  // no copy if already acc
+               return sum.add_(mine);
+             })
+      .view({-1});
 }
 
 std::vector<int64_t> split_sizes_or_chunks(const char* fn, c10::IntArrayRef sizes, int64_t extent,
@@ -178,17 +112,6 @@ std::vector<int64_t> split_sizes_or_chunks(const char* fn, c10::IntArrayRef size
 
 const char* to_string(ReduceOp op) { return op == ReduceOp::kSum ? "sum" : "avg"; }
 
-std::vector<int64_t> chunk_sizes(int64_t n, int64_t parts) {
-  TORCH_CHECK(parts >= 1, "hyper_parallel::comm::chunk_sizes: expected parts >= 1, got ", parts);
-  TORCH_CHECK(n >= 0, "hyper_parallel::comm::chunk_sizes: expected n >= 0, got ", n);
-  const int64_t chunk = (n + parts - 1) / parts;
-  std::vector<int64_t> sizes(parts);
-  for (int64_t i = 0; i < parts; ++i) {
-    sizes[i] = std::clamp<int64_t>(n - i * chunk, 0, chunk);
-  }
-  return sizes;
-}
-
 at::Tensor all_gather(const at::Tensor& input, int64_t dim, const Group& group,
                       c10::IntArrayRef sizes) {
   check_dtype("all_gather", input);
@@ -203,12 +126,16 @@ at::Tensor all_gather(const at::Tensor& input, int64_t dim, const Group& group,
               "hyper_parallel::comm::all_gather: expected sizes[", group.rank(),
               "] to equal this rank's extent ", input.size(dim), ", got ", rank_sizes[group.rank()]);
   record_collective(CollectiveKind::kAllGather, describe(input, group));
-  const auto off = offsets_of(rank_sizes);
   auto local = input.movedim(dim, 0);
   auto out_sizes = local.sizes().vec();
-  out_sizes[0] = off.back();
+  out_sizes[0] = std::accumulate(rank_sizes.begin(), rank_sizes.end(), int64_t{0});
   auto buffer = at::empty(out_sizes, input.options().memory_format(at::MemoryFormat::Contiguous));
-  ring_all_gather(buffer, local.contiguous(), rank_sizes, group);
+  const int64_t row_elems = local.size(0) == 0 ? c10::multiply_integers(out_sizes.begin() + 1, out_sizes.end())
+                                               : local.numel() / local.size(0);
+  const int64_t max_rows = *std::max_element(rank_sizes.begin(), rank_sizes.end());
+  const auto layout = flat_layout(rank_sizes, row_elems,
+                                  p == 2 ? 1 : chunks_for(max_rows * row_elems * input.element_size()));
+  ring_all_gather(local.contiguous().view({-1, 1}), buffer.view({-1, 1}), layout, group);
   return buffer.movedim(0, dim).contiguous();
 }
 
@@ -220,9 +147,13 @@ at::Tensor reduce_scatter(const at::Tensor& input, int64_t dim, ReduceOp op, con
   check_reduce_op("reduce_scatter", op, input);
   auto rank_sizes = split_sizes_or_chunks("reduce_scatter", sizes, input.size(dim), p);
   record_collective(CollectiveKind::kReduceScatter, describe(input, group));
-  auto reduced = ring_reduce_scatter(input.movedim(dim, 0).contiguous(), rank_sizes, group);
+  auto rows = input.movedim(dim, 0).contiguous();
+  const int64_t row_elems = rows.size(0) == 0 ? 0 : rows.numel() / rows.size(0);
+  auto reduced = flat_reduce_scatter(rows, rank_sizes, row_elems, group);
   if (op == ReduceOp::kAvg) reduced.div_(p);
-  return reduced.to(input.scalar_type()).movedim(0, dim).contiguous();
+  auto shape = rows.sizes().vec();
+  shape[0] = rank_sizes[group.rank()];
+  return reduced.to(input.scalar_type()).view(shape).movedim(0, dim).contiguous();
 }
 
 at::Tensor all_reduce(const at::Tensor& input, ReduceOp op, const Group& group) {
@@ -232,10 +163,13 @@ at::Tensor all_reduce(const at::Tensor& input, ReduceOp op, const Group& group) 
   record_collective(CollectiveKind::kAllReduce, describe(input, group));
   auto flat = input.reshape({-1}).contiguous();
   auto sizes = chunk_sizes(flat.numel(), p);
-  auto reduced = ring_reduce_scatter(flat, sizes, group);
+  auto reduced = flat_reduce_scatter(flat, sizes, 1, group);
   if (op == ReduceOp::kAvg) reduced.div_(p);
   auto buffer = at::empty({flat.numel()}, input.options());
-  ring_all_gather(buffer, reduced.to(input.scalar_type()).contiguous(), sizes, group);
+  const int64_t max_elems = *std::max_element(sizes.begin(), sizes.end());
+  const auto layout = flat_layout(sizes, 1, p == 2 ? 1 : chunks_for(max_elems * input.element_size()));
+  ring_all_gather(reduced.to(input.scalar_type()).contiguous().view({-1, 1}), buffer.view({-1, 1}),
+                  layout, group);
   return buffer.view(input.sizes());
 }
 

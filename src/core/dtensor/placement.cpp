@@ -47,23 +47,6 @@ std::string to_string(const Placements& placements) {
   return s.str();
 }
 
-int64_t shard_size(int64_t global, int64_t parts, int64_t index) {
-  TORCH_CHECK(parts >= 1, "shard_size: expected parts >= 1, got ", parts);
-  TORCH_CHECK(index >= 0 && index < parts, "shard_size: expected index in [0, ", parts, "), got ",
-              index);
-  TORCH_CHECK(global >= 0, "shard_size: expected global >= 0, got ", global);
-  const int64_t chunk = (global + parts - 1) / parts;
-  return std::clamp<int64_t>(global - index * chunk, 0, chunk);
-}
-
-int64_t shard_offset(int64_t global, int64_t parts, int64_t index) {
-  TORCH_CHECK(parts >= 1, "shard_offset: expected parts >= 1, got ", parts);
-  TORCH_CHECK(index >= 0 && index < parts, "shard_offset: expected index in [0, ", parts,
-              "), got ", index);
-  const int64_t chunk = (global + parts - 1) / parts;
-  return std::min(global, index * chunk);
-}
-
 namespace {
 
 void check_layout(const char* fn, const std::vector<int64_t>& global_shape,

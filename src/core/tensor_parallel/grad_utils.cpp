@@ -7,7 +7,7 @@
 
 #include <hyper_parallel/core/comm/collectives.h>
 #include <hyper_parallel/core/dtensor/dtensor.h>
-#include <hyper_parallel/core/tensor_parallel/hookable_module.h>
+#include <hyper_parallel/nn/hookable_module.h>
 
 namespace hyper_parallel::tensor_parallel {
 namespace {
@@ -15,13 +15,13 @@ namespace {
 struct Entry {
   std::string name;
   at::Tensor param;
-  const ParameterLayout* layout;  // nullptr: unsharded
+  const nn::ParameterLayout* layout;  // nullptr: unsharded
 };
 
 std::vector<Entry> entries(torch::nn::Module& root) {
   std::vector<Entry> out;
   for (const auto& item : root.named_modules()) {
-    auto* hm = dynamic_cast<HookableModule*>(item.value().get());
+    auto* hm = dynamic_cast<nn::HookableModule*>(item.value().get());
     const std::string prefix = item.key().empty() ? "" : item.key() + ".";
     for (const auto& p : item.value()->named_parameters(/*recurse=*/false)) {
       out.push_back({prefix + p.key(), p.value(), hm ? hm->parameter_layout(p.key()) : nullptr});
@@ -30,7 +30,7 @@ std::vector<Entry> entries(torch::nn::Module& root) {
   return out;
 }
 
-bool is_sharded(const ParameterLayout* layout) {
+bool is_sharded(const nn::ParameterLayout* layout) {
   if (layout == nullptr) return false;
   for (const auto& p : layout->placements) {
     if (!p.is_replicate()) return true;

@@ -4,16 +4,16 @@
 
 #include <hyper_parallel/core/comm/collectives.h>
 #include <hyper_parallel/core/dtensor/placement.h>
+#include <hyper_parallel/core/tensor_parallel/parallelize.h>
 
 #include "../autograd/attach_backward.h"
-#include "style_internal.h"
+#include "style_common.h"
 
 namespace hyper_parallel::tensor_parallel {
 
 at::Tensor vocab_parallel_cross_entropy(const at::Tensor& local_logits, const at::Tensor& targets,
                                         int64_t vocab_size, const dtensor::DeviceMesh& mesh) {
-  TORCH_CHECK(mesh.ndim() == 1, "vocab_parallel_cross_entropy: expected a 1-d mesh, got ",
-              mesh.ndim(), "-d");
+  check_tp_mesh("vocab_parallel_cross_entropy", mesh);
   const auto shard = detail::vocab_shard(targets, vocab_size, mesh);
   const int64_t n = shard.size;
   TORCH_CHECK(local_logits.dim() >= 1 && local_logits.size(-1) == n,

@@ -4,9 +4,9 @@
 #include <torch/nn/module.h>
 
 #include <hyper_parallel/core/dtensor/dtensor.h>
-#include <hyper_parallel/core/tensor_parallel/hookable_module.h>
+#include <hyper_parallel/nn/hookable_module.h>
 
-#include "style_internal.h"
+#include "style_common.h"
 
 namespace hyper_parallel::tensor_parallel {
 
@@ -22,11 +22,8 @@ namespace {
 // in the collective that sharding the weights starts. Returns the (full) weight.
 at::Tensor check_mc2_target(const char* style, torch::nn::Module& module, const DeviceMesh& mesh,
                             const MC2Contract& contract) {
-  auto& hm = detail::hookable(style, module);
-  TORCH_CHECK(hm.module_kind() == ModuleKind::kLinear, style,
-              ": expected hyper_parallel::nn::Linear, got ", module.name(),
-              "; MC2 fuses Linear layers only");
-  detail::check_not_parallelized(style, module);
+  detail::sharding_target(style, module, {{nn::ModuleKind::kLinear}, "hyper_parallel::nn::Linear",
+                                          "MC2 fuses Linear layers only"});
   contract.check_world_size(style, mesh.size(0));
   auto weight = module.named_parameters(/*recurse=*/false)["weight"];
   contract.check_dtype(style, weight.scalar_type());
@@ -73,8 +70,8 @@ void MC2ColwiseParallel::apply_to(torch::nn::Module& module, const DeviceMesh& m
     detail::shard_parameter(module, "bias", mesh, {Shard(0)}, src_data_rank);
   }
   const Placement in = options_.input_layouts();
-  MC2Linear::from_linear(module).configure_mc2("all_gather", mesh.get_group(0), p, in.dim(), contract,
-                                               options_.mc2_options());
+  MC2Linear::from_linear(module).configure_mc2(MC2Mode::kAllGather, mesh.get_group(0), in.dim(),
+                                               contract, options_.mc2_options());
   auto& hm = detail::hookable(style, module);
   // The input stays sequence-sharded: the fused op does the gather (no redistribute here).
   // Every rank must hold the same number of tokens; the global shape (exact for inputs tagged by
@@ -123,8 +120,8 @@ void MC2RowwiseParallel::apply_to(torch::nn::Module& module, const DeviceMesh& m
     detail::shard_parameter(module, "bias", mesh, {Replicate()}, src_data_rank);
   }
   const Placement out = options_.output_layouts();
-  MC2Linear::from_linear(module).configure_mc2("reduce_scatter", mesh.get_group(0), p, out.dim(),
-                                               contract, options_.mc2_options());
+  MC2Linear::from_linear(module).configure_mc2(MC2Mode::kReduceScatter, mesh.get_group(0),
+                                               out.dim(), contract, options_.mc2_options());
   auto& hm = detail::hookable(style, module);
   const Placement in = options_.input_layouts();
   hm.add_input_hook([mesh, in](std::vector<at::Tensor> inputs) {

@@ -36,22 +36,22 @@ int apply_matching(torch::nn::Module& module, const std::vector<std::string>& to
   return matched;
 }
 
-void check_mesh(const dtensor::DeviceMesh& mesh) {
-  TORCH_CHECK(mesh.ndim() == 1, "parallelize_module: expected a 1-d TP mesh, got a ", mesh.ndim(),
-              "-d mesh ", mesh.str(), "; pass the TP dim, e.g. mesh[\"tp\"]");
-}
-
 }  // namespace
+
+void check_tp_mesh(const char* where, const dtensor::DeviceMesh& mesh) {
+  TORCH_CHECK(mesh.ndim() == 1, where, ": expected a 1-d TP mesh, got a ", mesh.ndim(), "-d mesh ",
+              mesh.str(), "; slice it by name, e.g. mesh[\"tp\"]");
+}
 
 void parallelize_module(torch::nn::Module& module, const dtensor::DeviceMesh& mesh,
                         const ParallelStyle& style, std::optional<int64_t> src_data_rank) {
-  check_mesh(mesh);
+  check_tp_mesh("parallelize_module", mesh);
   style.apply(module, mesh, src_data_rank);
 }
 
 void parallelize_module(torch::nn::Module& module, const dtensor::DeviceMesh& mesh,
                         const ParallelizePlan& plan, std::optional<int64_t> src_data_rank) {
-  check_mesh(mesh);
+  check_tp_mesh("parallelize_module", mesh);
   if (plan.empty()) {
     TORCH_WARN("parallelize_module: the plan is empty; nothing in ", module.name(),
                " is parallelized");

@@ -6,9 +6,10 @@
 #include <hyper_parallel/core/comm/collectives.h>
 #include <hyper_parallel/core/comm/counters.h>
 #include <hyper_parallel/core/dtensor/dtensor.h>
-#include <hyper_parallel/core/tensor_parallel/hookable_module.h>
+#include <hyper_parallel/core/tensor_parallel/parallelize.h>
+#include <hyper_parallel/nn/hookable_module.h>
 
-#include "style_internal.h"
+#include "style_common.h"
 
 namespace hyper_parallel::tensor_parallel {
 
@@ -20,109 +21,22 @@ using dtensor::Placements;
 using dtensor::Replicate;
 using dtensor::Shard;
 
-namespace detail {
-
-HookableModule& hookable(const char* style, torch::nn::Module& module) {
-  auto* hm = dynamic_cast<HookableModule*>(&module);
-  TORCH_CHECK(hm != nullptr, style, ": expected a module of this library (hyper_parallel::nn or a ",
-              "HookableModule), got ", module.name());
-  return *hm;
-}
-
-void check_not_parallelized(const char* style, torch::nn::Module& module) {
-  auto& hm = hookable(style, module);
-  for (const auto& item : module.named_parameters(/*recurse=*/false)) {
-    TORCH_CHECK(hm.parameter_layout(item.key()) == nullptr, style, ": expected a module no style ",
-                "has parallelized yet, got ", module.name(), " whose parameter '", item.key(),
-                "' is already laid out by another style");
-  }
-  TORCH_CHECK(hm.forward_kernel() == nullptr, style, ": expected a module no style has ",
-              "parallelized yet, got ", module.name(), " already using ", hm.forward_kernel()->name());
-}
-
-void check_tp_mesh(const char* style, const DeviceMesh& mesh) {
-  TORCH_CHECK(mesh.ndim() == 1, style, ": expected a 1-d TP mesh, got a ", mesh.ndim(),
-              "-d mesh ", mesh.str(), "; slice it by name, e.g. mesh[\"tp\"]");
-}
-
-void shard_parameter(torch::nn::Module& module, const std::string& name, const DeviceMesh& mesh,
-                     const Placements& placements, std::optional<int64_t> src_data_rank) {
-  auto params = module.named_parameters(/*recurse=*/false);  // handles to the module's tensors
-  auto* param = params.find(name);
-  TORCH_INTERNAL_ASSERT(param != nullptr, "shard_parameter: no parameter '", name, "'");
-  const auto shape = param->sizes().vec();
-  // The source rank's values win, so all ranks hold shards of one tensor even if their
-  // initialisation differed (unless src_data_rank is nullopt: then each shards its own copy).
-  auto local = dtensor::distribute_tensor(param->detach(), mesh, placements, src_data_rank).to_local();
-  {
-    at::NoGradGuard no_grad;
-    param->set_data(local.contiguous());
-  }
-  hookable("shard_parameter", module).set_parameter_layout(name, {mesh, placements, shape});
-}
-
-void sync_partial_gradient(torch::nn::Module& module, const std::string& name,
-                           const DeviceMesh& mesh, std::optional<int64_t> src_data_rank) {
-  auto params = module.named_parameters(/*recurse=*/false);
-  auto* param = params.find(name);
-  TORCH_INTERNAL_ASSERT(param != nullptr, "sync_partial_gradient: no parameter '", name, "'");
-  // Keep the values identical on every rank (they are replicated), then record the layout.
-  shard_parameter(module, name, mesh, {Replicate()}, src_data_rank);
-  if (mesh.size(0) == 1 || !param->requires_grad()) return;
-  auto group = mesh.get_group(0);
-  param->register_hook([group](const at::Tensor& grad) {
-    comm::CommRegion region("grad_sync");
-    return comm::all_reduce(grad, comm::ReduceOp::kSum, group);
-  });
-}
-
-DTensor as_dtensor(const at::Tensor& local, const DeviceMesh& mesh, const Placement& layout) {
-  if (auto tagged = DTensor::from_tagged(local)) {
-    if (tagged->device_mesh() == mesh) return *tagged;
-  }
-  return DTensor::from_local(local, mesh, {layout});
-}
-
-at::Tensor prepare(const at::Tensor& local, const DeviceMesh& mesh, const Placement& from,
-                   const Placement& to, bool use_local_output) {
-  DTensor d = as_dtensor(local, mesh, from);
-  if (d.placements() != Placements{to}) d = d.redistribute({to});
-  return use_local_output ? d.to_local() : d.to_local_tagged();
-}
-
-VocabShard vocab_shard(const at::Tensor& ids, int64_t vocab_size, const DeviceMesh& mesh) {
-  const int64_t p = mesh.size(0), k = mesh.get_local_rank(0);
-  VocabShard v{dtensor::shard_offset(vocab_size, p, k), dtensor::shard_size(vocab_size, p, k), {}, {}};
-  v.outside = (ids < v.start).logical_or(ids >= v.start + v.size);
-  v.local_ids = (ids - v.start).masked_fill(v.outside, 0);
-  return v;
-}
-
-void add_output_hook(HookableModule& module, const DeviceMesh& mesh, const Placement& produced,
-                     const Placement& wanted, bool use_local_output) {
-  module.add_output_hook([=](std::vector<at::Tensor> outputs) {
-    outputs[0] = prepare(outputs[0], mesh, produced, wanted, use_local_output);
-    return outputs;
-  });
-}
-
-}  // namespace detail
-
 void ParallelStyle::apply(torch::nn::Module& module, const DeviceMesh& mesh,
                           std::optional<int64_t> src_data_rank) const {
   const auto style = name();
-  detail::check_tp_mesh(style.c_str(), mesh);
+  check_tp_mesh(style.c_str(), mesh);
   apply_to(module, mesh, src_data_rank);
-  if (auto* hm = dynamic_cast<HookableModule*>(&module)) hm->add_applied_style(style);
+  if (auto* hm = dynamic_cast<nn::HookableModule*>(&module)) hm->add_applied_style(style);
 }
 
 namespace {
 
 using detail::hookable;
+using nn::ModuleKind;
 
 // RowwiseParallel's Linear: x @ W_localᵀ is a Partial sum; reduce it to the output layout, then
 // add the bias once.
-class RowwiseLinearKernel final : public ForwardKernel {
+class RowwiseLinearKernel final : public nn::ForwardKernel {
  public:
   RowwiseLinearKernel(DeviceMesh mesh, Placement output, bool use_local_output)
       : mesh_(std::move(mesh)), output_(output), use_local_output_(use_local_output) {}
@@ -143,7 +57,7 @@ class RowwiseLinearKernel final : public ForwardKernel {
 
 // RowwiseParallel's Embedding: this rank holds rows [start, start + n) of the table; ids outside
 // look up zeros, so the sum over ranks is the full lookup.
-class RowwiseEmbeddingKernel final : public ForwardKernel {
+class RowwiseEmbeddingKernel final : public nn::ForwardKernel {
  public:
   RowwiseEmbeddingKernel(DeviceMesh mesh, int64_t vocab, Placement output, bool use_local_output)
       : mesh_(std::move(mesh)), vocab_(vocab), output_(output), use_local_output_(use_local_output) {}
@@ -163,19 +77,15 @@ class RowwiseEmbeddingKernel final : public ForwardKernel {
   bool use_local_output_;
 };
 
-void check_kind(const char* style, torch::nn::Module& module, HookableModule& hm) {
-  TORCH_CHECK(hm.module_kind() == ModuleKind::kLinear || hm.module_kind() == ModuleKind::kEmbedding,
-              style, ": expected hyper_parallel::nn::Linear or nn::Embedding, got ", module.name(),
-              "; only those are supported");
-}
+const detail::ModuleKinds kLinearOrEmbedding{{ModuleKind::kLinear, ModuleKind::kEmbedding},
+                                              "hyper_parallel::nn::Linear or nn::Embedding",
+                                              "only those are supported"};
 
 }  // namespace
 
 void ColwiseParallel::apply_to(torch::nn::Module& module, const DeviceMesh& mesh,
                            std::optional<int64_t> src_data_rank) const {
-  auto& hm = hookable("ColwiseParallel", module);
-  check_kind("ColwiseParallel", module, hm);
-  detail::check_not_parallelized("ColwiseParallel", module);
+  auto& hm = detail::sharding_target("ColwiseParallel", module, kLinearOrEmbedding);
   const auto in = options_.input_layouts(), out = options_.output_layouts();
   TORCH_CHECK(!in.is_partial(), "ColwiseParallel: expected input_layouts Shard or Replicate, got ",
               in.str());
@@ -205,9 +115,7 @@ void ColwiseParallel::apply_to(torch::nn::Module& module, const DeviceMesh& mesh
 
 void RowwiseParallel::apply_to(torch::nn::Module& module, const DeviceMesh& mesh,
                            std::optional<int64_t> src_data_rank) const {
-  auto& hm = hookable("RowwiseParallel", module);
-  check_kind("RowwiseParallel", module, hm);
-  detail::check_not_parallelized("RowwiseParallel", module);
+  auto& hm = detail::sharding_target("RowwiseParallel", module, kLinearOrEmbedding);
   const auto in = options_.input_layouts(), out = options_.output_layouts();
   TORCH_CHECK(!out.is_partial(), "RowwiseParallel: expected output_layouts Shard or Replicate, got ",
               out.str());
@@ -241,8 +149,8 @@ void RowwiseParallel::apply_to(torch::nn::Module& module, const DeviceMesh& mesh
 
 void SequenceParallel::apply_to(torch::nn::Module& module, const DeviceMesh& mesh,
                            std::optional<int64_t> src_data_rank) const {
-  auto& hm = hookable("SequenceParallel", module);
-  detail::check_not_parallelized("SequenceParallel", module);
+  auto& hm = detail::sharding_target("SequenceParallel", module,
+                                     {{}, "a module of this library", "any kind"});
   for (const auto& item : module.named_parameters(/*recurse=*/false)) {
     detail::sync_partial_gradient(module, item.key(), mesh, src_data_rank);
   }

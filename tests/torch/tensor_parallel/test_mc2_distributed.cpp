@@ -327,9 +327,9 @@ TEST(Llama3MC2, EnabledFusesOnlyTheFFN) {
   llama3::parallelize_llama3(*fused, mesh, llama3::ParallelizeOptions().enable_mc2(true));
   auto tokens = llama3::synthetic_batch(3, 1, 2, args.max_seq_len, args.vocab_size).narrow(1, 0, args.max_seq_len);
   auto block = fused->layers->ptr<llama3::TransformerBlockImpl>(0);
-  EXPECT_EQ(tp::MC2Linear::of(*block->feed_forward->w1)->mode(), "all_gather");
-  EXPECT_EQ(tp::MC2Linear::of(*block->feed_forward->w3)->mode(), "all_gather");
-  EXPECT_EQ(tp::MC2Linear::of(*block->feed_forward->w2)->mode(), "reduce_scatter");
+  EXPECT_EQ(tp::MC2Linear::of(*block->feed_forward->w1)->mode(), tp::MC2Mode::kAllGather);
+  EXPECT_EQ(tp::MC2Linear::of(*block->feed_forward->w3)->mode(), tp::MC2Mode::kAllGather);
+  EXPECT_EQ(tp::MC2Linear::of(*block->feed_forward->w2)->mode(), tp::MC2Mode::kReduceScatter);
   EXPECT_FALSE(tp::MC2Linear::of(*block->attention->wq).has_value()) << "attention stays unfused";
   hp::comm::reset_collective_counts();
   at::Tensor loss;

@@ -1,5 +1,5 @@
 // Parallel styles and parallelize_module against single-process references, with exact
-// collective counts (tp-semantics.md checklist).
+// collective counts (the checklist in docs/tp-semantics.md).
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
@@ -314,7 +314,7 @@ TORCH_MODULE(Tree);
 std::vector<std::string> parallelized(torch::nn::Module& root) {
   std::vector<std::string> names;
   for (const auto& item : root.named_modules()) {
-    auto* hm = dynamic_cast<tp::HookableModule*>(item.value().get());
+    auto* hm = dynamic_cast<hp::nn::HookableModule*>(item.value().get());
     if (hm && hm->num_output_hooks() > 0) names.push_back(item.key());
   }
   return names;
@@ -363,7 +363,7 @@ TEST(ParallelizeModule, UnmatchedKeysAndEmptyPlansWarn) {
 }
 
 // A module with two inputs, to exercise per-input layouts and "leave alone" entries.
-class TwoInputsImpl : public torch::nn::Module, public tp::HookableModule {
+class TwoInputsImpl : public torch::nn::Module, public hp::nn::HookableModule {
  public:
   std::vector<at::Tensor> forward(const at::Tensor& a, const at::Tensor& b) {
     return run_output_hooks(run_input_hooks(std::vector<at::Tensor>{a, b}));

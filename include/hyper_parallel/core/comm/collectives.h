@@ -1,10 +1,11 @@
 #pragma once
-// Collectives built on point-to-point rings (Gloo 1.13 has no bf16 collectives, no
-// reduce_scatter, and its all_gather is ~15x slower than P2P).
+// Collectives built on point-to-point transfers (Gloo 1.13 has no bf16 collectives, no
+// reduce_scatter, and its all_gather is ~15x slower than P2P). all_gather, reduce_scatter and
+// all_reduce are schedules of the engine in schedule.h.
 //
-// Vocabulary: the tensor is split along `dim` into one chunk per rank (torch.chunk sizes unless
-// given); a ring step sends one chunk to the next rank while receiving one from the previous.
-// P ranks need P-1 steps.
+// Vocabulary (schedule.h): the tensor is split along `dim` into one block per rank (torch.chunk
+// sizes unless given); each block travels in chunks, so a rank forwards the first chunks of a
+// block while the last ones arrive. P ranks need P - 1 steps.
 //
 // Contract: all ranks of the group call the same collective, in the same order, with matching
 // shapes. Supported dtypes: float32, float64, bfloat16, float16, int64, int32. bfloat16/float16
@@ -16,6 +17,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/ArrayRef.h>
 
+#include <hyper_parallel/core/comm/chunks.h>
 #include <hyper_parallel/core/comm/process_group.h>
 
 namespace hyper_parallel::comm {
@@ -23,16 +25,12 @@ namespace hyper_parallel::comm {
 enum class ReduceOp { kSum, kAvg };
 const char* to_string(ReduceOp op);
 
-/// Sizes of torch.chunk(n, parts) padded with zeros to `parts` entries: chunk size ceil(n/parts),
-/// the last chunks smaller or empty. E.g. (5, 4) -> {2, 2, 1, 0}.
-std::vector<int64_t> chunk_sizes(int64_t n, int64_t parts);
-
 /// Concatenation along `dim` of every rank's `input`. `sizes[r]` is rank r's extent along dim;
 /// empty means all equal to this rank's. Ring, P-1 steps.
 at::Tensor all_gather(const at::Tensor& input, int64_t dim, const Group& group,
                       c10::IntArrayRef sizes = {});
 
-/// Reduction over ranks of `input`, split along `dim`; rank r gets chunk r. `sizes` splits dim
+/// Reduction over ranks of `input`, split along `dim`; rank r gets block r. `sizes` splits dim
 /// (must sum to its extent); empty means chunk_sizes(extent, P). Ring, P-1 steps.
 at::Tensor reduce_scatter(const at::Tensor& input, int64_t dim, ReduceOp op, const Group& group,
                           c10::IntArrayRef sizes = {});

@@ -57,7 +57,7 @@ class DTensor {
   /// tensor, still alive).
   static std::optional<DTensor> from_tagged(const at::Tensor& local);
 
-  /// Moves the data to `placements` (see tp-semantics: Shard->Replicate all_gather,
+  /// Moves the data to `placements` (docs/tp-semantics.md: Shard->Replicate all_gather,
   /// Partial->Replicate all_reduce, Partial->Shard reduce_scatter, Replicate->Shard local slice,
   /// Shard(i)->Shard(j) all_to_all). Backward moves the gradient back.
   DTensor redistribute(const Placements& placements) const;

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include <hyper_parallel/core/comm/chunks.h>
 #include <hyper_parallel/core/comm/collectives.h>
 
 namespace hyper_parallel::dtensor {
@@ -59,11 +60,15 @@ std::string to_string(const Placements& placements);  // "[Shard(0), Replicate()
 
 // ---- Shard arithmetic (torch.chunk semantics; no communication) ----
 
-/// Extent of chunk `index` when `global` is split into `parts`: ceil(global/parts) for the first
-/// chunks, then the remainder, then zeros. E.g. global 5, parts 4 -> 2, 2, 1, 0.
-int64_t shard_size(int64_t global, int64_t parts, int64_t index);
-/// Start of chunk `index` along the dim.
-int64_t shard_offset(int64_t global, int64_t parts, int64_t index);
+/// Extent of shard `index` when `global` is split into `parts`: torch.chunk sizes
+/// (comm::chunk_size), e.g. global 5, parts 4 -> 2, 2, 1, 0.
+inline int64_t shard_size(int64_t global, int64_t parts, int64_t index) {
+  return comm::chunk_size(global, parts, index);
+}
+/// Start of shard `index` along the dim.
+inline int64_t shard_offset(int64_t global, int64_t parts, int64_t index) {
+  return comm::chunk_offset(global, parts, index);
+}
 
 /// Local shape of a DTensor on the rank at `coordinate` of a mesh of `mesh_shape`. Several mesh
 /// dims sharding one tensor dim nest in mesh-dim order (mesh dim 0 outermost).

@@ -1,11 +1,12 @@
 #pragma once
 // MC2ColwiseParallel / MC2RowwiseParallel: ColwiseParallel / RowwiseParallel under sequence
-// parallelism with the collective fused into the matmul (mc2.h). Weights are sharded exactly as
-// the plain styles shard them; no redistribute to Replicate happens: the fused op gathers.
+// parallelism with the collective fused into the matmul (mc2_linear.h). Weights are sharded
+// exactly as the plain styles shard them; no redistribute to Replicate happens: the fused op
+// gathers.
 
 #include <torch/arg.h>
 
-#include <hyper_parallel/core/tensor_parallel/mc2.h>
+#include <hyper_parallel/core/tensor_parallel/mc2_linear.h>
 #include <hyper_parallel/core/tensor_parallel/style.h>
 
 namespace hyper_parallel::tensor_parallel {

@@ -16,6 +16,11 @@ class Module;
 
 namespace hyper_parallel::tensor_parallel {
 
+/// Tensor parallelism runs on a 1-d mesh: throws "<where>: expected a 1-d TP mesh, got ..."
+/// (naming the fix: slice a larger mesh by name) otherwise. Used by every entry point that
+/// takes the TP mesh.
+void check_tp_mesh(const char* where, const dtensor::DeviceMesh& mesh);
+
 /// Ordered (key, style) pairs. A key is a module path split on '.', each token glob-matched
 /// (*, ?, [1-2]) against child names at that depth; "" is the module itself.
 using ParallelizePlan = std::vector<std::pair<std::string, std::shared_ptr<ParallelStyle>>>;

@@ -39,6 +39,11 @@ struct ChunkCase {
   std::vector<int64_t> sizes;
 };
 
+// Keeps ctest's test names readable (gtest would otherwise print the case's raw bytes).
+void PrintTo(const ChunkCase& c, std::ostream* os) {
+  *os << "chunk(" << c.global << ", " << c.parts << ")";
+}
+
 class ShardArithmetic : public ::testing::TestWithParam<ChunkCase> {};
 
 TEST_P(ShardArithmetic, FollowsTorchChunk) {
@@ -58,7 +63,10 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(ChunkCase{8, 4, {2, 2, 2, 2}}, ChunkCase{5, 4, {2, 2, 1, 0}},
                       ChunkCase{0, 3, {0, 0, 0}}, ChunkCase{1, 3, {1, 0, 0}},
                       ChunkCase{7, 1, {7}}, ChunkCase{10, 3, {4, 4, 2}},
-                      ChunkCase{9, 8, {2, 2, 2, 2, 1, 0, 0, 0}}));
+                      ChunkCase{9, 8, {2, 2, 2, 2, 1, 0, 0, 0}}),
+    [](const auto& info) {
+      return "global" + std::to_string(info.param.global) + "_parts" + std::to_string(info.param.parts);
+    });
 
 TEST(ShardArithmetic, RejectsBadArguments) {
   HP_EXPECT_THROW_MSG(shard_size(4, 0, 0), "expected parts >= 1, got 0");

@@ -1,8 +1,9 @@
 #pragma once
-// HookableModule: what a parallel style needs from a module. libtorch's C++ modules have no
-// forward hooks, so this library's modules (hyper_parallel::nn) call these hook points in their
-// forward; a style then changes a module's input/output handling and its parameters from outside,
-// without any change to the model's code.
+// HookableModule: the hook points of this library's modules. libtorch's C++ modules have no
+// forward hooks, so hyper_parallel::nn modules call these in their forward: input hooks, a
+// replaceable forward kernel (Linear, Embedding), output hooks. Whoever holds the module (the
+// parallel styles of core/tensor_parallel, or a user) fills them from outside, so a model's code
+// never changes. This layer knows nothing of styles: it only stores what they install.
 
 #include <functional>
 #include <iosfwd>
@@ -16,14 +17,14 @@
 #include <hyper_parallel/core/dtensor/device_mesh.h>
 #include <hyper_parallel/core/dtensor/placement.h>
 
-namespace hyper_parallel::tensor_parallel {
+namespace hyper_parallel::nn {
 
-/// What a style may do to a module depends on what it computes.
+/// What a module computes, so that whoever fills its hooks knows what it may change.
 enum class ModuleKind { kLinear, kEmbedding, kOther };
 
 /// Computes a Linear or Embedding forward from the module's (possibly sharded) parameters.
-/// Styles install one when the computation itself changes with the layout, e.g. RowwiseParallel
-/// (local matmul, reduce, then the bias) or MC2 (fused collective + matmul).
+/// Installed when the computation itself changes with the layout, e.g. a row-parallel Linear
+/// (local matmul, reduce, then the bias) or a fused collective + matmul.
 class ForwardKernel {
  public:
   virtual ~ForwardKernel() = default;
@@ -33,7 +34,7 @@ class ForwardKernel {
   virtual std::string name() const = 0;
 };
 
-/// How a parameter is laid out after a style sharded it.
+/// How a parameter is laid out over a device mesh after it was sharded.
 struct ParameterLayout {
   dtensor::DeviceMesh mesh;
   dtensor::Placements placements;
@@ -63,18 +64,18 @@ class HookableModule {
   void set_parameter_layout(const std::string& name, ParameterLayout layout) {
     layouts_.insert_or_assign(name, std::move(layout));
   }
-  /// The layout a style gave parameter `name` of this module; nullptr if unsharded.
+  /// The layout parameter `name` of this module was given; nullptr if unsharded.
   const ParameterLayout* parameter_layout(const std::string& name) const {
     auto it = layouts_.find(name);
     return it == layouts_.end() ? nullptr : &it->second;
   }
 
-  /// Names of the styles applied to this module, in order (for printing).
+  /// Names of what was applied to this module (e.g. parallel styles), in order, for printing.
   void add_applied_style(std::string name) { styles_.push_back(std::move(name)); }
   const std::vector<std::string>& applied_styles() const { return styles_; }
 
-  /// What styles did to this module, for pretty_print: ", style=ColwiseParallel,
-  /// weight=Shard(0) over tp[2], forward=..." (nothing if no style touched it).
+  /// What was done to this module, for pretty_print: ", style=ColwiseParallel,
+  /// weight=Shard(0) over tp[2], forward=..." (nothing for an untouched module).
   void print_parallel_state(std::ostream& stream) const;
 
  protected:
@@ -104,4 +105,4 @@ class HookableModule {
   std::vector<std::string> styles_;
 };
 
-}  // namespace hyper_parallel::tensor_parallel
+}  // namespace hyper_parallel::nn

@@ -1,8 +1,8 @@
-#include <hyper_parallel/core/tensor_parallel/hookable_module.h>
+#include <hyper_parallel/nn/hookable_module.h>
 
 #include <ostream>
 
-namespace hyper_parallel::tensor_parallel {
+namespace hyper_parallel::nn {
 namespace {
 
 // "Shard(0) over tp[2]", one entry per mesh dim.
@@ -29,4 +29,4 @@ void HookableModule::print_parallel_state(std::ostream& stream) const {
   if (kernel_) stream << ", forward=" << kernel_->name();
 }
 
-}  // namespace hyper_parallel::tensor_parallel
+}  // namespace hyper_parallel::nn

@@ -1,6 +1,7 @@
-#include <hyper_parallel/core/tensor_parallel/mc2.h>
+#include <hyper_parallel/core/tensor_parallel/mc2_linear.h>
 
 #include <algorithm>
+#include <limits>
 #include <mutex>
 #include <sstream>
 
@@ -8,10 +9,8 @@
 #include <c10/util/Exception.h>
 #include <torch/nn/module.h>
 
-#include <hyper_parallel/core/comm/collectives.h>
-#include <hyper_parallel/core/comm/counters.h>
-#include <hyper_parallel/core/comm/p2p.h>
-#include <hyper_parallel/core/tensor_parallel/hookable_module.h>
+#include <hyper_parallel/core/comm/schedule.h>
+#include <hyper_parallel/nn/hookable_module.h>
 
 #include "../autograd/attach_backward.h"
 
@@ -47,226 +46,28 @@ void MC2Contract::check_world_size(const char* where, int64_t world_size) const 
               world_size);
 }
 
-// ---- Fused rings ------------------------------------------------------------------------------
+// ---- Mode -------------------------------------------------------------------------------------
 
-namespace {
-
-using comm::CollectiveKind;
-
-// libtorch 1.13 has no CPU float16 matmul: compute in float32 and round once.
-bool needs_fp32_matmul(const at::Tensor& t) { return t.scalar_type() == at::kHalf && t.is_cpu(); }
-
-at::Tensor local_matmul(const at::Tensor& a, const at::Tensor& b) {
-  if (needs_fp32_matmul(a)) return at::mm(a.to(at::kFloat), b.to(at::kFloat)).to(at::kHalf);
-  return at::mm(a, b);
+const char* to_string(MC2Mode mode) {
+  return mode == MC2Mode::kAllGather ? "all_gather" : "reduce_scatter";
 }
 
-void matmul_into(at::Tensor out, const at::Tensor& a, const at::Tensor& b) {
-  if (needs_fp32_matmul(a)) {
-    out.copy_(at::mm(a.to(at::kFloat), b.to(at::kFloat)));
-  } else {
-    at::mm_out(out, a, b);
-  }
-}
-
-at::ScalarType accumulate_type(at::ScalarType t) {
-  return (t == at::kBFloat16 || t == at::kHalf) ? at::kFloat : t;
-}
-
-void check_operands(const char* fn, const at::Tensor& a, const at::Tensor& b) {
-  TORCH_CHECK(a.defined() && b.defined(), fn, ": expected defined tensors, got an undefined one");
-  TORCH_CHECK(a.dim() == 2 && b.dim() == 2, fn, ": expected 2-d operands, got ", a.sizes(), " and ",
-              b.sizes());
-  TORCH_CHECK(a.size(1) == b.size(0), fn, ": expected a [m, k] and b [k, n] with equal k, got ",
-              a.sizes(), " and ", b.sizes());
-  TORCH_CHECK(a.scalar_type() == b.scalar_type(), fn, ": expected operands of one dtype, got ",
-              a.scalar_type(), " and ", b.scalar_type());
-  TORCH_CHECK(at::isFloatingType(a.scalar_type()), fn, ": expected a floating dtype, got ",
-              a.scalar_type());
-}
-
-// Chunks of one rank's block: sizes and offsets (torch.chunk of the block's rows), with the
-// chunk count capped so every (step, chunk) pair has its own tag.
-struct Chunks {
-  std::vector<int64_t> size, offset;
-  Chunks(int64_t rows, int64_t requested, int64_t world) {
-    TORCH_CHECK(requested >= 1, "MC2Options: expected chunks_per_rank >= 1, got ", requested);
-    TORCH_CHECK(world <= comm::OpTags::kMaxSteps, "MC2: expected a group of at most ",
-                comm::OpTags::kMaxSteps, " ranks, got ", world);
-    const int64_t count = std::min<int64_t>(requested, comm::OpTags::kMaxSteps / world);
-    size = comm::chunk_sizes(rows, count);
-    int64_t at = 0;
-    for (auto s : size) {
-      offset.push_back(at);
-      at += s;
-    }
-  }
-  int64_t count() const { return static_cast<int64_t>(size.size()); }
-};
-
-// The AG+MM ring. With compute false it only moves the bytes (for timing the ring alone).
-std::pair<at::Tensor, at::Tensor> ring_all_gather_mm(const at::Tensor& a_in, const at::Tensor& b,
-                                                     const comm::Group& group,
-                                                     const MC2Options& options, bool compute) {
-  check_operands("all_gather_matmul", a_in, b);
-  const int64_t p = group.size(), r = group.rank();
-  if (compute) comm::record_collective(CollectiveKind::kAllGatherMatmul, group.name());
-  const auto a = a_in.contiguous();
-  const int64_t m = a.size(0), k = a.size(1), n = b.size(1);
-  auto gathered = at::empty({p * m, k}, a.options());
-  auto y = at::empty({p * m, n}, a.options());
-  const Chunks chunks(m, options.chunks_per_rank(), p);
-  auto rows = [&](const at::Tensor& t, int64_t block, int64_t j) {
-    return t.narrow(0, block * m + chunks.offset[j], chunks.size[j]);
-  };
-  const auto tags = comm::reserve_tags(group);
-  auto tag = [&](int64_t step, int64_t j) { return tags.step(step * chunks.count() + j); };
-  const int64_t next = (r + 1) % p, prev = (r + p - 1) % p;
-
-  // Step 0's chunks leave straight from the input; every later arrival has its receive posted
-  // now, so transfers run ahead of the matmuls as far as the link allows.
-  std::vector<comm::Work> sends, recvs;
-  if (p > 1) {
-    for (int64_t j = 0; j < chunks.count(); ++j) {
-      sends.push_back(comm::isend(a.narrow(0, chunks.offset[j], chunks.size[j]), next, group, tag(0, j)));
-    }
-    for (int64_t s = 1; s < p; ++s) {
-      const int64_t block = (r - s + p) % p;
-      for (int64_t j = 0; j < chunks.count(); ++j) {
-        recvs.push_back(comm::irecv(rows(gathered, block, j), prev, group, tag(s - 1, j)));
-      }
-    }
-  }
-  gathered.narrow(0, r * m, m).copy_(a);
-  // Step s: block (r - s) has arrived (or is our own); forward it while multiplying it.
-  for (int64_t s = 0; s < p; ++s) {
-    const int64_t block = (r - s + p) % p;
-    for (int64_t j = 0; j < chunks.count(); ++j) {
-      if (s > 0) recvs[(s - 1) * chunks.count() + j].wait();
-      if (s + 1 < p && s > 0) sends.push_back(comm::isend(rows(gathered, block, j), next, group, tag(s, j)));
-      if (compute) matmul_into(rows(y, block, j), rows(gathered, block, j), b);
-    }
-  }
-  for (auto& w : sends) w.wait();
-  return {y, gathered};
-}
-
-// reduce_scatter(a @ b + addend) in one ring; `addend` ([M, n] or undefined) is added to each
-// block's partial product before it joins the accumulator.
-// With compute false it only moves the bytes (for timing the ring alone).
-at::Tensor ring_mm_reduce_scatter(const at::Tensor& a_in, const at::Tensor& b,
-                                  const comm::Group& group, const MC2Options& options,
-                                  const at::Tensor& addend, bool compute = true) {
-  check_operands("matmul_reduce_scatter", a_in, b);
-  const int64_t p = group.size(), r = group.rank();
-  TORCH_CHECK(a_in.size(0) % p == 0, "matmul_reduce_scatter: expected rows (", a_in.size(0),
-              ") divisible by world_size (", p, "), got remainder ", a_in.size(0) % p);
-  if (compute) comm::record_collective(CollectiveKind::kMatmulReduceScatter, group.name());
-  const auto a = a_in.contiguous();
-  const int64_t m = a.size(0) / p, n = b.size(1);
-  TORCH_INTERNAL_ASSERT(!addend.defined() || addend.sizes() == c10::IntArrayRef({a.size(0), n}),
-                        "matmul_reduce_scatter: addend of shape ", addend.sizes());
-  if (p == 1) return addend.defined() ? local_matmul(a, b) + addend : local_matmul(a, b);
-  const auto acc = accumulate_type(a.scalar_type());
-  const Chunks chunks(m, options.chunks_per_rank(), p);
-  const auto tags = comm::reserve_tags(group);
-  auto tag = [&](int64_t step, int64_t j) { return tags.step(step * chunks.count() + j); };
-  const int64_t next = (r + 1) % p, prev = (r + p - 1) % p;
-
-  // incoming[(s - 1) * C + j]: the accumulator of chunk j of the block handled at step s.
-  std::vector<at::Tensor> incoming;
-  std::vector<comm::Work> recvs, sends;
-  for (int64_t s = 1; s < p; ++s) {
-    for (int64_t j = 0; j < chunks.count(); ++j) {
-      incoming.push_back(at::empty({chunks.size[j], n}, a.options().dtype(acc)));
-      recvs.push_back(comm::irecv(incoming.back(), prev, group, tag(s - 1, j)));
-    }
-  }
-  std::vector<at::Tensor> outgoing;  // kept alive until their sends complete
-  auto result = at::empty({m, n}, a.options().dtype(acc));
-  // Step s: block c = r - s - 1 (the last step's block is r itself). Its partial product is
-  // computed while the accumulator for it (holding ranks c+1 .. r-1) is still in flight.
-  for (int64_t s = 0; s < p; ++s) {
-    const int64_t c = (r - s - 1 + 2 * p) % p;
-    for (int64_t j = 0; j < chunks.count(); ++j) {
-      const int64_t row = c * m + chunks.offset[j];
-      at::Tensor sum;
-      if (!compute && s == 0) {
-        sum = at::empty({chunks.size[j], n}, a.options().dtype(acc));
-      } else if (!compute) {
-        recvs[(s - 1) * chunks.count() + j].wait();
-        sum = incoming[(s - 1) * chunks.count() + j];
-      } else if (s == 0) {
-        sum = local_matmul(a.narrow(0, row, chunks.size[j]), b).to(acc);  // fresh either way
-      } else {
-        auto part = local_matmul(a.narrow(0, row, chunks.size[j]), b);
-        recvs[(s - 1) * chunks.count() + j].wait();
-        sum = incoming[(s - 1) * chunks.count() + j];
-        sum.add_(part);
-      }
-      if (compute && addend.defined()) sum.add_(addend.narrow(0, row, chunks.size[j]));
-      if (s + 1 < p) {
-        sends.push_back(comm::isend(sum, next, group, tag(s, j)));
-        outgoing.push_back(sum);
-      } else {
-        result.narrow(0, chunks.offset[j], chunks.size[j]).copy_(sum);
-      }
-    }
-  }
-  for (auto& w : sends) w.wait();
-  return result.to(a.scalar_type());
-}
-
-}  // namespace
-
-std::pair<at::Tensor, at::Tensor> all_gather_mm(const at::Tensor& a, const at::Tensor& b,
-                                                const comm::Group& group, const MC2Options& options) {
-  return ring_all_gather_mm(a, b, group, options, /*compute=*/true);
-}
-
-at::Tensor mm_reduce_scatter(const at::Tensor& a, const at::Tensor& b, const comm::Group& group,
-                             const MC2Options& options) {
-  return ring_mm_reduce_scatter(a, b, group, options, at::Tensor());
-}
-
-namespace detail {
-
-void all_gather_matmul_transfers_only(const at::Tensor& x, const at::Tensor& w,
-                                      const comm::Group& group, const MC2Options& options) {
-  ring_all_gather_mm(x, w.t(), group, options, /*compute=*/false);
-}
-
-void matmul_reduce_scatter_transfers_only(const at::Tensor& x, const at::Tensor& w,
-                                          const comm::Group& group, const MC2Options& options) {
-  ring_mm_reduce_scatter(x, w.t(), group, options, at::Tensor(), /*compute=*/false);
-}
-
-}  // namespace detail
-
-std::pair<at::Tensor, at::Tensor> all_gather_matmul(const at::Tensor& x, const at::Tensor& w,
-                                                    const comm::Group& group,
-                                                    const MC2Options& options) {
-  TORCH_CHECK(w.dim() == 2, "all_gather_matmul: expected w [n, k], got ", w.sizes());
-  return all_gather_mm(x, w.t(), group, options);
-}
-
-at::Tensor matmul_reduce_scatter(const at::Tensor& x, const at::Tensor& w, const comm::Group& group,
-                                 const MC2Options& options) {
-  TORCH_CHECK(w.dim() == 2, "matmul_reduce_scatter: expected w [n, k], got ", w.sizes());
-  return mm_reduce_scatter(x, w.t(), group, options);
+MC2Mode mc2_mode_from_string(const std::string& mode) {
+  if (mode == "all_gather") return MC2Mode::kAllGather;
+  if (mode == "reduce_scatter") return MC2Mode::kReduceScatter;
+  TORCH_CHECK_VALUE(false, "MC2Linear::configure_mc2: expected mode 'all_gather' or "
+                    "'reduce_scatter', got '", mode, "'");
 }
 
 // ---- Autograd ---------------------------------------------------------------------------------
 
 namespace {
 
+using detail::local_matmul;
+
 at::Tensor sum_rows(const at::Tensor& t) {
-  return t.sum(0, /*keepdim=*/false, accumulate_type(t.scalar_type())).to(t.scalar_type());
+  return t.sum(0, /*keepdim=*/false, comm::accumulate_type(t.scalar_type())).to(t.scalar_type());
 }
-
-}  // namespace
-
-namespace {
 
 // The column-parallel Linear: (y, G) with G = all_gather(x) returned as a differentiable
 // output, so that other layers reading the same activation can multiply G directly
@@ -293,7 +94,7 @@ std::pair<at::Tensor, at::Tensor> column_linear(const at::Tensor& x, const at::T
         const auto& d_gathered = grads[1];  // undefined unless another layer shared the gather
         at::Tensor dx, dw, db;
         // dX: the dual op, contracting over n_local: reduce_scatter(dY W (+ dG)).
-        if (need_x) dx = ring_mm_reduce_scatter(dy, w, group, options, d_gathered);
+        if (need_x) dx = mm_reduce_scatter(dy, w, group, options, d_gathered);
         // dW from the gathered X saved in forward: no second gather.
         if (need_w) dw = local_matmul(dy.t(), gathered);
         if (need_b) db = sum_rows(dy);
@@ -429,27 +230,27 @@ at::Tensor from_sequence_rows(const at::Tensor& rows, const at::Tensor& like, in
 
 // ---- MC2Linear --------------------------------------------------------------------------------
 
-class MC2LinearKernel final : public ForwardKernel {
+class MC2LinearKernel final : public nn::ForwardKernel {
  public:
   at::Tensor forward(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias) override {
-    TORCH_CHECK(configured, "MC2Linear::forward: used before configure_mc2(mode, group, world_size, "
+    TORCH_CHECK(configured, "MC2Linear::forward: used before configure_mc2(mode, group, "
                 "sequence_dim); apply MC2ColwiseParallel / MC2RowwiseParallel or configure it");
     contract.check_dtype("MC2Linear::forward", x.scalar_type());
     TORCH_CHECK(x.dim() >= 2, "MC2Linear::forward: expected an activation [..., S, ..., H], got ",
                 x.sizes());
     const int64_t seq = sequence_dim < 0 ? sequence_dim + x.dim() : sequence_dim;
-    const int64_t p = world_size;
+    const int64_t p = group.size();
     // The contract's limits on the local weight, for a layer configured without a style (the
     // styles check them at apply time, for every rank's shard).
     const char* where = "MC2Linear::forward";
-    if (mode == "all_gather") {
+    if (mode == MC2Mode::kAllGather) {
       contract.check_k(where, "contraction dim k (in_features)", w.size(1));
       contract.check_k(where, "column backward contraction n_local (out_features / world_size)", w.size(0));
     } else {
       contract.check_k(where, "contraction dim k (in_features / world_size)", w.size(1));
       contract.check_k(where, "row backward contraction n (out_features)", w.size(0));
     }
-    if (mode == "all_gather") {
+    if (mode == MC2Mode::kAllGather) {
       at::Tensor y;
       if (auto shared = shared_gather().lookup(x, seq, group, this); shared.defined()) {
         y = shared_column_linear(shared, w, bias);
@@ -467,20 +268,21 @@ class MC2LinearKernel final : public ForwardKernel {
     auto y = mc2_row_linear(rows, w, bias, group, options);
     return from_sequence_rows(y, x, seq, x.size(seq) / p);
   }
-  std::string name() const override { return "MC2Linear(" + (configured ? mode : "unconfigured") + ")"; }
+  std::string name() const override {
+    return std::string("MC2Linear(") + (configured ? to_string(mode) : "unconfigured") + ")";
+  }
 
   bool configured = false;
-  std::string mode;
+  MC2Mode mode = MC2Mode::kAllGather;
   comm::Group group;
-  int64_t world_size = 0;
   int64_t sequence_dim = 1;
   MC2Contract contract;
   MC2Options options;
 };
 
 MC2Linear MC2Linear::from_linear(torch::nn::Module& module) {
-  auto* hm = dynamic_cast<HookableModule*>(&module);
-  TORCH_CHECK(hm != nullptr && hm->module_kind() == ModuleKind::kLinear,
+  auto* hm = dynamic_cast<nn::HookableModule*>(&module);
+  TORCH_CHECK(hm != nullptr && hm->module_kind() == nn::ModuleKind::kLinear,
               "MC2Linear::from_linear: expected a hyper_parallel::nn::Linear, got ", module.name());
   if (auto existing = std::dynamic_pointer_cast<MC2LinearKernel>(hm->forward_kernel())) {
     return MC2Linear(existing);
@@ -493,29 +295,22 @@ MC2Linear MC2Linear::from_linear(torch::nn::Module& module) {
 }
 
 std::optional<MC2Linear> MC2Linear::of(torch::nn::Module& module) {
-  auto* hm = dynamic_cast<HookableModule*>(&module);
+  auto* hm = dynamic_cast<nn::HookableModule*>(&module);
   if (hm == nullptr) return std::nullopt;
   auto kernel = std::dynamic_pointer_cast<MC2LinearKernel>(hm->forward_kernel());
   if (!kernel) return std::nullopt;
   return MC2Linear(kernel);
 }
 
-void MC2Linear::configure_mc2(const std::string& mode, const comm::Group& group, int64_t world_size,
-                              int64_t sequence_dim, const MC2Contract& contract,
-                              const MC2Options& options) const {
-  TORCH_CHECK(mode == "all_gather" || mode == "reduce_scatter",
-              "MC2Linear::configure_mc2: expected mode 'all_gather' or 'reduce_scatter', got '",
-              mode, "'");
+void MC2Linear::configure_mc2(MC2Mode mode, const comm::Group& group, int64_t sequence_dim,
+                              const MC2Contract& contract, const MC2Options& options) const {
   TORCH_CHECK(group.is_member(), "MC2Linear::configure_mc2: expected a group this rank belongs to, "
               "got a non-member group");
-  TORCH_CHECK(world_size == group.size(), "MC2Linear::configure_mc2: expected world_size to equal "
-              "the group's size (", group.size(), "), got ", world_size);
-  contract.check_world_size("MC2Linear::configure_mc2", world_size);
+  contract.check_world_size("MC2Linear::configure_mc2", group.size());
   TORCH_CHECK(options.chunks_per_rank() >= 1,
               "MC2Linear::configure_mc2: expected chunks_per_rank >= 1, got ", options.chunks_per_rank());
   kernel_->mode = mode;
   kernel_->group = group;
-  kernel_->world_size = world_size;
   kernel_->sequence_dim = sequence_dim;
   kernel_->contract = contract;
   kernel_->options = options;
@@ -523,9 +318,9 @@ void MC2Linear::configure_mc2(const std::string& mode, const comm::Group& group,
 }
 
 bool MC2Linear::is_configured() const { return kernel_->configured; }
-const std::string& MC2Linear::mode() const { return kernel_->mode; }
+MC2Mode MC2Linear::mode() const { return kernel_->mode; }
 const comm::Group& MC2Linear::group() const { return kernel_->group; }
-int64_t MC2Linear::world_size() const { return kernel_->world_size; }
+int64_t MC2Linear::world_size() const { return kernel_->group.size(); }
 int64_t MC2Linear::sequence_dim() const { return kernel_->sequence_dim; }
 const MC2Contract& MC2Linear::contract() const { return kernel_->contract; }
 const MC2Options& MC2Linear::options() const { return kernel_->options; }

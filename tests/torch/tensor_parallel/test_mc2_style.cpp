@@ -47,7 +47,7 @@ TEST_F(MC2Style, FromLinearKeepsTheObjectAndItsParameters) {
   EXPECT_TRUE(tp::MC2Linear::of(*lin).has_value());
   EXPECT_FALSE(mc2.is_configured());
   // Converting again returns the same MC2 state.
-  tp::MC2Linear::from_linear(*lin).configure_mc2("all_gather", mesh->get_group(0), 2, 1);
+  tp::MC2Linear::from_linear(*lin).configure_mc2(tp::MC2Mode::kAllGather, mesh->get_group(0), 1);
   EXPECT_TRUE(mc2.is_configured());
 }
 
@@ -69,17 +69,19 @@ TEST_F(MC2Style, OnlyThisLibrarysLinearConverts) {
 TEST_F(MC2Style, ConfigureValidatesModeAndWorldSize) {
   auto mc2 = tp::MC2Linear::from_linear(*linear(512, 512));
   auto group = mesh->get_group(0);
-  HP_EXPECT_THROW_MSG(mc2.configure_mc2("all_reduce", group, 2, 1),
+  // The mode is typed; its original spelling ("all_gather", "reduce_scatter") maps onto it.
+  HP_EXPECT_THROW_MSG(tp::mc2_mode_from_string("all_reduce"),
                       "expected mode 'all_gather' or 'reduce_scatter', got 'all_reduce'");
-  HP_EXPECT_THROW_MSG(mc2.configure_mc2("all_gather", group, 4, 1),
-                      "expected world_size to equal the group's size (2), got 4");
-  HP_EXPECT_THROW_MSG(mc2.configure_mc2("all_gather", group, 2, 1, tp::MC2Contract().world_sizes({4, 8})),
+  EXPECT_EQ(tp::mc2_mode_from_string("all_gather"), tp::MC2Mode::kAllGather);
+  EXPECT_STREQ(tp::to_string(tp::MC2Mode::kReduceScatter), "reduce_scatter");
+  HP_EXPECT_THROW_MSG(mc2.configure_mc2(tp::MC2Mode::kAllGather, group, 1, tp::MC2Contract().world_sizes({4, 8})),
                       "MC2 world_size: expected one of [4, 8], got 2");
-  HP_EXPECT_THROW_MSG(mc2.configure_mc2("all_gather", group, 2, 1, {}, tp::MC2Options().chunks_per_rank(0)),
+  HP_EXPECT_THROW_MSG(mc2.configure_mc2(tp::MC2Mode::kAllGather, group, 1, {}, tp::MC2Options().chunks_per_rank(0)),
                       "expected chunks_per_rank >= 1, got 0");
   EXPECT_FALSE(mc2.is_configured());
-  mc2.configure_mc2("reduce_scatter", group, 2, 0);
-  EXPECT_EQ(mc2.mode(), "reduce_scatter");
+  mc2.configure_mc2(tp::MC2Mode::kReduceScatter, group, 0);
+  EXPECT_EQ(mc2.mode(), tp::MC2Mode::kReduceScatter);
+  EXPECT_EQ(mc2.world_size(), 2);  // the group's size
   EXPECT_EQ(mc2.sequence_dim(), 0);
 }
 
@@ -108,7 +110,7 @@ TEST_F(MC2Style, ApplyYieldsConfiguredMC2LinearsWithPlainShards) {
   tp::parallelize_module(*col, *mesh, tp::MC2ColwiseParallel());
   auto c = tp::MC2Linear::of(*col);
   ASSERT_TRUE(c.has_value());
-  EXPECT_EQ(c->mode(), "all_gather");
+  EXPECT_EQ(c->mode(), tp::MC2Mode::kAllGather);
   EXPECT_EQ(c->world_size(), 2);
   EXPECT_EQ(c->sequence_dim(), 1);
   EXPECT_EQ(c->group().global_ranks(), (std::vector<int64_t>{0, 1}));
@@ -120,7 +122,7 @@ TEST_F(MC2Style, ApplyYieldsConfiguredMC2LinearsWithPlainShards) {
                          tp::MC2RowwiseParallel(tp::MC2RowwiseParallelOptions().output_layouts(Shard(0))));
   auto rw = tp::MC2Linear::of(*row);
   ASSERT_TRUE(rw.has_value());
-  EXPECT_EQ(rw->mode(), "reduce_scatter");
+  EXPECT_EQ(rw->mode(), tp::MC2Mode::kReduceScatter);
   EXPECT_EQ(rw->sequence_dim(), 0);
   EXPECT_EQ(row->weight.sizes(), (at::IntArrayRef{512, 256}));  // Shard(1), as RowwiseParallel
   EXPECT_EQ(row->bias.sizes(), (at::IntArrayRef{512}));
@@ -335,12 +337,12 @@ TEST_F(MC2Style, EveryContractLimitIsCheckedAtApplyTimeForBothStyles) {
 // The same limits hold for an MC2Linear configured by hand (no style): checked at forward.
 TEST_F(MC2Style, HandConfiguredLinearChecksTheContractAtForward) {
   auto row = linear(1024, 128);
-  tp::MC2Linear::from_linear(*row).configure_mc2("reduce_scatter", mesh->get_group(0), 2, 1);
+  tp::MC2Linear::from_linear(*row).configure_mc2(tp::MC2Mode::kReduceScatter, mesh->get_group(0), 1);
   HP_EXPECT_THROW_MSG(row(at::ones({1, 4, 1024}, at::kBFloat16)),
                       "MC2Linear::forward: MC2 row backward contraction n (out_features): expected "
                       "in [256, 65535), got 128");
   auto col = linear(128, 512);
-  tp::MC2Linear::from_linear(*col).configure_mc2("all_gather", mesh->get_group(0), 2, 1);
+  tp::MC2Linear::from_linear(*col).configure_mc2(tp::MC2Mode::kAllGather, mesh->get_group(0), 1);
   HP_EXPECT_THROW_MSG(col(at::ones({1, 4, 128}, at::kBFloat16)),
                       "MC2Linear::forward: MC2 contraction dim k (in_features): expected in [256, "
                       "65535), got 128");

@@ -1,0 +1,159 @@
+#include <hyper_parallel/core/tensor_parallel/mc2_ops.h>
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <hyper_parallel/core/comm/counters.h>
+#include <hyper_parallel/core/comm/schedule.h>
+
+namespace hyper_parallel::tensor_parallel {
+
+namespace detail {
+
+at::Tensor local_matmul(const at::Tensor& a, const at::Tensor& b) {
+  if (a.scalar_type() == at::kHalf && a.is_cpu()) {
+    return at::mm(a.to(at::kFloat), b.to(at::kFloat)).to(at::kHalf);
+  }
+  return at::mm(a, b);
+}
+
+}  // namespace detail
+
+namespace {
+
+using comm::CollectiveKind;
+using detail::local_matmul;
+
+void matmul_into(at::Tensor out, const at::Tensor& a, const at::Tensor& b) {
+  if (a.scalar_type() == at::kHalf && a.is_cpu()) {
+    out.copy_(at::mm(a.to(at::kFloat), b.to(at::kFloat)));
+  } else {
+    at::mm_out(out, a, b);
+  }
+}
+
+void check_operands(const char* fn, const at::Tensor& a, const at::Tensor& b) {
+  TORCH_CHECK(a.defined() && b.defined(), fn, ": expected defined tensors, got an undefined one");
+  TORCH_CHECK(a.dim() == 2 && b.dim() == 2, fn, ": expected 2-d operands, got ", a.sizes(), " and ",
+              b.sizes());
+  TORCH_CHECK(a.size(1) == b.size(0), fn, ": expected a [m, k] and b [k, n] with equal k, got ",
+              a.sizes(), " and ", b.sizes());
+  TORCH_CHECK(a.scalar_type() == b.scalar_type(), fn, ": expected operands of one dtype, got ",
+              a.scalar_type(), " and ", b.scalar_type());
+  TORCH_CHECK(at::isFloatingType(a.scalar_type()), fn, ": expected a floating dtype, got ",
+              a.scalar_type());
+}
+
+// Each of the P blocks holds `rows_per_rank` rows, cut into chunks_per_rank chunks.
+comm::BlockLayout fused_layout(int64_t rows_per_rank, const comm::Group& group,
+                               const MC2Options& options) {
+  TORCH_CHECK(options.chunks_per_rank() >= 1, "MC2Options: expected chunks_per_rank >= 1, got ",
+              options.chunks_per_rank());
+  return comm::BlockLayout(std::vector<int64_t>(group.size(), rows_per_rank),
+                           options.chunks_per_rank());
+}
+
+// G = all_gather(a) [P·m, k] through the ring; on_chunk(block, chunk, rows) sees each chunk as
+// soon as it is here and forwarded.
+at::Tensor gather_rows(const at::Tensor& a, const comm::Group& group, const MC2Options& options,
+                       const std::function<void(const comm::BlockLayout&, int64_t, int64_t,
+                                                const at::Tensor&)>& on_chunk) {
+  const auto layout = fused_layout(a.size(0), group, options);
+  auto gathered = at::empty({layout.total_rows(), a.size(1)}, a.options());
+  comm::ring_all_gather(a, gathered, layout, group,
+                        on_chunk ? [&](int64_t block, int64_t j, const at::Tensor& rows) {
+                          on_chunk(layout, block, j, rows);
+                        } : comm::GatheredChunkFn());
+  return gathered;
+}
+
+void check_reduce_rows(const char* fn, const at::Tensor& a, const comm::Group& group) {
+  TORCH_CHECK(a.size(0) % group.size() == 0, fn, ": expected rows (", a.size(0),
+              ") divisible by world_size (", group.size(), "), got remainder ",
+              a.size(0) % group.size());
+}
+
+}  // namespace
+
+std::pair<at::Tensor, at::Tensor> all_gather_mm(const at::Tensor& a_in, const at::Tensor& b,
+                                                const comm::Group& group, const MC2Options& options) {
+  check_operands("all_gather_matmul", a_in, b);
+  comm::record_collective(CollectiveKind::kAllGatherMatmul, group.name());
+  const auto a = a_in.contiguous();
+  auto y = at::empty({group.size() * a.size(0), b.size(1)}, a.options());
+  // The chunk's rows of Y are computed while the next chunks travel.
+  auto gathered = gather_rows(a, group, options,
+                              [&](const comm::BlockLayout& layout, int64_t block, int64_t j,
+                                  const at::Tensor& rows) { matmul_into(layout.chunk(y, block, j), rows, b); });
+  return {y, gathered};
+}
+
+at::Tensor mm_reduce_scatter(const at::Tensor& a_in, const at::Tensor& b, const comm::Group& group,
+                             const MC2Options& options, const at::Tensor& addend) {
+  check_operands("matmul_reduce_scatter", a_in, b);
+  check_reduce_rows("matmul_reduce_scatter", a_in, group);
+  comm::record_collective(CollectiveKind::kMatmulReduceScatter, group.name());
+  const auto a = a_in.contiguous();
+  const int64_t n = b.size(1);
+  TORCH_INTERNAL_ASSERT(!addend.defined() || addend.sizes() == c10::IntArrayRef({a.size(0), n}),
+                        "matmul_reduce_scatter: addend of shape ", addend.sizes());
+  // One rank: nothing to overlap, one matmul.
+  if (group.size() == 1) return addend.defined() ? local_matmul(a, b) + addend : local_matmul(a, b);
+  const auto layout = fused_layout(a.size(0) / group.size(), group, options);
+  const auto acc = comm::accumulate_type(a.scalar_type());
+  // The partial product of a chunk is computed before its arrived partial sum is waited for, so
+  // the matmul overlaps the transfer.
+  auto reduced = comm::ring_reduce_scatter(
+      layout, n, a.options(), group,
+      [&](int64_t block, int64_t j, const std::function<at::Tensor()>& arrived) {
+        auto part = local_matmul(layout.chunk(a, block, j), b);
+        auto sum = arrived();
+        if (sum.defined()) {
+          sum.add_(part);
+        } else {
+          sum = part.to(acc);
+        }
+        if (addend.defined()) sum.add_(layout.chunk(addend, block, j));
+        return sum;
+      });
+  return reduced.to(a.scalar_type());
+}
+
+std::pair<at::Tensor, at::Tensor> all_gather_matmul(const at::Tensor& x, const at::Tensor& w,
+                                                    const comm::Group& group,
+                                                    const MC2Options& options) {
+  TORCH_CHECK(w.dim() == 2, "all_gather_matmul: expected w [n, k], got ", w.sizes());
+  return all_gather_mm(x, w.t(), group, options);
+}
+
+at::Tensor matmul_reduce_scatter(const at::Tensor& x, const at::Tensor& w, const comm::Group& group,
+                                 const MC2Options& options) {
+  TORCH_CHECK(w.dim() == 2, "matmul_reduce_scatter: expected w [n, k], got ", w.sizes());
+  return mm_reduce_scatter(x, w.t(), group, options);
+}
+
+namespace detail {
+
+void all_gather_matmul_transfers_only(const at::Tensor& x, const at::Tensor& w,
+                                      const comm::Group& group, const MC2Options& options) {
+  check_operands("all_gather_matmul", x, w.t());
+  gather_rows(x.contiguous(), group, options, {});
+}
+
+void matmul_reduce_scatter_transfers_only(const at::Tensor& x, const at::Tensor& w,
+                                          const comm::Group& group, const MC2Options& options) {
+  check_operands("matmul_reduce_scatter", x, w.t());
+  check_reduce_rows("matmul_reduce_scatter", x, group);
+  const int64_t n = w.size(0);
+  const auto layout = fused_layout(x.size(0) / group.size(), group, options);
+  const auto acc = x.options().dtype(comm::accumulate_type(x.scalar_type()));
+  comm::ring_reduce_scatter(layout, n, x.options(), group,
+                            [&](int64_t block, int64_t j, const std::function<at::Tensor()>& arrived) {
+                              auto sum = arrived();
+                              return sum.defined() ? sum : at::empty({layout.chunk_rows(block, j), n}, acc);
+                            });
+}
+
+}  // namespace detail
+
+}  // namespace hyper_parallel::tensor_parallel
