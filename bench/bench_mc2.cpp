@@ -1,22 +1,37 @@
-// MC2 overlap, measured side by side in one run on the same ranks, shapes and ring:
-//   compute   the op's matmuls alone (same chunks, no communication)
-//   comm      the op's ring alone: same transfers, chunks and schedule, matmuls left out
-//   unfused   collective then matmul (AG+MM) / matmul then collective (MM+RS)
-//   fused     the MC2 op, for each chunks_per_rank
-//   speedup = unfused / fused, efficiency = max(compute, comm) / fused (1.0 = perfect overlap)
+// MC2 overlap against the physical bound, measured side by side in one run (variants
+// interleaved, median and spread of --iters rounds) on the same ranks and shapes:
+//   stream     the link: this rank streams the op's minimum bytes to the next rank in the op's
+//              chunk-sized messages while receiving as much (T_comm_min; rate = bytes / time)
+//   compute    the op's matmuls alone, in the same chunks, no communication (T_compute)
+//   unfused    the library's collective, then the matmul (AG+MM) / the matmul, then the
+//              collective (MM+RS)
+//   fused      the MC2 op, for each chunks_per_rank
+//   coll       the library's collective alone; engine: the fused op's own schedule with no-op
+//              callbacks (same transfers as fused)
+// bytes_min per rank, 16-bit: all-gather (P-1)·m·k·2; reduce-scatter (P-1)/P·M·n·2.
+// T_bound = max(T_compute, T_comm_min); efficiency = T_bound / T_fused; speedup =
+// T_unfused / T_fused; r = T_comm_min / T_compute.
 //
-//   hp-run --nproc-per-node 2 -- build/bench/bench_mc2            (loopback)
-//   bash bench/run_bench.sh bench_mc2                               (loopback and a veth link)
+//   bash bench/run_bench.sh bench_mc2 2gbit 2 -- --iters 7           (loopback, then the link)
+//   bash bench/run_bench.sh bench_mc2 2gbit 2 -- --sweep --csv sweep.csv   (rates so that r
+//        spans 0.25..4 for every op and shape; bench/plot_sweep.sh draws the CSV)
+#include <algorithm>
+#include <chrono>
 #include <cstdio>
+#include <thread>
+#include <cstdlib>
+#include <fstream>
 #include <string>
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <CLI/CLI.hpp>
 
 #include <hyper_parallel/core/comm.h>
-#include <hyper_parallel/core/tensor_parallel/mc2.h>
+#include <hyper_parallel/core/tensor_parallel/mc2_ops.h>
 
 #include "bench_util.h"
+#include "common/run_main.h"
 
 namespace hp = hyper_parallel;
 namespace tp = hp::tensor_parallel;
@@ -24,104 +39,259 @@ namespace tp = hp::tensor_parallel;
 namespace {
 
 struct Shape {
-  const char* name;
-  int64_t rows_per_rank, k, n;  // AG+MM: x [rows, k] gathered, w [n, k]. MM+RS: x [P rows, k], w [n, k].
+  std::string name;
+  int64_t rows_per_rank, k, n;  // AG+MM: x [rows, k] gathered, w [n, k]. MM+RS: x [P rows, k].
 };
 
-struct Timing {
-  int64_t chunks;
-  double fused, comm;  // the fused op, and its ring alone, at this chunk count
+enum class Op { kAllGatherMatmul, kMatmulReduceScatter };
+const char* op_name(Op op) {
+  return op == Op::kAllGatherMatmul ? "all_gather_matmul" : "matmul_reduce_scatter";
+}
+
+struct Result {
+  double rate_gbps = 0, r = 0;
+  bench::Stats stream, compute, unfused, coll, engine;
+  double compute_whole = 0;      // the same matmuls as one GEMM per block (no chunking)
+  double compute_contended = 0;  // compute while the engine's transfers run on the same cores
+  std::vector<std::pair<int64_t, bench::Stats>> fused;  // per chunk count
 };
 
-// One line per op and shape; speedup and efficiency for the chunk count that ran fastest.
-void report(const char* op, const Shape& s, double compute, double unfused,
-            const std::vector<Timing>& timings) {
-  const Timing* best = &timings.front();
-  for (const auto& t : timings) {
-    if (t.fused < best->fused) best = &t;
+// One op on one shape at the current link rate.
+Result measure(Op op, const Shape& s, const hp::comm::Group& group, int iters,
+               const std::vector<int64_t>& chunk_counts, int64_t stream_chunks) {
+  const int64_t p = group.size(), r = group.rank(), m = s.rows_per_rank;
+  at::manual_seed(1 + r);
+  auto w = at::randn({s.n, s.k}).to(at::kBFloat16);
+  const bool ag = op == Op::kAllGatherMatmul;
+  auto x = at::randn({ag ? m : p * m, s.k}).to(at::kBFloat16);
+  auto full = at::randn({p * m, s.k}).to(at::kBFloat16);  // AG: stands for the gathered rows
+  auto y = at::empty({p * m, s.n}, at::kBFloat16);
+  // The stream: bytes_min per rank, in the messages of one chunk of the fused op.
+  const int64_t bytes_min = (p - 1) * m * (ag ? s.k : s.n) * 2;
+  const int64_t message_rows = std::max<int64_t>(1, m / stream_chunks);
+  const int64_t message_elems = message_rows * (ag ? s.k : s.n);
+  const int64_t messages = std::max<int64_t>(1, bytes_min / (message_elems * 2));
+  auto out_msg = at::randn({message_elems}).to(at::kBFloat16);
+  std::vector<at::Tensor> in_msgs;
+  for (int64_t i = 0; i < messages; ++i) in_msgs.push_back(at::empty({message_elems}, at::kBFloat16));
+  const int64_t next = (r + 1) % p, prev = (r + p - 1) % p;
+  auto stream = [&] {
+    auto tags = hp::comm::reserve_tags(group);
+    std::vector<hp::comm::Work> works;
+    for (int64_t i = 0; i < messages; ++i) works.push_back(hp::comm::irecv(in_msgs[i], prev, group, tags.step(i)));
+    for (int64_t i = 0; i < messages; ++i) works.push_back(hp::comm::isend(out_msg, next, group, tags.step(i)));
+    for (auto& wk : works) wk.wait();
+  };
+  // The op's matmuls in `chunks` chunks per block.
+  auto matmuls = [&](int64_t chunks) {
+    const auto& a = ag ? full : x;
+    for (int64_t b = 0; b < p; ++b) {
+      for (int64_t j = 0; j < chunks; ++j) {
+        const int64_t rows = hp::comm::chunk_size(m, chunks, j);
+        const int64_t at_row = b * m + hp::comm::chunk_offset(m, chunks, j);
+        auto out = y.narrow(0, at_row, rows);
+        at::mm_out(out, a.narrow(0, at_row, rows), w.t());
+      }
+    }
+  };
+  auto compute = [&] { matmuls(stream_chunks); };
+  auto unfused = [&] {
+    if (ag) {
+      at::mm(hp::comm::all_gather(x, 0, group), w.t());
+    } else {
+      hp::comm::reduce_scatter(at::mm(x, w.t()), 0, hp::comm::ReduceOp::kSum, group);
+    }
+  };
+  auto coll = [&] {
+    if (ag) {
+      hp::comm::all_gather(x, 0, group);
+    } else {
+      hp::comm::reduce_scatter(y, 0, hp::comm::ReduceOp::kSum, group);
+    }
+  };
+  const auto default_options = tp::MC2Options().chunks_per_rank(stream_chunks);
+  auto engine = [&] {
+    if (ag) {
+      tp::detail::all_gather_matmul_transfers_only(x, w, group, default_options);
+    } else {
+      tp::detail::matmul_reduce_scatter_transfers_only(x, w, group, default_options);
+    }
+  };
+  // For the gap breakdown: the same matmuls unchunked, and the chunked ones while the fused
+  // op's transfers run in another thread of this process (as they do inside the fused op).
+  std::vector<double> whole_times, contended_times;
+  auto compute_whole = [&] {
+    auto t0 = std::chrono::steady_clock::now();
+    matmuls(1);
+    whole_times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  };
+  auto compute_contended = [&] {
+    std::thread transfers(engine);
+    auto t0 = std::chrono::steady_clock::now();
+    compute();
+    contended_times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    transfers.join();
+  };
+  std::vector<std::function<void()>> variants{stream, compute, unfused, coll, engine, compute_whole,
+                                              compute_contended};
+  for (auto c : chunk_counts) {
+    const auto options = tp::MC2Options().chunks_per_rank(c);
+    variants.push_back([&, options] {
+      if (ag) {
+        tp::all_gather_matmul(x, w, group, options);
+      } else {
+        tp::matmul_reduce_scatter(x, w, group, options);
+      }
+    });
   }
-  std::printf("%-22s %-8s %9.1f %9.1f %9.1f", op, s.name, compute * 1e3, best->comm * 1e3,
-              unfused * 1e3);
-  for (const auto& t : timings) std::printf(" %9.1f", t.fused * 1e3);
-  std::printf("   %5.2fx   %5.2f   (chunks %lld)\n", unfused / best->fused,
-              std::max(compute, best->comm) / best->fused, static_cast<long long>(best->chunks));
+  const auto stats = bench::interleaved(group, iters, variants);
+  Result res{0, 0, stats[0], stats[1], stats[2], stats[3], stats[4], 0, 0, {}};
+  for (size_t i = 0; i < chunk_counts.size(); ++i) res.fused.emplace_back(chunk_counts[i], stats[7 + i]);
+  auto median_over_ranks = [&](std::vector<double> t) {
+    std::sort(t.begin(), t.end());
+    return hp::comm::all_gather(at::full({1}, t[t.size() / 2], at::kDouble), 0, group).max().item<double>();
+  };
+  res.compute_whole = median_over_ranks(whole_times);
+  res.compute_contended = median_over_ranks(contended_times);
+  const double sent = static_cast<double>(messages * message_elems * 2);
+  res.rate_gbps = 8 * sent / res.stream.median / 1e9;
+  res.r = res.stream.median / res.compute.median;
+  return res;
+}
+
+void print_header(const std::vector<int64_t>& chunk_counts) {
+  std::printf("%-22s %-7s %6s %5s %9s %9s %9s %9s", "op", "shape", "Gbit/s", "r", "compute", "comm_min",
+              "bound", "unfused");
+  for (auto c : chunk_counts) std::printf("  fused/c%-2lld", static_cast<long long>(c));
+  std::printf(" %7s %7s %6s %9s %9s\n", "speedup", "effic.", "chunks", "coll", "engine");
+  std::printf("%-22s %-7s %6s %5s %9s %9s %9s %9s\n", "", "", "", "", "ms", "ms", "ms", "ms");
+}
+
+// A median with its spread, as "12.3" (the spread goes to the CSV).
+void print_line(Op op, const Shape& s, const Result& res) {
+  const auto* best = &res.fused.front();
+  for (const auto& f : res.fused) {
+    if (f.second.median < best->second.median) best = &f;
+  }
+  const double bound = std::max(res.compute.median, res.stream.median);
+  std::printf("%-22s %-7s %6.2f %5.2f %9.1f %9.1f %9.1f %9.1f", op_name(op), s.name.c_str(), res.rate_gbps,
+              res.r, res.compute.median * 1e3, res.stream.median * 1e3, bound * 1e3, res.unfused.median * 1e3);
+  for (const auto& f : res.fused) std::printf(" %10.1f", f.second.median * 1e3);
+  std::printf(" %6.2fx %7.2f %6lld %9.1f %9.1f\n", res.unfused.median / best->second.median,
+              bound / best->second.median, static_cast<long long>(best->first), res.coll.median * 1e3,
+              res.engine.median * 1e3);
+  // Where the time beyond the bound goes, in ms: the GEMMs cut in chunks run slower than whole
+  // ones; the transfers' CPU work slows the compute on shared cores; the rest is exposed
+  // communication (head, tail, waits).
+  const double chunking = res.compute.median - res.compute_whole;
+  const double contention = res.compute_contended - res.compute.median;
+  std::printf("%-22s %-7s   gap %.1f ms = chunked GEMMs %.1f + transfer CPU contention %.1f + exposed %.1f"
+              "  (fused spread %.1f..%.1f)\n",
+              "", "", (best->second.median - bound) * 1e3, chunking * 1e3, contention * 1e3,
+              (best->second.median - bound - chunking - contention) * 1e3, best->second.min * 1e3,
+              best->second.max * 1e3);
   std::fflush(stdout);
+}
+
+void write_csv(std::ofstream& csv, Op op, const Shape& s, const Result& res, const std::string& link) {
+  auto cell = [&](const bench::Stats& st) {
+    csv << "," << st.median * 1e3 << "," << st.min * 1e3 << "," << st.max * 1e3;
+  };
+  for (const auto& [chunks, fused] : res.fused) {
+    std::string link_text = link;
+    std::replace(link_text.begin(), link_text.end(), ',', ';');  // one CSV field
+    csv << op_name(op) << "," << s.name << "," << s.rows_per_rank << "," << s.k << "," << s.n << ","
+        << link_text << "," << res.rate_gbps << "," << res.r << "," << chunks;
+    cell(res.compute);
+    cell(res.stream);
+    cell(res.unfused);
+    cell(fused);
+    const double bound = std::max(res.compute.median, res.stream.median);
+    csv << "," << bound * 1e3 << "," << (res.compute.median + res.stream.median) * 1e3 << ","
+        << res.unfused.median / fused.median << "," << bound / fused.median << "\n";
+  }
+  csv.flush();
+}
+
+void set_rate(const std::string& command, double bits_per_s, const hp::comm::Group& group) {
+  const std::string rate = std::to_string(static_cast<long long>(bits_per_s)) + "bit";
+  const int rc = std::system((command + " " + rate).c_str());
+  TORCH_CHECK(rc == 0, "bench_mc2: the rate command '", command, " ", rate, "' failed (", rc, ")");
+  hp::comm::barrier(group);
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  int iters = 5;
-  std::vector<int64_t> chunk_counts{1, 2, 4};
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "--iters" && i + 1 < argc) {
-      iters = std::stoi(argv[++i]);
-    } else {
-      std::fprintf(stderr, "usage: bench_mc2 [--iters N]\n");
-      return 2;
-    }
-  }
-  bench::keep_freed_memory();
-  hp::comm::init_process_group();
-  auto group = hp::comm::world();
-  const int64_t p = group.size();
-  if (p < 2) {
-    std::fprintf(stderr, "bench_mc2: needs at least 2 ranks (hp-run --nproc-per-node 2)\n");
-    return 2;
-  }
-  const bool print = group.rank() == 0;
-  // "ffn": the bench Llama preset's w1 at TP 2, batch 8 (1024 rows per rank, dim 1024, 1408 outputs).
-  const Shape shapes[] = {{"ffn", 1024, 1024, 1408}, {"small", 512, 2048, 1024}, {"medium", 1024, 4096, 1792}};
-  if (print) {
-    std::printf("MC2 overlap, %lld ranks, bf16, median of %d, link: %s\n", static_cast<long long>(p),
-                iters, bench::link_name().c_str());
-    std::printf("%-22s %-8s %9s %9s %9s", "op", "shape", "compute", "comm", "unfused");
-    for (auto c : chunk_counts) std::printf("  fused/c%lld", static_cast<long long>(c));
-    std::printf("   speedup  effic.\n");
-    std::printf("%-22s %-8s %9s %9s %9s\n", "", "", "ms", "ms", "ms");
-  }
-  for (const auto& s : shapes) {
-    at::manual_seed(1 + group.rank());
-    auto w = at::randn({s.n, s.k}).to(at::kBFloat16);
-    {
-      // AG+MM: gather x [rows, k] from every rank, multiply by wᵀ.
-      auto x = at::randn({s.rows_per_rank, s.k}).to(at::kBFloat16);
-      auto gathered = at::randn({p * s.rows_per_rank, s.k}).to(at::kBFloat16);
-      double compute = bench::median_seconds(group, iters, [&] { at::mm(gathered, w.t()); });
-      double unfused = bench::median_seconds(group, iters, [&] {
-        at::mm(hp::comm::all_gather(x, 0, group), w.t());
-      });
-      std::vector<Timing> timings;
-      for (auto c : chunk_counts) {
-        const auto opts = tp::MC2Options().chunks_per_rank(c);
-        timings.push_back(
-            {c, bench::median_seconds(group, iters, [&] { tp::all_gather_matmul(x, w, group, opts); }),
-             bench::median_seconds(group, iters, [&] {
-               tp::detail::all_gather_matmul_transfers_only(x, w, group, opts);
-             })});
+  int iters = 7;
+  bool sweep = false;
+  std::string csv_path;
+  std::vector<int64_t> chunk_counts{1, 2, 4, 8};
+  int64_t stream_chunks = 4;
+  std::vector<double> ratios{0.25, 0.5, 1, 2, 4};
+  CLI::App app("MC2 fused ops against their physical bound, side by side in one run.", "bench_mc2");
+  app.add_option("--iters", iters, "rounds per variant (median and spread)")->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--chunks", chunk_counts, "chunks_per_rank values of the fused variants")->capture_default_str();
+  app.add_option("--stream-chunks", stream_chunks, "chunks of the stream, compute and engine variants")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_flag("--sweep", sweep, "set the link rate (HP_BENCH_RATE_CMD) so r takes each --ratios value");
+  app.add_option("--ratios", ratios, "r = T_comm_min / T_compute values of the sweep")->capture_default_str();
+  app.add_option("--csv", csv_path, "append one row per op, shape, rate and chunk count");
+  CLI11_PARSE(app, argc, argv);
+
+  return hp_examples::run_main("bench_mc2", [&] {
+    bench::keep_freed_memory();
+    hp::comm::init_process_group();
+    auto group = hp::comm::world();
+    const int64_t p = group.size();
+    TORCH_CHECK(p >= 2, "bench_mc2: expected at least 2 ranks (hp-run --nproc-per-node 2), got ", p);
+    const auto rate_cmd = bench::rate_command();
+    TORCH_CHECK(!sweep || !rate_cmd.empty(), "bench_mc2: --sweep needs HP_BENCH_RATE_CMD (run it "
+                "through bench/run_bench.sh, as root, so the ranks sit behind rate-limited links)");
+    const bool print = group.rank() == 0;
+    std::ofstream csv;
+    if (print && !csv_path.empty()) {
+      const bool fresh = !std::ifstream(csv_path).good();
+      csv.open(csv_path, std::ios::app);
+      if (fresh) {
+        csv << "op,shape,rows_per_rank,k,n,link,rate_gbps,r,chunks,compute_ms,compute_min,compute_max,"
+               "comm_min_ms,comm_min_min,comm_min_max,unfused_ms,unfused_min,unfused_max,fused_ms,"
+               "fused_min,fused_max,bound_ms,serial_ms,speedup,efficiency\n";
       }
-      if (print) report("all_gather_matmul", s, compute, unfused, timings);
     }
-    {
-      // MM+RS: x [P rows, k] times wᵀ, reduce-scatter the rows (fp32 accumulators travel).
-      auto x = at::randn({p * s.rows_per_rank, s.k}).to(at::kBFloat16);
-      double compute = bench::median_seconds(group, iters, [&] { at::mm(x, w.t()); });
-      double unfused = bench::median_seconds(group, iters, [&] {
-        hp::comm::reduce_scatter(at::mm(x, w.t()), 0, hp::comm::ReduceOp::kSum, group);
-      });
-      std::vector<Timing> timings;
-      for (auto c : chunk_counts) {
-        const auto opts = tp::MC2Options().chunks_per_rank(c);
-        timings.push_back(
-            {c, bench::median_seconds(group, iters, [&] { tp::matmul_reduce_scatter(x, w, group, opts); }),
-             bench::median_seconds(group, iters, [&] {
-               tp::detail::matmul_reduce_scatter_transfers_only(x, w, group, opts);
-             })});
+    // "ffn": the bench Llama preset's w1 at TP 2, batch 8 (1024 rows per rank, dim 1024, 1408
+    // outputs); "small" and "medium" bracket it.
+    const std::vector<Shape> shapes{{"ffn", 1024, 1024, 1408}, {"small", 512, 2048, 1024}, {"medium", 1024, 4096, 1792}};
+    const auto link = bench::link_name();
+    if (print) {
+      std::printf("MC2 overlap, %lld ranks, bf16, median of %d (interleaved), link: %s\n",
+                  static_cast<long long>(p), iters, link.c_str());
+      print_header(chunk_counts);
+    }
+    for (const auto& s : shapes) {
+      for (Op op : {Op::kAllGatherMatmul, Op::kMatmulReduceScatter}) {
+        if (!sweep) {
+          auto res = measure(op, s, group, iters, chunk_counts, stream_chunks);
+          if (print) print_line(op, s, res);
+          if (csv.is_open()) write_csv(csv, op, s, res, link);
+          continue;
+        }
+        // T_compute does not depend on the link: measure it once, then set each rate so that
+        // r = T_comm_min / T_compute takes the requested values.
+        const int64_t m = s.rows_per_rank;
+        const double bytes_min = (p - 1) * m * (op == Op::kAllGatherMatmul ? s.k : s.n) * 2.0;
+        auto probe = measure(op, s, group, 3, {stream_chunks}, stream_chunks);
+        for (double ratio : ratios) {
+          const double rate = std::clamp(8 * bytes_min / (ratio * probe.compute.median), 2e7, 4e10);
+          set_rate(rate_cmd, rate, group);
+          auto res = measure(op, s, group, iters, chunk_counts, stream_chunks);
+          if (print) print_line(op, s, res);
+          if (csv.is_open()) write_csv(csv, op, s, res, link);
+        }
       }
-      if (print) report("matmul_reduce_scatter", s, compute, unfused, timings);
     }
-  }
-  hp::comm::destroy_process_group();
-  return 0;
+    hp::comm::destroy_process_group();
+    return 0;
+  });
 }

@@ -9,6 +9,7 @@ packages=(
   libopenblas0-pthread  # fast fp32 matmul (the reference BLAS is ~20x slower)
   libgtest-dev libgmock-dev
   libcli11-dev          # command-line flags of hp-run and the examples
+  nlohmann-json3-dev    # JSON: trace files
   iproute2              # ip netns / tc, for benchmarks over a rate-limited link
 )
 

@@ -2,7 +2,23 @@
 // tests (every rank runs every test, in the same order), then leaves together.
 #include <gtest/gtest.h>
 
+#include <iostream>
+
 #include <hyper_parallel/core/comm.h>
+
+namespace {
+
+// Ranks other than 0 print their failures only (hp-run prefixes each line with the rank).
+class FailurePrinter : public ::testing::EmptyTestEventListener {
+  void OnTestPartResult(const ::testing::TestPartResult& result) override {
+    if (!result.failed()) return;
+    // (gtest holds its lock here: no UnitTest queries.)
+    std::cerr << (result.file_name() ? result.file_name() : "?") << ":" << result.line_number()
+              << ": Failure\n" << result.message() << "\n";
+  }
+};
+
+}  // namespace
 
 int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
@@ -11,6 +27,7 @@ int main(int argc, char** argv) {
   if (hyper_parallel::comm::global_rank() != 0) {
     auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
     delete listeners.Release(listeners.default_result_printer());
+    listeners.Append(new FailurePrinter);
   }
   const int result = RUN_ALL_TESTS();
   if (result != 0) {

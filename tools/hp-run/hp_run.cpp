@@ -379,16 +379,45 @@ struct Rank {
   std::string prefix;  // "[rank N] "
   pid_t pid = -1;      // also the id of the rank's process group
   bool running = false;
-  OutputStream streams[2];  // stdout, stderr
+  bool unresponsive = false;  // still running when the grace after SIGTERM ran out
+  OutputStream streams[2];    // stdout, stderr
+  // From the rank's last "hp-waiting-on:" line (hyper_parallel's flight recorder): the global
+  // rank it was waiting for, -1 for "none"; unset if it printed no such line.
+  std::optional<int> waiting_on;
 };
+
+// "hp-waiting-on: rank R peer P op ..." -> P; "hp-waiting-on: rank R none" -> -1.
+std::optional<int> parse_waiting_on(std::string_view line) {
+  constexpr std::string_view kTag = "hp-waiting-on: rank ";
+  const auto at = line.find(kTag);
+  if (at == std::string_view::npos) return std::nullopt;
+  line.remove_prefix(at + kTag.size());
+  const auto space = line.find(' ');
+  if (space == std::string_view::npos) return std::nullopt;
+  line.remove_prefix(space + 1);
+  if (line.starts_with("none")) return -1;
+  if (!line.starts_with("peer ")) return std::nullopt;
+  line.remove_prefix(5);
+  int peer = -1;
+  const auto [end, error] = std::from_chars(line.data(), line.data() + line.size(), peer);
+  if (error != std::errc() || peer < 0) return std::nullopt;
+  return peer;
+}
 
 // Emits every complete line in `stream.pending` with the rank prefix, in a
 // single write() so lines from different ranks never interleave mid-line.
-void emit_lines(const Rank& rank, OutputStream& stream, bool at_eof) {
+void emit_lines(Rank& rank, OutputStream& stream, bool at_eof) {
   std::string out;
   std::size_t start = 0;
   for (std::size_t newline; (newline = stream.pending.find('\n', start)) != std::string::npos;
        start = newline + 1) {
+    const std::string_view line(stream.pending.data() + start, newline - start);
+    // A rank's report of whom it waited for outlives a later "none" (e.g. its SIGTERM report
+    // after the failure it already reported).
+    const bool had_peer = rank.waiting_on && *rank.waiting_on >= 0;
+    if (auto peer = parse_waiting_on(line); peer && !(had_peer && *peer < 0)) {
+      rank.waiting_on = peer;
+    }
     out += rank.prefix;
     out.append(stream.pending, start, newline + 1 - start);
   }
@@ -403,13 +432,13 @@ void emit_lines(const Rank& rank, OutputStream& stream, bool at_eof) {
   write_all(stream.destination, out);
 }
 
-void close_stream(const Rank& rank, OutputStream& stream) {
+void close_stream(Rank& rank, OutputStream& stream) {
   emit_lines(rank, stream, /*at_eof=*/true);
   ::close(stream.fd);
   stream.fd = -1;
 }
 
-void read_stream(const Rank& rank, OutputStream& stream) {
+void read_stream(Rank& rank, OutputStream& stream) {
   char buffer[65536];
   const ssize_t n = ::read(stream.fd, buffer, sizeof buffer);
   if (n < 0 && (errno == EINTR || errno == EAGAIN)) return;  // poll again
@@ -687,6 +716,9 @@ class Launcher {
         log_message("rank(s) " + names + " still running " + std::to_string(opts_.grace_s) +
                     " s after SIGTERM; sending SIGKILL");
       }
+      for (Rank& rank : ranks_) {
+        if (rank.running) rank.unresponsive = true;
+      }
       kill_all(SIGKILL);
     }
   }
@@ -704,7 +736,57 @@ class Launcher {
 
   int finish() {
     if (stop_ == StopReason::kRankFailed) log_message(failure_message_);
+    if (stop_ != StopReason::kNone) report_waited_on();
     return stop_ == StopReason::kNone ? 0 : exit_code_;
+  }
+
+  // From the ranks' hp-waiting-on lines: follow "R waits for P" until a rank that waits for
+  // nobody (stuck outside any collective) or printed nothing (frozen, or gone); that is the rank
+  // the others were waiting on. The rank that noticed first is often only its neighbour.
+  void report_waited_on() const {
+    const Rank* any_waiting = nullptr;
+    for (const Rank& rank : ranks_) {
+      if (rank.waiting_on && *rank.waiting_on >= 0) any_waiting = &rank;
+    }
+    if (any_waiting == nullptr) return;
+    auto find = [&](int global) -> const Rank* {
+      for (const Rank& rank : ranks_) {
+        if (rank.global_rank == global) return &rank;
+      }
+      return nullptr;
+    };
+    std::vector<int> culprits, waiters;
+    for (const Rank& rank : ranks_) {
+      if (!rank.waiting_on || *rank.waiting_on < 0) continue;
+      waiters.push_back(rank.global_rank);
+      int at = *rank.waiting_on;
+      for (size_t hops = 0; hops <= ranks_.size(); ++hops) {
+        const Rank* next = find(at);
+        if (next == nullptr || !next->waiting_on || *next->waiting_on < 0) break;
+        at = *next->waiting_on;
+      }
+      if (std::find(culprits.begin(), culprits.end(), at) == culprits.end()) culprits.push_back(at);
+    }
+    auto list = [](const std::vector<int>& v) {
+      std::string text;
+      for (int x : v) text += (text.empty() ? "" : ", ") + std::to_string(x);
+      return text;
+    };
+    for (int culprit : culprits) {
+      const Rank* rank = find(culprit);
+      std::string state = "not on this node";
+      if (rank != nullptr) {
+        if (rank->unresponsive) {
+          state = "unresponsive: it did not exit on SIGTERM (stopped or hung in the kernel?)";
+        } else if (!rank->waiting_on) {
+          state = "it printed no flight-recorder line";
+        } else {
+          state = "it was not inside a collective (stuck in its own code?)";
+        }
+      }
+      log_message("rank(s) " + list(waiters) + " were waiting on rank " + std::to_string(culprit) +
+                  "; " + state);
+    }
   }
 
   // Only reached with running ranks if something threw (e.g. fork failed

@@ -4,7 +4,9 @@
 #include <hyper_parallel/core/comm/chunks.h>
 #include <hyper_parallel/core/comm/collectives.h>
 #include <hyper_parallel/core/comm/counters.h>
+#include <hyper_parallel/core/comm/op.h>
 #include <hyper_parallel/core/comm/p2p.h>
 #include <hyper_parallel/core/comm/process_group.h>
 #include <hyper_parallel/core/comm/schedule.h>
+#include <hyper_parallel/core/comm/trace.h>
 #include <hyper_parallel/core/comm/work.h>

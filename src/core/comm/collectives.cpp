@@ -8,6 +8,7 @@
 #include <c10/util/accumulate.h>
 
 #include <hyper_parallel/core/comm/counters.h>
+#include <hyper_parallel/core/comm/op.h>
 #include <hyper_parallel/core/comm/p2p.h>
 #include <hyper_parallel/core/comm/schedule.h>
 
@@ -73,14 +74,24 @@ BlockLayout flat_layout(const std::vector<int64_t>& sizes, int64_t row_elems, in
 }
 
 // Reduce-scatter of the flat, contiguous `x` whose blocks hold sizes[b] * row_elems elements;
-// returns this rank's block in the accumulate dtype. Each rank adds its own elements to the
-// partial sum that arrives (segment by segment) and forwards it at once.
+// returns this rank's block in the accumulate dtype. 16-bit inputs take the direct schedule (each
+// rank's elements travel once, in 16 bits, to their owner, which sums in float32); others the
+// ring, where each rank adds its own elements to the partial sum that arrives, chunk by chunk,
+// and forwards it at once.
 at::Tensor flat_reduce_scatter(const at::Tensor& x, const std::vector<int64_t>& sizes,
                                int64_t row_elems, const Group& group) {
-  const auto acc = accumulate_type(x.scalar_type());
+  const auto dtype = x.scalar_type();
+  const bool direct = reduces_directly(dtype);
+  const auto acc = accumulate_type(dtype);
   const int64_t max_rows = *std::max_element(sizes.begin(), sizes.end());
-  const auto layout = flat_layout(sizes, row_elems, chunks_for(max_rows * row_elems * at::elementSize(acc)));
+  const int64_t wire_bytes = at::elementSize(direct ? dtype : acc);
+  const auto layout = flat_layout(sizes, row_elems, chunks_for(max_rows * row_elems * wire_bytes));
   const auto flat = x.view({-1, 1});
+  if (direct) {
+    return direct_reduce_scatter(layout, 1, x.options(), group,
+                                 [&](int64_t block, int64_t chunk) { return layout.chunk(flat, block, chunk); })
+        .view({-1});
+  }
   return ring_reduce_scatter(
              layout, 1, x.options(), group,
              [&](int64_t block, int64_t chunk, const std::function<at::Tensor()>& arrived) {
@@ -90,6 +101,21 @@ at::Tensor flat_reduce_scatter(const at::Tensor& x, const std::vector<int64_t>& 
                return sum.add_(mine);
              })
       .view({-1});
+}
+
+// A signature field for a list of sizes every rank must agree on.
+int64_t hash_of(c10::IntArrayRef sizes) {
+  uint64_t h = 1469598103934665603ull;
+  for (auto v : sizes) h = (h ^ static_cast<uint64_t>(v)) * 1099511628211ull;
+  return static_cast<int64_t>(h >> 1);
+}
+
+int64_t elements_per_slice(const at::Tensor& t, int64_t dim) {
+  int64_t n = 1;
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (d != dim) n *= t.size(d);
+  }
+  return n;
 }
 
 std::vector<int64_t> split_sizes_or_chunks(const char* fn, c10::IntArrayRef sizes, int64_t extent,
@@ -125,7 +151,12 @@ at::Tensor all_gather(const at::Tensor& input, int64_t dim, const Group& group,
   TORCH_CHECK(rank_sizes[group.rank()] == input.size(dim),
               "hyper_parallel::comm::all_gather: expected sizes[", group.rank(),
               "] to equal this rank's extent ", input.size(dim), ", got ", rank_sizes[group.rank()]);
-  record_collective(CollectiveKind::kAllGather, describe(input, group));
+  OpScope op(group,
+             {CollectiveKind::kAllGather, input.scalar_type(),
+              {std::accumulate(rank_sizes.begin(), rank_sizes.end(), int64_t{0}),
+               elements_per_slice(input, dim), hash_of(rank_sizes), dim},
+              {"gathered_extent", "slice_elements", "sizes_hash", "dim"}},
+             describe(input, group));
   auto local = input.movedim(dim, 0);
   auto out_sizes = local.sizes().vec();
   out_sizes[0] = std::accumulate(rank_sizes.begin(), rank_sizes.end(), int64_t{0});
@@ -146,7 +177,12 @@ at::Tensor reduce_scatter(const at::Tensor& input, int64_t dim, ReduceOp op, con
   const int64_t p = group.size();
   check_reduce_op("reduce_scatter", op, input);
   auto rank_sizes = split_sizes_or_chunks("reduce_scatter", sizes, input.size(dim), p);
-  record_collective(CollectiveKind::kReduceScatter, describe(input, group));
+  OpScope scope(group,
+                {CollectiveKind::kReduceScatter, input.scalar_type(),
+                 {input.size(dim), elements_per_slice(input, dim), hash_of(rank_sizes),
+                  dim * 2 + static_cast<int64_t>(op == ReduceOp::kAvg)},
+                 {"extent", "slice_elements", "sizes_hash", "dim_and_op"}},
+                describe(input, group));
   auto rows = input.movedim(dim, 0).contiguous();
   const int64_t row_elems = rows.size(0) == 0 ? 0 : rows.numel() / rows.size(0);
   auto reduced = flat_reduce_scatter(rows, rank_sizes, row_elems, group);
@@ -160,7 +196,11 @@ at::Tensor all_reduce(const at::Tensor& input, ReduceOp op, const Group& group) 
   check_dtype("all_reduce", input);
   check_reduce_op("all_reduce", op, input);
   const int64_t p = group.size();
-  record_collective(CollectiveKind::kAllReduce, describe(input, group));
+  OpScope scope(group,
+                {CollectiveKind::kAllReduce, input.scalar_type(),
+                 {input.numel(), static_cast<int64_t>(op == ReduceOp::kAvg)},
+                 {"numel", "avg", "d2", "d3"}},
+                describe(input, group));
   auto flat = input.reshape({-1}).contiguous();
   auto sizes = chunk_sizes(flat.numel(), p);
   auto reduced = flat_reduce_scatter(flat, sizes, 1, group);
@@ -194,7 +234,12 @@ at::Tensor all_to_all(const at::Tensor& input, int64_t split_dim, int64_t concat
   TORCH_CHECK(recv_sizes[r] == input.size(concat_dim), "hyper_parallel::comm::all_to_all: expected "
               "recv_concat_sizes[", r, "] to equal this rank's extent ", input.size(concat_dim),
               ", got ", recv_sizes[r]);
-  record_collective(CollectiveKind::kAllToAll, describe(input, group));
+  OpScope op(group,
+             {CollectiveKind::kAllToAll, input.scalar_type(),
+              {input.size(split_dim), elements_per_slice(input, concat_dim) / std::max<int64_t>(input.size(split_dim), 1),
+               split_dim * 64 + concat_dim, hash_of(splits) ^ hash_of(recv_sizes)},
+              {"split_extent", "slice_elements", "dims", "sizes_hash"}},
+             describe(input, group));
   const auto split_off = offsets_of(splits);
   std::vector<at::Tensor> received(p);
   auto piece_shape = input.sizes().vec();
@@ -224,7 +269,9 @@ at::Tensor broadcast(const at::Tensor& input, int64_t src, const Group& group) {
   const int64_t p = group.size(), r = group.rank();
   TORCH_CHECK(src >= 0 && src < p, "hyper_parallel::comm::broadcast: expected src in [0, ", p,
               "), got ", src);
-  record_collective(CollectiveKind::kBroadcast, describe(input, group));
+  OpScope op(group,
+             {CollectiveKind::kBroadcast, input.scalar_type(), {input.numel(), src}, {"numel", "src", "d2", "d3"}},
+             describe(input, group));
   auto buffer = input.contiguous().clone();
   const auto tags = reserve_tags(group);
   if (r == src) {
@@ -240,7 +287,7 @@ at::Tensor broadcast(const at::Tensor& input, int64_t src, const Group& group) {
 }
 
 void barrier(const Group& group) {
-  record_collective(CollectiveKind::kBarrier, group.name());
+  OpScope op(group, {CollectiveKind::kBarrier, at::kInt, {}}, group.name());
   if (group.size() == 1) return;
   // A token ring: step s's send leaves only after step s-1's receive, so after P-1 steps every
   // rank has (transitively) heard from every other, i.e. all have arrived.

@@ -14,6 +14,7 @@ namespace {
 struct Counters {
   std::mutex mutex;
   std::map<std::string, std::array<int64_t, kNumCollectiveKinds>, std::less<>> by_region;
+  std::map<std::string, int64_t, std::less<>> bytes_by_region;
   std::vector<std::string> regions;  // stack of active CommRegion names
   bool debug = std::getenv("HP_COMM_DEBUG") != nullptr;
 };
@@ -71,7 +72,28 @@ void reset_collective_counts() {
   auto& c = counters();
   std::lock_guard<std::mutex> lock(c.mutex);
   c.by_region.clear();
+  c.bytes_by_region.clear();
 }
+
+int64_t payload_bytes_sent(std::string_view region) {
+  auto& c = counters();
+  std::lock_guard<std::mutex> lock(c.mutex);
+  int64_t total = 0;
+  for (const auto& [name, bytes] : c.bytes_by_region) {
+    if (region.empty() || name == region) total += bytes;
+  }
+  return total;
+}
+
+namespace detail {
+
+void record_payload_bytes(int64_t bytes) {
+  auto& c = counters();
+  std::lock_guard<std::mutex> lock(c.mutex);
+  c.bytes_by_region[c.regions.empty() ? "default" : c.regions.back()] += bytes;
+}
+
+}  // namespace detail
 
 std::string collective_counts_summary() {
   auto& c = counters();

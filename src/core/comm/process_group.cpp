@@ -14,6 +14,9 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include <hyper_parallel/core/comm/trace.h>
+
+#include "flight_recorder.h"
 #include "group_impl.h"
 
 namespace hyper_parallel::comm {
@@ -175,6 +178,8 @@ void init_process_group(const InitOptions& options) {
   impl->timeout = timeout;
   w.group = std::move(impl);
   w.groups_created = 0;
+  trace::detail::start(*rank);
+  detail::install_stop_report(*rank);
 }
 
 bool is_initialized() { return world_state().group != nullptr; }
@@ -190,6 +195,7 @@ int64_t world_size() {
 }
 
 void destroy_process_group() {
+  trace::flush();
   auto& w = world_state();
   std::lock_guard<std::mutex> lock(w.mutex);
   w.group.reset();

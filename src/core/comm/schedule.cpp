@@ -9,6 +9,8 @@
 #include <hyper_parallel/core/comm/chunks.h>
 #include <hyper_parallel/core/comm/p2p.h>
 
+#include "flight_recorder.h"
+
 namespace hyper_parallel::comm {
 
 at::ScalarType accumulate_type(at::ScalarType dtype) {
@@ -115,7 +117,10 @@ void ring_all_gather(const at::Tensor& own, const at::Tensor& gathered, const Bl
   for (int64_t s = 0; s < p; ++s) {
     const int64_t block = (r - s + p) % p;
     for (int64_t j = 0; j < chunks; ++j) {
-      if (s > 0) recvs[(s - 1) * chunks + j].wait();
+      if (s > 0) {
+        detail::FlightRecorder::set_chunk(s, j);
+        recvs[(s - 1) * chunks + j].wait();
+      }
       if (s > 0 && s + 1 < p) {
         sends.push_back(isend(layout.chunk(gathered, block, j), ring.next, group, ring.tag(s, j)));
       }
@@ -164,6 +169,7 @@ at::Tensor ring_reduce_scatter(const BlockLayout& layout, int64_t width,
     for (int64_t j = 0; j < chunks; ++j) {
       auto arrived = [&]() -> at::Tensor {
         if (s == 0) return at::Tensor();
+        detail::FlightRecorder::set_chunk(s, j);
         recvs[(s - 1) * chunks + j].wait();
         return layout.chunk_of_block(incoming[s - 1], block, j);
       };
@@ -181,6 +187,80 @@ at::Tensor ring_reduce_scatter(const BlockLayout& layout, int64_t width,
   }
   for (auto& w : sends) w.wait();
   return incoming.back();
+}
+
+bool reduces_directly(at::ScalarType dtype) {
+  return dtype == at::kBFloat16 || dtype == at::kHalf;
+}
+
+at::Tensor direct_reduce_scatter(const BlockLayout& layout, int64_t width,
+                                 const at::TensorOptions& input, const Group& group,
+                                 const PartialChunkFn& partial) {
+  check_layout("direct_reduce_scatter", layout, group);
+  const int64_t p = group.size(), r = group.rank(), chunks = layout.chunks();
+  const auto wire = c10::typeMetaToScalarType(input.dtype());
+  const auto acc = input.dtype(accumulate_type(wire));
+  auto result = at::empty({layout.block_rows(r), width}, acc);
+  auto own_partial = [&](int64_t j) {
+    auto part = partial(r, j);
+    TORCH_INTERNAL_ASSERT(part.defined() && part.sizes() == c10::IntArrayRef({layout.chunk_rows(r, j), width}),
+                          "direct_reduce_scatter: the callback returned ", part.sizes(), " for a chunk of [",
+                          layout.chunk_rows(r, j), ", ", width, "]");
+    return part;
+  };
+  if (p == 1) {
+    for (int64_t j = 0; j < chunks; ++j) layout.chunk_of_block(result, r, j).copy_(own_partial(j));
+    return result;
+  }
+  const Ring ring(group, chunks);
+  // received[(s * chunks) + j]: chunk j of this rank's block from rank r - 1 - s, posted up front.
+  std::vector<at::Tensor> received;
+  std::vector<Work> recvs;
+  for (int64_t s = 0; s + 1 < p; ++s) {
+    const int64_t src = (r - 1 - s + p) % p;
+    for (int64_t j = 0; j < chunks; ++j) {
+      received.push_back(at::empty({layout.chunk_rows(r, j), width}, input.dtype(wire)));
+      recvs.push_back(irecv(received.back(), src, group, ring.tag(s, j)));
+    }
+  }
+  // Step s: this rank's partial of block r + 1 + s, each chunk sent as soon as it is computed.
+  std::vector<Work> sends;
+  std::vector<at::Tensor> outgoing;  // kept alive until their sends complete
+  for (int64_t s = 0; s + 1 < p; ++s) {
+    const int64_t dst = (r + 1 + s) % p;
+    for (int64_t j = 0; j < chunks; ++j) {
+      auto part = partial(dst, j);
+      TORCH_INTERNAL_ASSERT(part.defined() && part.sizes() == c10::IntArrayRef({layout.chunk_rows(dst, j), width}),
+                            "direct_reduce_scatter: the callback returned ", part.sizes());
+      part = part.to(wire).contiguous();
+      sends.push_back(isend(part, dst, group, ring.tag(s, j)));
+      outgoing.push_back(std::move(part));
+    }
+  }
+  // This rank's own partial, computed while the last partials travel; then the sum over ranks
+  // in rank order 0 .. P - 1.
+  for (int64_t j = 0; j < chunks; ++j) {
+    const auto own = own_partial(j);
+    auto sum = layout.chunk_of_block(result, r, j);
+    for (int64_t q = 0; q < p; ++q) {
+      at::Tensor term;
+      if (q == r) {
+        term = own;
+      } else {
+        const int64_t s = (r - 1 - q + p) % p;  // the step at which rank q sent to this rank
+        detail::FlightRecorder::set_chunk(s, j);
+        recvs[s * chunks + j].wait();
+        term = received[s * chunks + j];
+      }
+      if (q == 0) {
+        sum.copy_(term);
+      } else {
+        sum.add_(term);
+      }
+    }
+  }
+  for (auto& w : sends) w.wait();
+  return result;
 }
 
 }  // namespace hyper_parallel::comm

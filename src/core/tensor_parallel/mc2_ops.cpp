@@ -4,6 +4,8 @@
 #include <c10/util/Exception.h>
 
 #include <hyper_parallel/core/comm/counters.h>
+#include <hyper_parallel/core/comm/op.h>
+#include <hyper_parallel/core/comm/trace.h>
 #include <hyper_parallel/core/comm/schedule.h>
 
 namespace hyper_parallel::tensor_parallel {
@@ -11,6 +13,7 @@ namespace hyper_parallel::tensor_parallel {
 namespace detail {
 
 at::Tensor local_matmul(const at::Tensor& a, const at::Tensor& b) {
+  comm::trace::Span span("matmul");
   if (a.scalar_type() == at::kHalf && a.is_cpu()) {
     return at::mm(a.to(at::kFloat), b.to(at::kFloat)).to(at::kHalf);
   }
@@ -25,6 +28,7 @@ using comm::CollectiveKind;
 using detail::local_matmul;
 
 void matmul_into(at::Tensor out, const at::Tensor& a, const at::Tensor& b) {
+  comm::trace::Span span("matmul");
   if (a.scalar_type() == at::kHalf && a.is_cpu()) {
     out.copy_(at::mm(a.to(at::kFloat), b.to(at::kFloat)));
   } else {
@@ -67,6 +71,14 @@ at::Tensor gather_rows(const at::Tensor& a, const comm::Group& group, const MC2O
   return gathered;
 }
 
+// What the ranks must agree on: a [m, k] (rows per rank for the gather, all rows for the
+// reduce-scatter), b [k, n], the dtype and the chunk count.
+comm::OpSignature signature(CollectiveKind kind, const at::Tensor& a, const at::Tensor& b,
+                            const MC2Options& options) {
+  return {kind, a.scalar_type(), {a.size(0), a.size(1), b.size(1), 0}, {"m", "k", "n", "d3"},
+          options.chunks_per_rank()};
+}
+
 void check_reduce_rows(const char* fn, const at::Tensor& a, const comm::Group& group) {
   TORCH_CHECK(a.size(0) % group.size() == 0, fn, ": expected rows (", a.size(0),
               ") divisible by world_size (", group.size(), "), got remainder ",
@@ -78,7 +90,7 @@ void check_reduce_rows(const char* fn, const at::Tensor& a, const comm::Group& g
 std::pair<at::Tensor, at::Tensor> all_gather_mm(const at::Tensor& a_in, const at::Tensor& b,
                                                 const comm::Group& group, const MC2Options& options) {
   check_operands("all_gather_matmul", a_in, b);
-  comm::record_collective(CollectiveKind::kAllGatherMatmul, group.name());
+  comm::OpScope op(group, signature(CollectiveKind::kAllGatherMatmul, a_in, b, options), group.name());
   const auto a = a_in.contiguous();
   auto y = at::empty({group.size() * a.size(0), b.size(1)}, a.options());
   // The chunk's rows of Y are computed while the next chunks travel.
@@ -92,7 +104,8 @@ at::Tensor mm_reduce_scatter(const at::Tensor& a_in, const at::Tensor& b, const 
                              const MC2Options& options, const at::Tensor& addend) {
   check_operands("matmul_reduce_scatter", a_in, b);
   check_reduce_rows("matmul_reduce_scatter", a_in, group);
-  comm::record_collective(CollectiveKind::kMatmulReduceScatter, group.name());
+  comm::OpScope op(group, signature(CollectiveKind::kMatmulReduceScatter, a_in, b, options),
+                   group.name());
   const auto a = a_in.contiguous();
   const int64_t n = b.size(1);
   TORCH_INTERNAL_ASSERT(!addend.defined() || addend.sizes() == c10::IntArrayRef({a.size(0), n}),
@@ -101,21 +114,35 @@ at::Tensor mm_reduce_scatter(const at::Tensor& a_in, const at::Tensor& b, const 
   if (group.size() == 1) return addend.defined() ? local_matmul(a, b) + addend : local_matmul(a, b);
   const auto layout = fused_layout(a.size(0) / group.size(), group, options);
   const auto acc = comm::accumulate_type(a.scalar_type());
-  // The partial product of a chunk is computed before its arrived partial sum is waited for, so
-  // the matmul overlaps the transfer.
-  auto reduced = comm::ring_reduce_scatter(
-      layout, n, a.options(), group,
-      [&](int64_t block, int64_t j, const std::function<at::Tensor()>& arrived) {
-        auto part = local_matmul(layout.chunk(a, block, j), b);
-        auto sum = arrived();
-        if (sum.defined()) {
-          sum.add_(part);
-        } else {
-          sum = part.to(acc);
-        }
-        if (addend.defined()) sum.add_(layout.chunk(addend, block, j));
-        return sum;
-      });
+  at::Tensor reduced;
+  if (comm::reduces_directly(a.scalar_type())) {
+    // 16-bit: each partial product is computed and sent straight to the rank that owns its
+    // block while the next one is computed; the owner sums in float32. An addend joins each
+    // partial in float32 and the sum is rounded once for the wire (this rank's own block
+    // never travels and keeps float32).
+    reduced = comm::direct_reduce_scatter(
+        layout, n, a.options(), group, [&](int64_t block, int64_t j) {
+          auto part = local_matmul(layout.chunk(a, block, j), b);
+          if (!addend.defined()) return part;
+          return part.to(acc).add_(layout.chunk(addend, block, j));
+        });
+  } else {
+    // The partial product of a chunk is computed before its arrived partial sum is waited for,
+    // so the matmul overlaps the transfer.
+    reduced = comm::ring_reduce_scatter(
+        layout, n, a.options(), group,
+        [&](int64_t block, int64_t j, const std::function<at::Tensor()>& arrived) {
+          auto part = local_matmul(layout.chunk(a, block, j), b);
+          auto sum = arrived();
+          if (sum.defined()) {
+            sum.add_(part);
+          } else {
+            sum = part.to(acc);
+          }
+          if (addend.defined()) sum.add_(layout.chunk(addend, block, j));
+          return sum;
+        });
+  }
   return reduced.to(a.scalar_type());
 }
 
@@ -137,6 +164,8 @@ namespace detail {
 void all_gather_matmul_transfers_only(const at::Tensor& x, const at::Tensor& w,
                                       const comm::Group& group, const MC2Options& options) {
   check_operands("all_gather_matmul", x, w.t());
+  comm::OpScope op(group, signature(CollectiveKind::kAllGatherMatmul, x, w.t(), options),
+                   "transfers only", /*counted=*/false);
   gather_rows(x.contiguous(), group, options, {});
 }
 
@@ -144,8 +173,16 @@ void matmul_reduce_scatter_transfers_only(const at::Tensor& x, const at::Tensor&
                                           const comm::Group& group, const MC2Options& options) {
   check_operands("matmul_reduce_scatter", x, w.t());
   check_reduce_rows("matmul_reduce_scatter", x, group);
+  comm::OpScope op(group, signature(CollectiveKind::kMatmulReduceScatter, x, w.t(), options),
+                   "transfers only", /*counted=*/false);
   const int64_t n = w.size(0);
   const auto layout = fused_layout(x.size(0) / group.size(), group, options);
+  if (comm::reduces_directly(x.scalar_type())) {
+    comm::direct_reduce_scatter(layout, n, x.options(), group, [&](int64_t block, int64_t j) {
+      return at::empty({layout.chunk_rows(block, j), n}, x.options());
+    });
+    return;
+  }
   const auto acc = x.options().dtype(comm::accumulate_type(x.scalar_type()));
   comm::ring_reduce_scatter(layout, n, x.options(), group,
                             [&](int64_t block, int64_t j, const std::function<at::Tensor()>& arrived) {

@@ -4,8 +4,12 @@
 
 #include <sstream>
 
+#include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <torch/nn/module.h>
+
+#include <hyper_parallel/core/comm/collectives.h>
+#include <hyper_parallel/core/comm/counters.h>
 
 namespace hyper_parallel::tensor_parallel {
 namespace {
@@ -18,22 +22,90 @@ std::vector<std::string> split_path(const std::string& key) {
   return tokens;
 }
 
-// Applies `style` to every module below `module` whose path matches tokens[depth..]; returns how
-// many matched.
-int apply_matching(torch::nn::Module& module, const std::vector<std::string>& tokens, size_t depth,
-                   const dtensor::DeviceMesh& mesh, const ParallelStyle& style,
-                   std::optional<int64_t> src_data_rank) {
+// One module a plan key matched, with its path and the style it gets.
+struct Target {
+  std::string fqn;
+  torch::nn::Module* module;
+  const ParallelStyle* style;
+};
+
+// Appends every module below `module` whose path matches tokens[depth..]; returns how many.
+int collect_matching(torch::nn::Module& module, const std::string& fqn,
+                     const std::vector<std::string>& tokens, size_t depth, const ParallelStyle& style,
+                     std::vector<Target>& out) {
   if (depth == tokens.size()) {
-    style.apply(module, mesh, src_data_rank);
+    out.push_back({fqn, &module, &style});
     return 1;
   }
   int matched = 0;
   for (const auto& child : module.named_children()) {
     if (fnmatch(tokens[depth].c_str(), child.key().c_str(), 0) == 0) {
-      matched += apply_matching(*child.value(), tokens, depth + 1, mesh, style, src_data_rank);
+      matched += collect_matching(*child.value(), fqn.empty() ? child.key() : fqn + "." + child.key(),
+                                  tokens, depth + 1, style, out);
     }
   }
   return matched;
+}
+
+// One line per target: "fqn: Style weight Float[1024, 256] bias Float[1024]".
+std::vector<std::string> describe(const std::vector<Target>& targets) {
+  std::vector<std::string> lines;
+  for (const auto& t : targets) {
+    std::ostringstream line;
+    line << (t.fqn.empty() ? "(root)" : t.fqn) << ": " << t.style->name();
+    for (const auto& p : t.module->named_parameters(/*recurse=*/false)) {
+      line << " " << p.key() << " " << p.value().scalar_type() << p.value().sizes();
+    }
+    lines.push_back(line.str());
+  }
+  return lines;
+}
+
+// Every rank of the TP group must shard the same parameters the same way: a rank that built
+// its model with other sizes would otherwise train silently on mismatched shards. One small
+// all_gather when the ranks agree; on a mismatch every rank throws, naming the first module the
+// ranks see differently and what each rank has there.
+void check_ranks_agree(const std::vector<Target>& targets, const dtensor::DeviceMesh& mesh) {
+  if (mesh.size(0) == 1) return;
+  comm::CommRegion region("parallelize_check");
+  const auto group = mesh.get_group(0);
+  const auto lines = describe(targets);
+  std::string text;
+  for (const auto& l : lines) text += l + "\n";
+  auto bytes = at::tensor(std::vector<int32_t>(text.begin(), text.end()), at::kInt);
+  auto lengths = comm::all_gather(at::full({1}, bytes.numel(), at::kLong), 0, group);
+  std::vector<int64_t> sizes(lengths.data_ptr<int64_t>(), lengths.data_ptr<int64_t>() + lengths.numel());
+  const auto all = comm::all_gather(bytes, 0, group, sizes);
+  std::vector<std::vector<std::string>> per_rank;
+  int64_t at = 0;
+  bool same = true;
+  for (auto n : sizes) {
+    auto chars = all.narrow(0, at, n);
+    std::string other(chars.data_ptr<int32_t>(), chars.data_ptr<int32_t>() + n);
+    at += n;
+    same = same && other == text;
+    std::vector<std::string> rank_lines;
+    std::stringstream s(other);
+    for (std::string l; std::getline(s, l);) rank_lines.push_back(l);
+    per_rank.push_back(std::move(rank_lines));
+  }
+  if (same) return;
+  size_t first = 0;
+  for (;; ++first) {
+    bool differ = false;
+    for (const auto& r : per_rank) {
+      differ = differ || first >= r.size() || first >= per_rank[0].size() || r[first] != per_rank[0][first];
+    }
+    if (differ) break;
+  }
+  std::ostringstream ranks;
+  for (size_t r = 0; r < per_rank.size(); ++r) {
+    ranks << (r ? "; " : "") << "rank " << r << " (global " << group.global_ranks()[r] << ") has "
+          << (first < per_rank[r].size() ? per_rank[r][first] : "nothing more to parallelize");
+  }
+  TORCH_CHECK(false, "parallelize_module: ranks of ", group.name(),
+              " disagree on what they parallelize (global shapes, dtypes, styles): ", ranks.str(),
+              ". Every rank must build the same model and pass the same plan");
 }
 
 }  // namespace
@@ -46,6 +118,7 @@ void check_tp_mesh(const char* where, const dtensor::DeviceMesh& mesh) {
 void parallelize_module(torch::nn::Module& module, const dtensor::DeviceMesh& mesh,
                         const ParallelStyle& style, std::optional<int64_t> src_data_rank) {
   check_tp_mesh("parallelize_module", mesh);
+  check_ranks_agree({{"", &module, &style}}, mesh);
   style.apply(module, mesh, src_data_rank);
 }
 
@@ -57,11 +130,12 @@ void parallelize_module(torch::nn::Module& module, const dtensor::DeviceMesh& me
                " is parallelized");
     return;
   }
+  std::vector<Target> targets;
   for (const auto& [key, style] : plan) {
     TORCH_CHECK(style != nullptr, "parallelize_module: expected a style for plan key '", key,
                 "', got nullptr");
     if (key.empty()) {
-      style->apply(module, mesh, src_data_rank);
+      targets.push_back({"", &module, style.get()});
       continue;
     }
     const auto tokens = split_path(key);
@@ -69,11 +143,13 @@ void parallelize_module(torch::nn::Module& module, const dtensor::DeviceMesh& me
       TORCH_CHECK(!t.empty(), "parallelize_module: expected plan key tokens separated by single "
                   "dots, got '", key, "'");
     }
-    if (apply_matching(module, tokens, 0, mesh, *style, src_data_rank) == 0) {
+    if (collect_matching(module, "", tokens, 0, *style, targets) == 0) {
       TORCH_WARN("parallelize_module: plan key '", key, "' (", style->name(),
                  ") matched no submodule of ", module.name());
     }
   }
+  check_ranks_agree(targets, mesh);
+  for (const auto& t : targets) t.style->apply(*t.module, mesh, src_data_rank);
 }
 
 }  // namespace hyper_parallel::tensor_parallel

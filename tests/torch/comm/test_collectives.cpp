@@ -131,6 +131,37 @@ TEST(CollectivesNumerics, Bf16SumAccumulatesInFloat32AndRoundsOnce) {
   EXPECT_TRUE(all.equal(at::full({p * 4}, 256.0 + (p - 1), at::kFloat).to(at::kBFloat16)));
 }
 
+// 16-bit reductions put 16 bits on the wire and sum in float32 at the destination, once: the
+// result equals the float64 sum of the (exactly representable) inputs rounded once to the dtype,
+// at every world size, for uneven sizes and for size 0.
+TEST(CollectivesNumerics, SixteenBitReductionsRoundOnceAgainstFloat64) {
+  auto world = hp::comm::world();
+  const int64_t p = world.size(), r = world.rank();
+  for (auto dtype : {at::kBFloat16, at::kHalf}) {
+    for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{7}, 3 * p + 1, int64_t{1000}}) {
+      SCOPED_TRACE(std::string(c10::toString(dtype)) + " n=" + std::to_string(n));
+      // Every rank's values, known to every rank: exact in the dtype, their sums not.
+      std::vector<at::Tensor> inputs;
+      for (int64_t q = 0; q < p; ++q) {
+        at::manual_seed(500 + q + n);
+        inputs.push_back((at::randn({n}, at::kDouble) * 8).to(dtype));
+      }
+      auto exact = at::zeros({n}, at::kDouble);
+      for (const auto& t : inputs) exact += t.to(at::kDouble);
+      const auto rounded_once = exact.to(dtype);
+      const auto sizes = hp::comm::chunk_sizes(n, p);
+      const int64_t off = hp::comm::chunk_offset(n, p, r);
+      auto rs = hp::comm::reduce_scatter(inputs[r], 0, ReduceOp::kSum, world);
+      EXPECT_TRUE(rs.equal(rounded_once.narrow(0, off, sizes[r]))) << "reduce_scatter";
+      EXPECT_TRUE(hp::comm::all_reduce(inputs[r], ReduceOp::kSum, world).equal(rounded_once)) << "all_reduce";
+      // Payload: each rank sends the other ranks' blocks once, in 16 bits.
+      hp::comm::reset_collective_counts();
+      hp::comm::reduce_scatter(inputs[r], 0, ReduceOp::kSum, world);
+      EXPECT_EQ(hp::comm::payload_bytes_sent(), (n - sizes[r]) * 2);
+    }
+  }
+}
+
 TEST(CollectivesNumerics, ReduceScatterIsBitwiseDeterministic) {
   auto world = hp::comm::world();
   at::manual_seed(1234 + world.rank());

@@ -129,12 +129,12 @@ TEST_F(DataTimesTensorParallel, ParallelizeModuleTakesTheSourceOrNone) {
   tp::parallelize_module(*b, *tp_mesh, {{"", std::make_shared<tp::RowwiseParallel>()}}, 1);
   EXPECT_TRUE(b->weight.eq(double(tp_mesh->ranks()[1])).all().item<bool>());
   EXPECT_TRUE(b->bias.eq(double(tp_mesh->ranks()[1])).all().item<bool>());
-  // None: each rank shards its own copy, with no communication.
+  // None: each rank shards its own copy; nothing moves but the plan check's small all_gathers.
   hp::nn::Linear c(4, 4);
   fill_with_rank(c);
   hp::comm::reset_collective_counts();
   tp::parallelize_module(*c, *tp_mesh, tp::ColwiseParallel(), std::nullopt);
-  EXPECT_EQ(hp::comm::total_collective_count(), 0);
+  EXPECT_EQ(hp::comm::total_collective_count() - hp::comm::total_collective_count("parallelize_check"), 0);
   EXPECT_TRUE(c->weight.eq(double(r)).all().item<bool>());
   EXPECT_EQ(c->weight.sizes(), (at::IntArrayRef{2, 4}));
 }

@@ -84,6 +84,44 @@ INSTANTIATE_TEST_SUITE_P(DtypesAndChunks, FusedOps,
                                   std::to_string(std::get<1>(info.param));
                          });
 
+// The reduce-scatter of a 16-bit matmul puts the 16-bit minimum on the wire, (P-1)/P · M · n · 2
+// bytes per rank, and the all-gather (P-1) · m · k · 2; the reduce-scatter sums the P partial
+// products in float32 and rounds once (compared with float64 sums of the same rounded partials).
+TEST(FusedOpsPayload, SixteenBitMinimumOnTheWireAndOneRounding) {
+  auto group = hp::comm::world();
+  const int64_t p = group.size(), r = group.rank(), m = 6, k = 32, n = 24;
+  for (auto dtype : {at::kBFloat16, at::kHalf}) {
+    for (int64_t chunks : {1, 3}) {
+      SCOPED_TRACE(std::string(c10::toString(dtype)) + " chunks=" + std::to_string(chunks));
+      const auto options = tp::MC2Options().chunks_per_rank(chunks);
+      at::manual_seed(9);
+      auto w = at::randn({n, k}).to(dtype);
+      std::vector<at::Tensor> xs;
+      for (int64_t q = 0; q < p; ++q) {
+        at::manual_seed(300 + q);
+        xs.push_back(at::randn({p * m, k}).to(dtype));
+      }
+      hp::comm::reset_collective_counts();
+      auto y = tp::matmul_reduce_scatter(xs[r], w, group, options);
+      EXPECT_EQ(hp::comm::payload_bytes_sent(), (p - 1) * m * n * 2);
+      // Every rank's partial products, chunk by chunk as the op computes them.
+      const hp::comm::BlockLayout layout(std::vector<int64_t>(p, m), chunks);
+      auto exact = at::zeros({p * m, n}, at::kDouble);
+      for (const auto& x : xs) {
+        for (int64_t b = 0; b < p; ++b) {
+          for (int64_t j = 0; j < layout.chunks(); ++j) {
+            layout.chunk(exact, b, j) += tp::detail::local_matmul(layout.chunk(x, b, j), w.t()).to(at::kDouble);
+          }
+        }
+      }
+      EXPECT_TRUE(y.equal(exact.narrow(0, r * m, m).to(dtype)));
+      hp::comm::reset_collective_counts();
+      tp::all_gather_matmul(xs[r].narrow(0, 0, m), w, group, options);
+      EXPECT_EQ(hp::comm::payload_bytes_sent(), (p - 1) * m * k * 2);
+    }
+  }
+}
+
 TEST(FusedOpsErrors, ShapesAndDtypes) {
   auto group = hp::comm::world();
   HP_EXPECT_THROW_MSG(tp::all_gather_matmul(at::ones({2, 3}), at::ones({4, 5}), group),

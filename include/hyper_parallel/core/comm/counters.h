@@ -1,7 +1,8 @@
 #pragma once
 // Collective counters: every collective this library runs is recorded here, per kind and per
 // region, so tests can assert exact counts (e.g. "forward: 1 all_gather; backward: 1
-// reduce_scatter") and HP_COMM_DEBUG=1 prints each one as it runs.
+// reduce_scatter") and HP_COMM_DEBUG=1 prints each one as it runs. The payload bytes sent are
+// counted per region too.
 
 #include <cstdint>
 #include <string>
@@ -32,9 +33,19 @@ void record_collective(CollectiveKind kind, std::string_view detail = {});
 int64_t collective_count(CollectiveKind kind, std::string_view region = {});
 /// Total over all kinds (in `region`, "" = all).
 int64_t total_collective_count(std::string_view region = {});
+/// Payload bytes this rank handed to the transport (the data of every send, not the transport's
+/// headers) in `region` ("" = all) since the last reset. E.g. a bfloat16 matmul_reduce_scatter of
+/// [M, n] sends (P - 1) / P · M · n · 2 bytes.
+int64_t payload_bytes_sent(std::string_view region = {});
+/// Resets the collective counts and the payload bytes.
 void reset_collective_counts();
 /// "forward: all_gather=1 reduce_scatter=0 ...; backward: ..." for messages and logs.
 std::string collective_counts_summary();
+
+namespace detail {
+/// Records `bytes` of payload sent in the current region. Called by comm's send.
+void record_payload_bytes(int64_t bytes);
+}  // namespace detail
 
 /// Labels the collectives recorded while it is alive (process-wide, nests; the innermost wins).
 /// Unlabelled collectives go to region "default".

@@ -14,11 +14,18 @@
 // of an activation) for the fused matmuls.
 //
 // Schedules (P ranks, this rank r; next = r + 1, prev = r - 1, mod P):
-//   ring all-gather      step s (1 <= s < P) receives the chunks of block r - s from prev and,
-//                        except at the last step, forwards each to next as soon as it arrives.
-//   ring reduce-scatter  chunk j of block c starts at rank c + 1 and travels the ring, each rank
-//                        adding its contribution in the accumulate dtype; at step s rank r
-//                        handles block r - s - 1 and holds block r, complete, after step P - 1.
+//   ring all-gather        step s (1 <= s < P) receives the chunks of block r - s from prev and,
+//                          except at the last step, forwards each to next as soon as it arrives.
+//   ring reduce-scatter    chunk j of block c starts at rank c + 1 and travels the ring, each
+//                          rank adding its contribution in the accumulate dtype; at step s rank
+//                          r handles block r - s - 1 and holds block r, complete, after step
+//                          P - 1. Partial sums travel in the accumulate dtype.
+//   direct reduce-scatter  step s (0 <= s < P - 1) computes this rank's partial of block
+//                          r + 1 + s and sends it, in the input dtype, straight to its owner;
+//                          its own block's partial comes last and never travels. The owner sums
+//                          the P partials in the accumulate dtype, in rank order, and rounds
+//                          once. For 16-bit inputs this puts the 16-bit minimum on the wire,
+//                          half of what the ring's float32 partial sums cost.
 //
 // Contract: all ranks of the group run the same schedule, in the same order (the collective
 // order of process_group.h), with the same layout and width.
@@ -97,5 +104,23 @@ using ReduceChunkFn = std::function<at::Tensor(int64_t block, int64_t chunk,
 at::Tensor ring_reduce_scatter(const BlockLayout& layout, int64_t width,
                                const at::TensorOptions& input, const Group& group,
                                const ReduceChunkFn& reduce);
+
+/// Called once per chunk, on the calling thread: this rank's partial of chunk `chunk` of block
+/// `block`, in any floating dtype ([chunk_rows, width]). Remote blocks come first, in the order
+/// r + 1, r + 2, ...; this rank's own block last, so its partial may keep more precision (it
+/// never travels).
+using PartialChunkFn = std::function<at::Tensor(int64_t block, int64_t chunk)>;
+
+/// Direct reduce-scatter of rows of `width` columns: each remote partial travels once, in the
+/// `input` dtype, to the rank that owns its block (P - 1 transfers per chunk per rank, in
+/// parallel to distinct peers). Returns this rank's reduced block, [block_rows(r), width], in the
+/// accumulate dtype, summed in rank order (deterministic, independent of arrival order).
+at::Tensor direct_reduce_scatter(const BlockLayout& layout, int64_t width,
+                                 const at::TensorOptions& input, const Group& group,
+                                 const PartialChunkFn& partial);
+
+/// Whether reduce-scatters of `dtype` use the direct schedule: bfloat16 and float16 (16 bits on
+/// the wire, float32 at the destination). Other dtypes keep the ring.
+bool reduces_directly(at::ScalarType dtype);
 
 }  // namespace hyper_parallel::comm

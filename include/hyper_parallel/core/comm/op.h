@@ -1,0 +1,68 @@
+#pragma once
+// OpScope: one collective or fused op on the calling thread, from before its first transfer to
+// after its last. Every collective of this library, and every fused op above it, opens one
+// before it posts any payload. It
+//   - makes the ranks agree: each rank sends a fixed-size signature (op, call number, dtype,
+//     extents, chunk count) to every other rank of the group and checks theirs. Payload
+//     buffers are posted only when all agree; otherwise every rank throws the same c10::Error,
+//     naming the op and each rank's shapes, and the group stays usable. (A transport told to
+//     receive fewer bytes than arrive aborts the process on its own thread; agreeing first is
+//     the only way to turn that into an error.) HP_COMM_CHECK=0 skips this, which is unsafe:
+//     ranks that disagree then abort or hang instead of failing with a message;
+//   - records the op in the flight recorder (what each rank was doing and waiting for, printed
+//     on a failure or a stop request), counts it (counters.h) and traces it (trace.h).
+
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include <c10/core/ScalarType.h>
+
+#include <hyper_parallel/core/comm/counters.h>
+#include <hyper_parallel/core/comm/process_group.h>
+#include <hyper_parallel/core/comm/trace.h>
+
+namespace hyper_parallel::comm {
+
+namespace detail {
+struct OpRecord;
+}  // namespace detail
+
+/// What every rank of the group must agree on for one op: its kind, dtype, up to four extents
+/// (op-specific, named for messages) and the chunk count.
+struct OpSignature {
+  CollectiveKind kind;
+  at::ScalarType dtype = at::kFloat;
+  std::array<int64_t, 4> dims{};
+  std::array<const char*, 4> names{"d0", "d1", "d2", "d3"};
+  int64_t chunks = 1;
+};
+
+/// Usage (inside a collective):
+///   OpScope op(group, {CollectiveKind::kAllGather, x.scalar_type(), {rows, cols}, {"rows", "cols"}},
+///              "detail");
+///   ... post transfers ...
+class OpScope {
+ public:
+  /// Agrees with the group's other ranks (throws if they disagree), then records the op.
+  /// `counted` false: not recorded in the collective counters (transfers-only benchmarks).
+  OpScope(const Group& group, const OpSignature& signature, const std::string& detail,
+          bool counted = true);
+  ~OpScope();
+  OpScope(const OpScope&) = delete;
+  OpScope& operator=(const OpScope&) = delete;
+
+ private:
+  trace::OpSpan span_;
+  std::shared_ptr<detail::OpRecord> record_, previous_;
+  int uncaught_ = 0;
+};
+
+/// Whether ops agree on their signatures before posting payload (HP_COMM_CHECK, default on).
+bool agreement_checks_enabled();
+
+/// The flight recorder's recent ops of this rank, one per line (see OpScope).
+std::string flight_recorder_dump();
+
+}  // namespace hyper_parallel::comm

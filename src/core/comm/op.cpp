@@ -1,0 +1,129 @@
+#include <hyper_parallel/core/comm/op.h>
+
+#include <cstdlib>
+#include <exception>
+#include <sstream>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <hyper_parallel/core/comm/work.h>
+
+#include "flight_recorder.h"
+#include "group_impl.h"
+
+namespace hyper_parallel::comm {
+namespace {
+
+// The fixed-size signature every rank sends to every other rank of the group.
+enum Field { kMagic, kKind, kSeq, kDtype, kDim0, kDim1, kDim2, kDim3, kChunks, kGroupSize, kFields };
+constexpr int64_t kSignatureMagic = 0x48504f5053;  // "HPOPS"
+
+std::string describe(const std::array<int64_t, kFields>& f, const std::array<const char*, 4>& names) {
+  std::ostringstream s;
+  s << to_string(static_cast<CollectiveKind>(f[kKind])) << " "
+    << c10::toString(static_cast<at::ScalarType>(f[kDtype]));
+  for (int i = 0; i < 4; ++i) {
+    if (f[kDim0 + i] != 0 || std::string(names[i]) != "d" + std::to_string(i)) {
+      s << " " << names[i] << "=" << f[kDim0 + i];
+    }
+  }
+  s << " chunks=" << f[kChunks];
+  return s.str();
+}
+
+std::array<int64_t, kFields> fields_of(const OpSignature& sig, int64_t seq, int64_t group_size) {
+  return {kSignatureMagic, static_cast<int64_t>(sig.kind), seq, static_cast<int64_t>(sig.dtype),
+          sig.dims[0], sig.dims[1], sig.dims[2], sig.dims[3], sig.chunks, group_size};
+}
+
+// Every rank sends its signature to every other rank and receives theirs; all ranks then hold
+// the same P signatures and reach the same verdict. The messages have a fixed size and a tag of
+// their own per group, matched in order, so they can never be mistaken for payload.
+void agree(const Group& group, const OpSignature& sig, int64_t seq) {
+  const int64_t p = group.size(), r = group.rank();
+  const auto mine = fields_of(sig, seq, p);
+  std::vector<at::Tensor> all(p);
+  all[r] = at::tensor(std::vector<int64_t>(mine.begin(), mine.end()), at::kLong);
+  std::vector<Work> recvs(p), sends;
+  for (int64_t q = 0; q < p; ++q) {
+    if (q == r) continue;
+    all[q] = at::empty({kFields}, at::kLong);
+    recvs[q] = detail::post_control(/*is_send=*/false, all[q], q, group);
+  }
+  for (int64_t q = 0; q < p; ++q) {
+    if (q != r) sends.push_back(detail::post_control(/*is_send=*/true, all[r], q, group));
+  }
+  auto& recorder = detail::FlightRecorder::get();
+  for (int64_t q = 0; q < p; ++q) {
+    if (q == r) continue;
+    recorder.set_waiting(group.global_ranks()[q], "its signature of this op");
+    recvs[q].wait();
+    recorder.clear_waiting();
+  }
+  for (auto& w : sends) w.wait();
+  bool same = true;
+  int64_t max_seq = seq;
+  std::vector<std::array<int64_t, kFields>> fields(p);
+  for (int64_t q = 0; q < p; ++q) {
+    auto a = all[q].accessor<int64_t, 1>();
+    for (int i = 0; i < kFields; ++i) fields[q][i] = a[i];
+    TORCH_INTERNAL_ASSERT(fields[q][kMagic] == kSignatureMagic,
+                          "agreement: rank ", q, " of ", group.name(), " sent a malformed signature");
+    max_seq = std::max(max_seq, fields[q][kSeq]);
+    same = same && fields[q] == mine;
+  }
+  if (same) return;
+  // Every rank throws the same error; the next op starts from one call number on every rank.
+  group.impl().next_seq = max_seq + 1;
+  std::ostringstream ranks;
+  for (int64_t q = 0; q < p; ++q) {
+    ranks << (q ? "; " : "") << "rank " << q << " (global " << group.global_ranks()[q] << "): call "
+          << fields[q][kSeq] << ", " << describe(fields[q], sig.names);
+  }
+  TORCH_CHECK(false, "hyper_parallel::comm: ranks of ", group.name(), " disagree on ",
+              to_string(sig.kind), " (this rank's call ", seq, "): ", ranks.str(),
+              ". No data was sent. Every rank must call the same collectives in the same order with "
+              "matching shapes, dtypes and chunk counts");
+}
+
+}  // namespace
+
+bool agreement_checks_enabled() {
+  static const bool enabled = [] {
+    const char* v = std::getenv("HP_COMM_CHECK");
+    return v == nullptr || std::string(v) != "0";
+  }();
+  return enabled;
+}
+
+std::string flight_recorder_dump() { return detail::FlightRecorder::get().dump(); }
+
+OpScope::OpScope(const Group& group, const OpSignature& signature, const std::string& detail,
+                 bool counted)
+    : span_(to_string(signature.kind), detail), uncaught_(std::uncaught_exceptions()) {
+  const int64_t seq = group.impl().next_seq.fetch_add(1);
+  auto& recorder = detail::FlightRecorder::get();
+  previous_ = detail::FlightRecorder::current();
+  record_ = recorder.begin(to_string(signature.kind), seq, group.name(),
+                           describe(fields_of(signature, seq, group.size()), signature.names));
+  try {
+    if (group.size() > 1 && agreement_checks_enabled()) agree(group, signature, seq);
+  } catch (...) {
+    recorder.end(record_, /*ok=*/false);
+    detail::FlightRecorder::set_current(previous_);
+    record_.reset();
+    throw;
+  }
+  recorder.set_running();
+  if (counted) record_collective(signature.kind, detail);
+}
+
+OpScope::~OpScope() {
+  if (!record_) return;
+  detail::FlightRecorder::get().end(record_, std::uncaught_exceptions() == uncaught_);
+  detail::FlightRecorder::set_current(previous_);
+}
+
+}  // namespace hyper_parallel::comm

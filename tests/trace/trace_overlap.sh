@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# On 2 ranks over a rate-limited link (network namespaces of this test's own, veth + tc tbf),
+# HP_TRACE's files parse, the fused MC2 ops' transfers are covered by matmuls (overlap >= 0.5)
+# and a serial control's are not (overlap < 0.1). Needs root (namespaces); skipped otherwise.
+#   trace_overlap.sh HP_RUN HP_TRACE_TOOL PROGRAM NETNS_SH
+set -uo pipefail
+hp_run=$1 hp_trace=$2 program=$3 netns=$4
+if [[ $(id -u) -ne 0 ]] || ! command -v ip >/dev/null || ! command -v tc >/dev/null; then
+  echo "SKIP: needs root and iproute2 for the rate-limited link"
+  exit 77
+fi
+export HP_NETNS_PREFIX=hptr HP_NETNS_SUBNET=10.232.0
+dir=$(mktemp -d)
+cleanup() { bash "$netns" down 2 >/dev/null 2>&1; rm -rf "$dir"; }
+trap cleanup EXIT
+fail() { echo "FAIL: $*"; exit 1; }
+
+bash "$netns" up 2 1gbit || fail "could not create the namespaces"
+HP_TRACE=$dir OMP_NUM_THREADS=1 "$hp_run" --nproc-per-node 2 --timeout 300 \
+  --master-addr "$(bash "$netns" addr)" --master-port 29731 -- bash "$netns" exec -- "$program" \
+  || fail "the traced program failed"
+[[ -f $dir/rank0.json && -f $dir/rank1.json ]] || fail "expected rank0.json and rank1.json in $dir"
+for f in "$dir"/rank*.json; do
+  /usr/bin/python3 -c 'import json, sys; json.load(open(sys.argv[1]))' "$f" || fail "$f does not parse"
+done
+"$hp_trace" overlap "$dir"
+"$hp_trace" overlap "$dir" --json >"$dir/overlap.json" || fail "hp-trace overlap failed"
+/usr/bin/python3 - "$dir/overlap.json" <<'PY' || exit 1
+import json, sys
+ops = json.load(open(sys.argv[1]))
+def check(name, ok, text):
+    if name not in ops:
+        print(f"FAIL: no {name} in the trace"); sys.exit(1)
+    v = ops[name]["overlap"]
+    print(f"{name}: overlap {v:.2f} (expected {text})")
+    if not ok(v): print("FAIL"); sys.exit(1)
+check("all_gather_matmul", lambda v: v >= 0.5, ">= 0.5")
+check("matmul_reduce_scatter", lambda v: v >= 0.5, ">= 0.5")
+check("serial_all_gather_then_matmul", lambda v: v < 0.1, "< 0.1")
+PY
+echo "PASS"
