@@ -10,6 +10,9 @@ packages=(
   libgtest-dev libgmock-dev
   libcli11-dev          # command-line flags of hp-run and the examples
   nlohmann-json3-dev    # JSON: trace files
+  zlib1g-dev            # crc32 of checkpoint shards
+  gnuplot-nox           # bench/plot_sweep.sh
+  python3-torch python3-dev pybind11-dev python3-pytest  # the Python package and its tests (/usr/bin/python3)
   iproute2              # ip netns / tc, for benchmarks over a rate-limited link
 )
 

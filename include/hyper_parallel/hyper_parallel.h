@@ -1,5 +1,6 @@
 #pragma once
 // Everything public in hyper_parallel.
+#include <hyper_parallel/checkpoint.h>
 #include <hyper_parallel/core/comm.h>
 #include <hyper_parallel/core/dtensor.h>
 #include <hyper_parallel/core/tensor_parallel.h>

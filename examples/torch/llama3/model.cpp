@@ -59,13 +59,22 @@ ModelArgs ModelArgs::bench() {
   return a;
 }
 
+ModelArgs ModelArgs::small() {
+  ModelArgs a = bench();
+  a.n_layers = 1;
+  a.vocab_size = 2048;
+  a.max_seq_len = 64;
+  return a;
+}
+
 ModelArgs ModelArgs::from_preset(const std::string& name) {
   if (name == "debug") return debug();
   if (name == "bench") return bench();
+  if (name == "small") return small();
   if (name == "tiny") return tiny();
   if (name == "llama3_8b") return llama3_8b();
   if (name == "llama3_8b_1layer") return llama3_8b(1);
-  TORCH_CHECK(false, "ModelArgs::from_preset: expected 'debug', 'tiny', 'bench', 'llama3_8b' or 'llama3_8b_1layer', got '",
+  TORCH_CHECK(false, "ModelArgs::from_preset: expected 'debug', 'tiny', 'small', 'bench', 'llama3_8b' or 'llama3_8b_1layer', got '",
               name, "'");
 }
 
@@ -108,12 +117,15 @@ void AttentionImpl::reset() {
 at::Tensor AttentionImpl::forward(const at::Tensor& input) {
   auto x = run_input_hooks(input);
   TORCH_CHECK(x.dim() == 3, "Attention: expected x [B, S, dim], got ", x.sizes());
-  const int64_t b = x.size(0), s = x.size(1), hd = args.head_dim();
+  // Batch and sequence come from the projections: they see the whole sequence even when x holds
+  // only some of its tokens (a projection may gather them).
+  auto q = wq(x), k = wk(x), v = wv(x);
+  const int64_t b = q.size(0), s = q.size(1), hd = args.head_dim();
   TORCH_CHECK(s <= args.max_seq_len, "Attention: expected seq_len <= max_seq_len ",
               args.max_seq_len, ", got ", s);
-  auto q = wq(x).view({b, s, -1, hd});
-  auto k = wk(x).view({b, s, -1, hd});
-  auto v = wv(x).view({b, s, -1, hd});
+  q = q.view({b, s, -1, hd});
+  k = k.view({b, s, -1, hd});
+  v = v.view({b, s, -1, hd});
   q = apply_rope(q, rope_cos, rope_sin);
   k = apply_rope(k, rope_cos, rope_sin);
   // Grouped-query attention: each kv head serves n_heads / n_kv_heads query heads.

@@ -43,6 +43,10 @@ struct ModelArgs {
   /// A model sized for CPU benchmarks: dim 1024, 2 layers, 8 heads, FFN hidden 2816, vocab 4096,
   /// seq 256.
   static ModelArgs bench();
+  /// The smallest Llama here whose every Linear meets the MC2 contract at TP 2 and 4 (k and
+  /// n_local >= 256): dim 1024, 1 layer, 8 heads / 8 kv heads, FFN hidden 2816, vocab 2048,
+  /// seq 64.
+  static ModelArgs small();
   static ModelArgs from_preset(const std::string& name);
 };
 

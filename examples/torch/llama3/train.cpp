@@ -1,5 +1,6 @@
 // Trains Llama 3 with tensor parallelism (+ sequence parallelism) on synthetic data.
 //   hp-run --nproc-per-node 2 -- build/examples/torch/llama3/llama3_train --steps 20
+//   ... llama3_train --steps 20 --checkpoint-dir /tmp/ckpt --checkpoint-every 5   (then --resume)
 //   llama3_train --help
 #include <cstdio>
 #include <string>
@@ -17,19 +18,21 @@ namespace {
 // CLI::ParseError on a bad flag.
 std::optional<llama3::TrainOptions> parse_flags(int argc, char** argv) {
   llama3::TrainOptions o;
-  std::string preset = o.preset(), dtype = o.dtype();
+  std::string preset = o.preset(), dtype = o.dtype(), mc2_scope = o.mc2_scope();
   int64_t steps = o.steps(), batch_size = o.batch_size(), chunks = o.mc2_chunks_per_rank();
   std::optional<int64_t> seq_len;
   double lr = o.lr();
   uint64_t seed = o.seed();
-  bool no_sp = false, loss_parallel = false, mc2 = false, relaxed = false;
+  bool no_sp = false, loss_parallel = false, mc2 = false, relaxed = false, resume = false;
+  std::string checkpoint_dir;
+  int64_t checkpoint_every = o.checkpoint_every();
 
   CLI::App app("Trains Llama 3 with tensor (+ sequence) parallelism on synthetic data; run it "
                "under hp-run, one rank per TP shard.",
                "llama3_train");
   app.add_option("--preset", preset, "model size")
       ->capture_default_str()
-      ->check(CLI::IsMember({"debug", "tiny", "bench", "llama3_8b", "llama3_8b_1layer"}));
+      ->check(CLI::IsMember({"debug", "tiny", "small", "bench", "llama3_8b", "llama3_8b_1layer"}));
   app.add_option("--steps", steps, "training steps")->capture_default_str()->check(CLI::PositiveNumber);
   app.add_option("--batch-size", batch_size, "sequences per step")
       ->capture_default_str()
@@ -50,6 +53,20 @@ std::optional<llama3::TrainOptions> parse_flags(int argc, char** argv) {
       ->needs(mc2_flag);
   app.add_flag("--relaxed-mc2-contract", relaxed, "allow fp32 and any size under MC2 (debugging)")
       ->needs(mc2_flag);
+  app.add_option("--mc2-scope", mc2_scope, "layers MC2 fuses: ffn, or all (also attention and, with "
+                 "--loss-parallel, the output projection)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"ffn", "all"}))
+      ->needs(mc2_flag);
+  auto* dir_flag = app.add_option("--checkpoint-dir", checkpoint_dir,
+                                  "checkpoint root: step-N/ directories and 'latest'");
+  app.add_option("--checkpoint-every", checkpoint_every, "save every N steps and at the last step (0: never)")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber)
+      ->needs(dir_flag);
+  app.add_flag("--resume", resume, "continue from the latest checkpoint in --checkpoint-dir (saved at any "
+               "TP degree) up to --steps")
+      ->needs(dir_flag);
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp&) {
@@ -58,7 +75,8 @@ std::optional<llama3::TrainOptions> parse_flags(int argc, char** argv) {
   }
   o.preset(preset).dtype(dtype).steps(steps).batch_size(batch_size).seq_len(seq_len).lr(lr).seed(seed);
   o.enable_sequence_parallel(!no_sp).enable_loss_parallel(loss_parallel);
-  o.enable_mc2(mc2).relaxed_mc2_contract(relaxed).mc2_chunks_per_rank(chunks);
+  o.enable_mc2(mc2).mc2_scope(mc2_scope).relaxed_mc2_contract(relaxed).mc2_chunks_per_rank(chunks);
+  o.checkpoint_dir(checkpoint_dir).checkpoint_every(checkpoint_every).resume(resume);
   return o;
 }
 
@@ -77,7 +95,10 @@ int main(int argc, char** argv) {
     hyper_parallel::comm::init_process_group();
     auto results = llama3::train(*options);
     const bool fell = results.size() < 2 || results.back().loss < results.front().loss;
-    if (hyper_parallel::comm::global_rank() == 0) {
+    if (results.empty()) {
+      // Resumed from a checkpoint at or past --steps: nothing left to train.
+      if (hyper_parallel::comm::global_rank() == 0) std::printf("no steps left to run\n");
+    } else if (hyper_parallel::comm::global_rank() == 0) {
       std::printf("loss %s: %.4f -> %.4f\n", fell ? "fell" : "did NOT fall", results.front().loss,
                   results.back().loss);
     }

@@ -4,6 +4,7 @@
 // rank, then sharded), so TP=1 and TP=N runs are comparable step by step.
 
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -26,12 +27,23 @@ struct TrainOptions {
   TORCH_ARG(bool, enable_sequence_parallel) = true;
   TORCH_ARG(bool, enable_loss_parallel) = false;
   TORCH_ARG(bool, enable_mc2) = false;
+  /// Which layers MC2 fuses: "ffn" (the feed-forward) or "all" (also attention projections and,
+  /// with loss parallel, the output projection).
+  TORCH_ARG(std::string, mc2_scope) = "ffn";
   /// MC2 limits; strict (bf16/fp16 only) unless relaxed for debugging.
   TORCH_ARG(bool, relaxed_mc2_contract) = false;
   TORCH_ARG(int64_t, mc2_chunks_per_rank) = 2;
   TORCH_ARG(bool, log) = true;  // one line per step on rank 0
   /// Single-process reference: the same model and data, not parallelized, no communication.
   TORCH_ARG(bool, reference) = false;
+  /// Checkpoint root (hyper_parallel::checkpoint): step-N directories and `latest`; empty: none.
+  TORCH_ARG(std::string, checkpoint_dir) = "";
+  /// Save the model and AdamW's state every N steps and at the last step; 0: never.
+  TORCH_ARG(int64_t, checkpoint_every) = 0;
+  /// Continue from checkpoint_dir's latest checkpoint (saved at any TP degree): the model, AdamW's
+  /// state and the step counter are restored, so steps latest+1 .. steps run as they would have
+  /// without the interruption (the data depends only on seed and step).
+  TORCH_ARG(bool, resume) = false;
 };
 
 struct StepResult {
@@ -43,7 +55,8 @@ struct StepResult {
 };
 
 /// Trains on a 1-d TP mesh over the whole world (TP = world size). Calls `inspect` (if set) after
-/// each backward, before the optimizer step, e.g. to compare gradients.
+/// each backward, before the optimizer step, e.g. to compare gradients. Returns the steps this
+/// call ran (with resume: latest+1 .. steps).
 std::vector<StepResult> train(const TrainOptions& options,
                               const std::function<void(int64_t step, TransformerImpl&)>& inspect = {});
 

@@ -6,6 +6,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
+#include <exception>
 #include <sstream>
 #include <thread>
 
@@ -142,6 +143,26 @@ void FlightRecorder::report(int64_t rank, const std::string& reason) const {
 namespace {
 
 int g_stop_pipe[2] = {-1, -1};
+int64_t g_report_rank = 0;
+std::terminate_handler g_previous_terminate = nullptr;
+
+// The transport's own threads terminate the process when a peer closes its connections while
+// this rank waits for nothing (e.g. it is busy in its own code when the others fail). Nothing
+// can catch that; report what this rank was doing, then terminate as before.
+[[noreturn]] void report_then_terminate() {
+  std::string reason = "terminated";
+  if (auto error = std::current_exception()) {
+    try {
+      std::rethrow_exception(error);
+    } catch (const std::exception& e) {
+      reason += " by an uncaught exception on a transport thread: " + std::string(e.what());
+    } catch (...) {
+    }
+  }
+  FlightRecorder::get().report(g_report_rank, reason);
+  if (g_previous_terminate) g_previous_terminate();
+  std::abort();
+}
 
 extern "C" void on_stop_signal(int) {
   const char byte = 1;
@@ -159,6 +180,8 @@ void install_stop_report(int64_t rank) {
   if (::sigaction(SIGTERM, nullptr, &previous) != 0 || previous.sa_handler != SIG_DFL) return;
   if (::pipe(g_stop_pipe) != 0) return;
   installed = true;
+  g_report_rank = rank;
+  g_previous_terminate = std::set_terminate(report_then_terminate);
   // The report runs on this thread, outside the signal handler (which only writes a byte).
   std::thread([rank] {
     char byte;

@@ -70,7 +70,9 @@ class FlightRecorder {
 };
 
 /// Installs the SIGTERM report (when SIGTERM still has its default action): on SIGTERM the rank
-/// reports, then dies of SIGTERM as it would have. `rank` is the global rank.
+/// reports, then dies of SIGTERM as it would have; and a terminate handler that reports before
+/// the process terminates (the transport's threads terminate it when a peer vanishes while
+/// nothing waits). `rank` is the global rank.
 void install_stop_report(int64_t rank);
 
 }  // namespace hyper_parallel::comm::detail

@@ -8,6 +8,7 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <hyper_parallel/core/comm/p2p.h>
 #include <hyper_parallel/core/comm/work.h>
 
 #include "flight_recorder.h"
@@ -109,7 +110,9 @@ OpScope::OpScope(const Group& group, const OpSignature& signature, const std::st
   record_ = recorder.begin(to_string(signature.kind), seq, group.name(),
                            describe(fields_of(signature, seq, group.size()), signature.names));
   try {
-    if (group.size() > 1 && agreement_checks_enabled()) agree(group, signature, seq);
+    if (group.size() > 1 && agreement_checks_enabled() && !detail::transfers_skipped()) {
+      agree(group, signature, seq);
+    }
   } catch (...) {
     recorder.end(record_, /*ok=*/false);
     detail::FlightRecorder::set_current(previous_);

@@ -241,9 +241,15 @@ OpTags reserve_tags(const Group& group) {
 
 namespace {
 
+thread_local bool t_skip_transfers = false;
+
 // Posts one transfer (a send from the poster thread when large) and wraps it as a Work.
 Work post(bool is_send, const at::Tensor& tensor, int64_t peer, const Group& group, int tag,
           bool traceable) {
+  if (t_skip_transfers) {
+    if (!is_send) tensor.zero_();
+    return Work();
+  }
   const int64_t bytes = static_cast<int64_t>(tensor.nbytes());
   const int64_t post_us = traceable && trace::enabled() ? trace::detail::now_us() : -1;
   auto transfer = std::make_shared<Transfer>();
@@ -275,7 +281,7 @@ constexpr int kControlTag = static_cast<int>(kInternalTagBase - 1);
 Work isend(const at::Tensor& tensor, int64_t dst, const Group& group, int tag) {
   check_transfer("isend", tensor, dst, group);
   if (tensor.numel() == 0) return Work();
-  detail::record_payload_bytes(static_cast<int64_t>(tensor.nbytes()));
+  if (!t_skip_transfers) detail::record_payload_bytes(static_cast<int64_t>(tensor.nbytes()));
   return post(/*is_send=*/true, tensor, dst, group, tag, /*traceable=*/true);
 }
 
@@ -286,6 +292,10 @@ Work irecv(const at::Tensor& tensor, int64_t src, const Group& group, int tag) {
 }
 
 namespace detail {
+
+SkipTransfers::SkipTransfers() : previous_(t_skip_transfers) { t_skip_transfers = true; }
+SkipTransfers::~SkipTransfers() { t_skip_transfers = previous_; }
+bool transfers_skipped() { return t_skip_transfers; }
 
 Work post_control(bool is_send, const at::Tensor& tensor, int64_t peer, const Group& group) {
   return post(is_send, tensor, peer, group, kControlTag, /*traceable=*/false);

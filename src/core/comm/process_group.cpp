@@ -182,6 +182,41 @@ void init_process_group(const InitOptions& options) {
   detail::install_stop_report(*rank);
 }
 
+void init_process_group_from(c10::intrusive_ptr<c10d::ProcessGroup> world_backend,
+                             c10::intrusive_ptr<c10d::Store> store, const InitOptions& options) {
+  auto& w = world_state();
+  std::lock_guard<std::mutex> lock(w.mutex);
+  TORCH_CHECK(w.group == nullptr,
+              "hyper_parallel::comm::init_process_group_from: already initialised; call "
+              "destroy_process_group() first");
+  TORCH_CHECK_VALUE(world_backend, "hyper_parallel::comm::init_process_group_from: expected a "
+                    "process group, got None");
+  TORCH_CHECK_VALUE(store, "hyper_parallel::comm::init_process_group_from: expected a store, got None");
+  const int64_t rank = world_backend->getRank(), size = world_backend->getSize();
+  // Keys of this library's sub-groups live under a prefix of their own in the shared store.
+  w.store = c10::make_intrusive<c10d::PrefixStore>("hyper_parallel", std::move(store));
+  auto iface = options.interface() ? options.interface() : env("HP_SOCKET_IFNAME");
+  auto master = env("MASTER_ADDR");
+  if (iface) {
+    w.device = c10d::ProcessGroupGloo::createDeviceForInterface(*iface);
+  } else if (master) {
+    w.device = c10d::ProcessGroupGloo::createDeviceForHostname(
+        local_address_towards(*master, int_from_env({"MASTER_PORT"}).value_or(0)));
+  } else {
+    w.device = c10d::ProcessGroupGloo::createDefaultDevice();
+  }
+  auto impl = std::make_shared<detail::GroupImpl>();
+  impl->backend = std::move(world_backend);
+  impl->rank = rank;
+  for (int64_t r = 0; r < size; ++r) impl->global_ranks.push_back(r);
+  impl->name = "world";
+  impl->timeout = options.timeout().value_or(default_timeout());
+  w.group = std::move(impl);
+  w.groups_created = 0;
+  trace::detail::start(rank);
+  detail::install_stop_report(rank);
+}
+
 bool is_initialized() { return world_state().group != nullptr; }
 
 Group world() {

@@ -30,20 +30,20 @@ void MC2Contract::check_dtype(const char* where, at::ScalarType dtype) const {
   if (std::find(dtypes_.begin(), dtypes_.end(), dtype) != dtypes_.end()) return;
   std::ostringstream allowed;
   for (size_t i = 0; i < dtypes_.size(); ++i) allowed << (i ? ", " : "") << dtypes_[i];
-  TORCH_CHECK(false, where, ": MC2 dtype: expected one of {", allowed.str(), "}, got ", dtype,
-              " (pass MC2Contract::relaxed() to run other dtypes for debugging)");
+  TORCH_CHECK_VALUE(false, where, ": MC2 dtype: expected one of {", allowed.str(), "}, got ", dtype,
+                    " (pass MC2Contract::relaxed() to run other dtypes for debugging)");
 }
 
 void MC2Contract::check_k(const char* where, const char* what, int64_t k) const {
-  TORCH_CHECK(k >= min_k_ && k < max_k_, where, ": MC2 ", what, ": expected in [", min_k_, ", ",
-              max_k_, "), got ", k);
+  TORCH_CHECK_VALUE(k >= min_k_ && k < max_k_, where, ": MC2 ", what, ": expected in [", min_k_, ", ",
+                    max_k_, "), got ", k);
 }
 
 void MC2Contract::check_world_size(const char* where, int64_t world_size) const {
   if (world_sizes_.empty()) return;  // any
-  TORCH_CHECK(std::find(world_sizes_.begin(), world_sizes_.end(), world_size) != world_sizes_.end(),
-              where, ": MC2 world_size: expected one of ", c10::IntArrayRef(world_sizes_), ", got ",
-              world_size);
+  TORCH_CHECK_VALUE(std::find(world_sizes_.begin(), world_sizes_.end(), world_size) != world_sizes_.end(),
+                    where, ": MC2 world_size: expected one of ", c10::IntArrayRef(world_sizes_), ", got ",
+                    world_size);
 }
 
 // ---- Mode -------------------------------------------------------------------------------------
@@ -262,7 +262,7 @@ class MC2LinearKernel final : public nn::ForwardKernel {
       return from_sequence_rows(y, x, seq, x.size(seq) * p);
     }
     auto rows = sequence_rows(x, seq);  // checks seq is not the feature dim
-    TORCH_CHECK(x.size(seq) % p == 0, "MC2Linear::forward: reduce_scatter needs the sequence "
+    TORCH_CHECK_VALUE(x.size(seq) % p == 0, "MC2Linear::forward: reduce_scatter needs the sequence "
                 "length (dim ", seq, " of ", x.sizes(), ") divisible by world_size ", p, ", got ",
                 x.size(seq));
     auto y = mc2_row_linear(rows, w, bias, group, options);
@@ -300,6 +300,12 @@ std::optional<MC2Linear> MC2Linear::of(torch::nn::Module& module) {
   auto kernel = std::dynamic_pointer_cast<MC2LinearKernel>(hm->forward_kernel());
   if (!kernel) return std::nullopt;
   return MC2Linear(kernel);
+}
+
+MC2Linear MC2Linear::standalone() { return MC2Linear(std::make_shared<MC2LinearKernel>()); }
+
+at::Tensor MC2Linear::forward(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias) const {
+  return kernel_->forward(x, w, bias);
 }
 
 void MC2Linear::configure_mc2(MC2Mode mode, const comm::Group& group, int64_t sequence_dim,

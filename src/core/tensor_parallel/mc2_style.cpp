@@ -17,17 +17,25 @@ using dtensor::Shard;
 
 namespace {
 
-// The checks both MC2 styles make before touching the module. They depend only on values every
-// rank shares (shapes, dtype, world size), so all ranks fail together and none is left waiting
-// in the collective that sharding the weights starts. Returns the (full) weight.
-at::Tensor check_mc2_target(const char* style, torch::nn::Module& module, const DeviceMesh& mesh,
-                            const MC2Contract& contract) {
-  detail::sharding_target(style, module, {{nn::ModuleKind::kLinear}, "hyper_parallel::nn::Linear",
-                                          "MC2 fuses Linear layers only"});
+// MC2 fuses Linear layers: an Embedding is not supported, anything else is the wrong type.
+void check_kind(const char* style, nn::ModuleKind kind, const std::string& module_name,
+                const char* linear_name) {
+  TORCH_CHECK_NOT_IMPLEMENTED(kind != nn::ModuleKind::kEmbedding, style,
+                              " does not support Embedding (got ", module_name,
+                              "); MC2 fuses Linear layers only");
+  TORCH_CHECK_TYPE(kind == nn::ModuleKind::kLinear, style, ": expected ", linear_name, ", got ",
+                   module_name, "; MC2 fuses Linear layers only");
+}
+
+// The kind and the limits both MC2 styles check before touching a module. They depend only on
+// values every rank shares (shapes, dtype, world size), so all ranks fail together and none is
+// left waiting in the collective that sharding the weights starts.
+void check_kind_and_common_limits(const char* style, nn::ModuleKind kind, const std::string& module_name,
+                                  const char* linear_name, at::ScalarType dtype, const DeviceMesh& mesh,
+                                  const MC2Contract& contract) {
+  check_kind(style, kind, module_name, linear_name);
+  contract.check_dtype(style, dtype);
   contract.check_world_size(style, mesh.size(0));
-  auto weight = module.named_parameters(/*recurse=*/false)["weight"];
-  contract.check_dtype(style, weight.scalar_type());
-  return weight;
 }
 
 // A sharded contraction extent, checked for the shard of every rank (they can differ by one
@@ -39,51 +47,67 @@ void check_k_of_every_shard(const char* style, const char* what, const MC2Contra
   }
 }
 
+void check_weight_rank(const char* style, c10::IntArrayRef weight_shape) {
+  TORCH_CHECK_VALUE(weight_shape.size() == 2, style, ": expected a Linear weight [out, in], got ",
+                    weight_shape);
+}
+
+// For this library's modules: one of them, a Linear, not yet parallelized (a sharded weight
+// would fail the limits for the wrong reason), then the contract on the full weight.
+template <typename Style>
+void check_module(const Style& style, torch::nn::Module& module, const DeviceMesh& mesh) {
+  const auto name = style.name();
+  auto& hm = detail::hookable(name.c_str(), module);
+  check_kind(name.c_str(), hm.module_kind(), module.name(), "hyper_parallel::nn::Linear");
+  detail::sharding_target(name.c_str(), module, {{nn::ModuleKind::kLinear}, "hyper_parallel::nn::Linear",
+                                                 "MC2 fuses Linear layers only"});
+  const auto weight = module.named_parameters(/*recurse=*/false)["weight"];
+  style.check_target(hm.module_kind(), module.name(), "hyper_parallel::nn::Linear", weight.sizes(),
+                     weight.scalar_type(), mesh);
+}
+
 }  // namespace
 
 MC2ColwiseParallel::MC2ColwiseParallel(MC2ColwiseParallelOptions options)
     : options_(std::move(options)) {
-  TORCH_CHECK(options_.input_layouts().is_shard(),
-              "MC2ColwiseParallel: requires a sharded input layout (sequence parallelism: the "
-              "fused op all-gathers the sequence), got input_layouts ",
-              options_.input_layouts().str());
-  TORCH_CHECK(options_.input_layouts().dim() != -1,
-              "MC2ColwiseParallel: expected input_layouts Shard(sequence dim), got Shard(-1), the "
-              "feature dim");
-  TORCH_CHECK(!options_.output_layouts().is_partial(),
-              "MC2ColwiseParallel: expected output_layouts Shard or Replicate, got ",
-              options_.output_layouts().str());
+  TORCH_CHECK_VALUE(options_.input_layouts().is_shard(),
+                    "MC2ColwiseParallel: requires a sharded input layout (sequence parallelism: the "
+                    "fused op all-gathers the sequence), got input_layouts ",
+                    options_.input_layouts().str());
+  TORCH_CHECK_VALUE(options_.input_layouts().dim() != -1,
+                    "MC2ColwiseParallel: expected input_layouts Shard(sequence dim), got Shard(-1), "
+                    "the feature dim");
+  TORCH_CHECK_VALUE(!options_.output_layouts().is_partial(),
+                    "MC2ColwiseParallel: expected output_layouts Shard or Replicate, got ",
+                    options_.output_layouts().str());
+}
+
+void MC2ColwiseParallel::check_target(nn::ModuleKind kind, const std::string& module_name,
+                                      const char* linear_name, c10::IntArrayRef weight_shape,
+                                      at::ScalarType dtype, const DeviceMesh& mesh) const {
+  const char* style = "MC2ColwiseParallel";
+  const auto& contract = options_.contract();
+  check_kind_and_common_limits(style, kind, module_name, linear_name, dtype, mesh, contract);
+  check_weight_rank(style, weight_shape);
+  contract.check_k(style, "contraction dim k (in_features)", weight_shape[1]);
+  check_k_of_every_shard(style, "column backward contraction n_local (out_features / world_size)",
+                         contract, weight_shape[0], mesh.size(0));
 }
 
 void MC2ColwiseParallel::apply_to(torch::nn::Module& module, const DeviceMesh& mesh,
                                   std::optional<int64_t> src_data_rank) const {
-  const char* style = "MC2ColwiseParallel";
-  const auto& contract = options_.contract();
-  const auto weight = check_mc2_target(style, module, mesh, contract);
-  const int64_t p = mesh.size(0);
-  contract.check_k(style, "contraction dim k (in_features)", weight.size(1));
-  check_k_of_every_shard(style, "column backward contraction n_local (out_features / world_size)",
-                         contract, weight.size(0), p);
-
+  check_module(*this, module, mesh);
   detail::shard_parameter(module, "weight", mesh, {Shard(0)}, src_data_rank);
   if (module.named_parameters(false).contains("bias")) {
     detail::shard_parameter(module, "bias", mesh, {Shard(0)}, src_data_rank);
   }
   const Placement in = options_.input_layouts();
   MC2Linear::from_linear(module).configure_mc2(MC2Mode::kAllGather, mesh.get_group(0), in.dim(),
-                                               contract, options_.mc2_options());
-  auto& hm = detail::hookable(style, module);
+                                               options_.contract(), options_.mc2_options());
+  auto& hm = detail::hookable("MC2ColwiseParallel", module);
   // The input stays sequence-sharded: the fused op does the gather (no redistribute here).
-  // Every rank must hold the same number of tokens; the global shape (exact for inputs tagged by
-  // an upstream style) says whether they do, identically on every rank.
-  hm.add_input_hook([mesh, in, p](std::vector<at::Tensor> inputs) {
-    auto d = detail::as_dtensor(inputs[0], mesh, in);
-    if (d.placements() != dtensor::Placements{in}) d = d.redistribute({in});
-    const int64_t seq = d.placements()[0].dim();
-    TORCH_CHECK(d.shape()[seq] % p == 0, "MC2ColwiseParallel: expected the sequence length (dim ",
-                seq, " of the global activation ", c10::IntArrayRef(d.shape()),
-                ") divisible by world_size ", p, ", got ", d.shape()[seq]);
-    inputs[0] = d.to_local();
+  hm.add_input_hook([mesh, in](std::vector<at::Tensor> inputs) {
+    inputs[0] = detail::sequence_sharded_input("MC2ColwiseParallel", inputs[0], mesh, in);
     return inputs;
   });
   detail::add_output_hook(hm, mesh, Shard(-1), options_.output_layouts(), options_.use_local_output());
@@ -91,29 +115,34 @@ void MC2ColwiseParallel::apply_to(torch::nn::Module& module, const DeviceMesh& m
 
 MC2RowwiseParallel::MC2RowwiseParallel(MC2RowwiseParallelOptions options)
     : options_(std::move(options)) {
-  TORCH_CHECK(options_.output_layouts().is_shard(),
-              "MC2RowwiseParallel: requires a sharded output layout (sequence parallelism: the "
-              "fused op reduce-scatters the sequence), got output_layouts ",
-              options_.output_layouts().str());
-  TORCH_CHECK(options_.output_layouts().dim() != -1,
-              "MC2RowwiseParallel: expected output_layouts Shard(sequence dim), got Shard(-1), the "
-              "feature dim");
-  TORCH_CHECK(!options_.input_layouts().is_partial(),
-              "MC2RowwiseParallel: expected input_layouts Shard or Replicate, got ",
-              options_.input_layouts().str());
+  TORCH_CHECK_VALUE(options_.output_layouts().is_shard(),
+                    "MC2RowwiseParallel: requires a sharded output layout (sequence parallelism: the "
+                    "fused op reduce-scatters the sequence), got output_layouts ",
+                    options_.output_layouts().str());
+  TORCH_CHECK_VALUE(options_.output_layouts().dim() != -1,
+                    "MC2RowwiseParallel: expected output_layouts Shard(sequence dim), got Shard(-1), "
+                    "the feature dim");
+  TORCH_CHECK_VALUE(!options_.input_layouts().is_partial(),
+                    "MC2RowwiseParallel: expected input_layouts Shard or Replicate, got ",
+                    options_.input_layouts().str());
+}
+
+void MC2RowwiseParallel::check_target(nn::ModuleKind kind, const std::string& module_name,
+                                      const char* linear_name, c10::IntArrayRef weight_shape,
+                                      at::ScalarType dtype, const DeviceMesh& mesh) const {
+  const char* style = "MC2RowwiseParallel";
+  const auto& contract = options_.contract();
+  check_kind_and_common_limits(style, kind, module_name, linear_name, dtype, mesh, contract);
+  check_weight_rank(style, weight_shape);
+  check_k_of_every_shard(style, "contraction dim k (in_features / world_size)", contract,
+                         weight_shape[1], mesh.size(0));
+  // The backward all-gather-matmul multiplies dY [rows, out_features] by W: it contracts over n.
+  contract.check_k(style, "row backward contraction n (out_features)", weight_shape[0]);
 }
 
 void MC2RowwiseParallel::apply_to(torch::nn::Module& module, const DeviceMesh& mesh,
                                   std::optional<int64_t> src_data_rank) const {
-  const char* style = "MC2RowwiseParallel";
-  const auto& contract = options_.contract();
-  const auto weight = check_mc2_target(style, module, mesh, contract);
-  const int64_t p = mesh.size(0);
-  check_k_of_every_shard(style, "contraction dim k (in_features / world_size)", contract,
-                         weight.size(1), p);
-  // The backward all-gather-matmul multiplies dY [rows, out_features] by W: it contracts over n.
-  contract.check_k(style, "row backward contraction n (out_features)", weight.size(0));
-
+  check_module(*this, module, mesh);
   detail::shard_parameter(module, "weight", mesh, {Shard(1)}, src_data_rank);
   if (module.named_parameters(false).contains("bias")) {
     // The fused backward gathers dY, so the bias gradient is complete on every rank.
@@ -121,8 +150,8 @@ void MC2RowwiseParallel::apply_to(torch::nn::Module& module, const DeviceMesh& m
   }
   const Placement out = options_.output_layouts();
   MC2Linear::from_linear(module).configure_mc2(MC2Mode::kReduceScatter, mesh.get_group(0),
-                                               out.dim(), contract, options_.mc2_options());
-  auto& hm = detail::hookable(style, module);
+                                               out.dim(), options_.contract(), options_.mc2_options());
+  auto& hm = detail::hookable("MC2RowwiseParallel", module);
   const Placement in = options_.input_layouts();
   hm.add_input_hook([mesh, in](std::vector<at::Tensor> inputs) {
     TORCH_CHECK(inputs[0].dim() >= 2, "MC2RowwiseParallel: expected an activation [..., S, ..., H], got ",

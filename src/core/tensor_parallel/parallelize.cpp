@@ -11,6 +11,8 @@
 #include <hyper_parallel/core/comm/collectives.h>
 #include <hyper_parallel/core/comm/counters.h>
 
+#include "style_common.h"
+
 namespace hyper_parallel::tensor_parallel {
 namespace {
 
@@ -61,15 +63,14 @@ std::vector<std::string> describe(const std::vector<Target>& targets) {
   return lines;
 }
 
-// Every rank of the TP group must shard the same parameters the same way: a rank that built
-// its model with other sizes would otherwise train silently on mismatched shards. One small
-// all_gather when the ranks agree; on a mismatch every rank throws, naming the first module the
-// ranks see differently and what each rank has there.
-void check_ranks_agree(const std::vector<Target>& targets, const dtensor::DeviceMesh& mesh) {
+}  // namespace
+
+namespace detail {
+
+void check_plan_agrees(const std::vector<std::string>& lines, const dtensor::DeviceMesh& mesh) {
   if (mesh.size(0) == 1) return;
   comm::CommRegion region("parallelize_check");
   const auto group = mesh.get_group(0);
-  const auto lines = describe(targets);
   std::string text;
   for (const auto& l : lines) text += l + "\n";
   auto bytes = at::tensor(std::vector<int32_t>(text.begin(), text.end()), at::kInt);
@@ -103,22 +104,22 @@ void check_ranks_agree(const std::vector<Target>& targets, const dtensor::Device
     ranks << (r ? "; " : "") << "rank " << r << " (global " << group.global_ranks()[r] << ") has "
           << (first < per_rank[r].size() ? per_rank[r][first] : "nothing more to parallelize");
   }
-  TORCH_CHECK(false, "parallelize_module: ranks of ", group.name(),
-              " disagree on what they parallelize (global shapes, dtypes, styles): ", ranks.str(),
-              ". Every rank must build the same model and pass the same plan");
+  TORCH_CHECK_VALUE(false, "parallelize_module: ranks of ", group.name(),
+                    " disagree on what they parallelize (global shapes, dtypes, styles): ", ranks.str(),
+                    ". Every rank must build the same model and pass the same plan");
 }
 
-}  // namespace
+}  // namespace detail
 
 void check_tp_mesh(const char* where, const dtensor::DeviceMesh& mesh) {
-  TORCH_CHECK(mesh.ndim() == 1, where, ": expected a 1-d TP mesh, got a ", mesh.ndim(), "-d mesh ",
-              mesh.str(), "; slice it by name, e.g. mesh[\"tp\"]");
+  TORCH_CHECK_VALUE(mesh.ndim() == 1, where, ": expected a 1-d TP mesh, got a ", mesh.ndim(),
+                    "-d mesh ", mesh.str(), "; slice it by name, e.g. mesh[\"tp\"]");
 }
 
 void parallelize_module(torch::nn::Module& module, const dtensor::DeviceMesh& mesh,
                         const ParallelStyle& style, std::optional<int64_t> src_data_rank) {
   check_tp_mesh("parallelize_module", mesh);
-  check_ranks_agree({{"", &module, &style}}, mesh);
+  detail::check_plan_agrees(describe({{"", &module, &style}}), mesh);
   style.apply(module, mesh, src_data_rank);
 }
 
@@ -148,8 +149,16 @@ void parallelize_module(torch::nn::Module& module, const dtensor::DeviceMesh& me
                  ") matched no submodule of ", module.name());
     }
   }
-  check_ranks_agree(targets, mesh);
-  for (const auto& t : targets) t.style->apply(*t.module, mesh, src_data_rank);
+  detail::check_plan_agrees(describe(targets), mesh);
+  for (const auto& t : targets) {
+    try {
+      t.style->apply(*t.module, mesh, src_data_rank);
+    } catch (c10::Error& e) {
+      // Name the module; the error keeps its type (and so its Python exception class).
+      e.add_context("while applying " + t.style->name() + " to " + (t.fqn.empty() ? "the root module" : t.fqn));
+      throw;
+    }
+  }
 }
 
 }  // namespace hyper_parallel::tensor_parallel

@@ -34,18 +34,13 @@ namespace {
 using detail::hookable;
 using nn::ModuleKind;
 
-// RowwiseParallel's Linear: x @ W_localᵀ is a Partial sum; reduce it to the output layout, then
-// add the bias once.
+// RowwiseParallel's forward kernels (style_common): reduce the Partial result, then the bias.
 class RowwiseLinearKernel final : public nn::ForwardKernel {
  public:
   RowwiseLinearKernel(DeviceMesh mesh, Placement output, bool use_local_output)
       : mesh_(std::move(mesh)), output_(output), use_local_output_(use_local_output) {}
   at::Tensor forward(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) override {
-    auto partial = at::linear(x, weight);
-    auto y = DTensor::from_local(partial, mesh_, {Partial()}).redistribute({output_}).to_local();
-    if (bias.defined()) y = y + bias;
-    if (use_local_output_) return y;
-    return DTensor::from_local(y, mesh_, {output_}).to_local_tagged();
+    return detail::rowwise_linear(x, weight, bias, mesh_, output_, use_local_output_);
   }
   std::string name() const override { return "RowwiseLinear"; }
 
@@ -55,18 +50,12 @@ class RowwiseLinearKernel final : public nn::ForwardKernel {
   bool use_local_output_;
 };
 
-// RowwiseParallel's Embedding: this rank holds rows [start, start + n) of the table; ids outside
-// look up zeros, so the sum over ranks is the full lookup.
 class RowwiseEmbeddingKernel final : public nn::ForwardKernel {
  public:
   RowwiseEmbeddingKernel(DeviceMesh mesh, int64_t vocab, Placement output, bool use_local_output)
       : mesh_(std::move(mesh)), vocab_(vocab), output_(output), use_local_output_(use_local_output) {}
   at::Tensor forward(const at::Tensor& ids, const at::Tensor& weight, const at::Tensor&) override {
-    const auto shard = detail::vocab_shard(ids, vocab_, mesh_);
-    auto partial =
-        at::embedding(weight, shard.local_ids).masked_fill(shard.outside.unsqueeze(-1), 0);
-    auto y = DTensor::from_local(partial, mesh_, {Partial()}).redistribute({output_});
-    return use_local_output_ ? y.to_local() : y.to_local_tagged();
+    return detail::rowwise_embedding(ids, weight, vocab_, mesh_, output_, use_local_output_);
   }
   std::string name() const override { return "RowwiseEmbedding"; }
 
@@ -98,9 +87,7 @@ void ColwiseParallel::apply_to(torch::nn::Module& module, const DeviceMesh& mesh
     }
     // Replicate input; its gradient out of the column-sharded matmul is Partial.
     hm.add_input_hook([mesh, in](std::vector<at::Tensor> inputs) {
-      DTensor d = detail::as_dtensor(inputs[0], mesh, in);
-      if (d.placements() != Placements{Replicate()}) d = d.redistribute({Replicate()});
-      inputs[0] = d.to_local({Partial()});
+      inputs[0] = detail::replicate_for_column(inputs[0], mesh, in);
       return inputs;
     });
   } else {

@@ -41,19 +41,32 @@ nn::HookableModule& sharding_target(const char* style, torch::nn::Module& module
   return hm;
 }
 
+void shard_tensor_in_place(const at::Tensor& param, const DeviceMesh& mesh,
+                           const Placements& placements, std::optional<int64_t> src_data_rank) {
+  // The source rank's values win, so all ranks hold shards of one tensor even if their
+  // initialisation differed (unless src_data_rank is nullopt: then each shards its own copy).
+  auto local = dtensor::distribute_tensor(param.detach(), mesh, placements, src_data_rank).to_local();
+  at::NoGradGuard no_grad;
+  // set_data keeps the parameter object (and an optimizer's reference to it) valid.
+  const_cast<at::Tensor&>(param).set_data(local.contiguous());
+}
+
+void sum_gradient_over_mesh(const at::Tensor& param, const DeviceMesh& mesh) {
+  if (mesh.size(0) == 1 || !param.requires_grad()) return;
+  auto group = mesh.get_group(0);
+  const_cast<at::Tensor&>(param).register_hook([group](const at::Tensor& grad) {
+    comm::CommRegion region("grad_sync");
+    return comm::all_reduce(grad, comm::ReduceOp::kSum, group);
+  });
+}
+
 void shard_parameter(torch::nn::Module& module, const std::string& name, const DeviceMesh& mesh,
                      const Placements& placements, std::optional<int64_t> src_data_rank) {
   auto params = module.named_parameters(/*recurse=*/false);  // handles to the module's tensors
   auto* param = params.find(name);
   TORCH_INTERNAL_ASSERT(param != nullptr, "shard_parameter: no parameter '", name, "'");
   const auto shape = param->sizes().vec();
-  // The source rank's values win, so all ranks hold shards of one tensor even if their
-  // initialisation differed (unless src_data_rank is nullopt: then each shards its own copy).
-  auto local = dtensor::distribute_tensor(param->detach(), mesh, placements, src_data_rank).to_local();
-  {
-    at::NoGradGuard no_grad;
-    param->set_data(local.contiguous());
-  }
+  shard_tensor_in_place(*param, mesh, placements, src_data_rank);
   hookable("shard_parameter", module).set_parameter_layout(name, {mesh, placements, shape});
 }
 
@@ -64,12 +77,7 @@ void sync_partial_gradient(torch::nn::Module& module, const std::string& name,
   TORCH_INTERNAL_ASSERT(param != nullptr, "sync_partial_gradient: no parameter '", name, "'");
   // Keep the values identical on every rank (they are replicated), then record the layout.
   shard_parameter(module, name, mesh, {Replicate()}, src_data_rank);
-  if (mesh.size(0) == 1 || !param->requires_grad()) return;
-  auto group = mesh.get_group(0);
-  param->register_hook([group](const at::Tensor& grad) {
-    comm::CommRegion region("grad_sync");
-    return comm::all_reduce(grad, comm::ReduceOp::kSum, group);
-  });
+  sum_gradient_over_mesh(*param, mesh);
 }
 
 DTensor as_dtensor(const at::Tensor& local, const DeviceMesh& mesh, const Placement& layout) {
@@ -84,6 +92,40 @@ at::Tensor prepare(const at::Tensor& local, const DeviceMesh& mesh, const Placem
   DTensor d = as_dtensor(local, mesh, from);
   if (d.placements() != Placements{to}) d = d.redistribute({to});
   return use_local_output ? d.to_local() : d.to_local_tagged();
+}
+
+at::Tensor replicate_for_column(const at::Tensor& local, const DeviceMesh& mesh, const Placement& layout) {
+  DTensor d = as_dtensor(local, mesh, layout);
+  if (d.placements() != Placements{Replicate()}) d = d.redistribute({Replicate()});
+  return d.to_local({dtensor::Partial()});
+}
+
+at::Tensor rowwise_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                          const DeviceMesh& mesh, const Placement& output, bool use_local_output) {
+  auto partial = at::linear(x, weight);
+  auto y = DTensor::from_local(partial, mesh, {dtensor::Partial()}).redistribute({output}).to_local();
+  if (bias.defined()) y = y + bias;
+  if (use_local_output) return y;
+  return DTensor::from_local(y, mesh, {output}).to_local_tagged();
+}
+
+at::Tensor rowwise_embedding(const at::Tensor& ids, const at::Tensor& weight, int64_t vocab_size,
+                             const DeviceMesh& mesh, const Placement& output, bool use_local_output) {
+  const auto shard = vocab_shard(ids, vocab_size, mesh);
+  auto partial = at::embedding(weight, shard.local_ids).masked_fill(shard.outside.unsqueeze(-1), 0);
+  auto y = DTensor::from_local(partial, mesh, {dtensor::Partial()}).redistribute({output});
+  return use_local_output ? y.to_local() : y.to_local_tagged();
+}
+
+at::Tensor sequence_sharded_input(const char* style, const at::Tensor& local, const DeviceMesh& mesh,
+                                  const Placement& layout) {
+  auto d = as_dtensor(local, mesh, layout);
+  if (d.placements() != Placements{layout}) d = d.redistribute({layout});
+  const int64_t seq = d.placements()[0].dim(), p = mesh.size(0);
+  TORCH_CHECK_VALUE(d.shape()[seq] % p == 0, style, ": expected the sequence length (dim ", seq,
+                    " of the global activation ", c10::IntArrayRef(d.shape()),
+                    ") divisible by world_size ", p, ", got ", d.shape()[seq]);
+  return d.to_local();
 }
 
 VocabShard vocab_shard(const at::Tensor& ids, int64_t vocab_size, const DeviceMesh& mesh) {

@@ -33,6 +33,14 @@ struct ModuleKinds {
 nn::HookableModule& sharding_target(const char* style, torch::nn::Module& module,
                                     const ModuleKinds& accepted);
 
+/// Replaces a parameter's data by its local shard, in place (the parameter object stays the
+/// same): cut from the values of TP rank src_data_rank, or each rank's own copy if nullopt.
+void shard_tensor_in_place(const at::Tensor& param, const dtensor::DeviceMesh& mesh,
+                           const dtensor::Placements& placements, std::optional<int64_t> src_data_rank);
+/// A replicated parameter whose gradient is Partial: a gradient hook sums it over the mesh
+/// (counted in CommRegion "grad_sync").
+void sum_gradient_over_mesh(const at::Tensor& param, const dtensor::DeviceMesh& mesh);
+
 /// Replaces parameter `name` of `module` by its local shard (cut from the values of TP rank
 /// src_data_rank, or of each rank's own copy if nullopt) and records the layout.
 void shard_parameter(torch::nn::Module& module, const std::string& name,
@@ -49,10 +57,34 @@ dtensor::DTensor as_dtensor(const at::Tensor& local, const dtensor::DeviceMesh& 
 at::Tensor prepare(const at::Tensor& local, const dtensor::DeviceMesh& mesh,
                    const dtensor::Placement& from, const dtensor::Placement& to,
                    bool use_local_output);
+/// A column-parallel Linear's input: made Replicate (gathered if sharded), its gradient declared
+/// Partial (so the gather's backward is a reduce-scatter).
+at::Tensor replicate_for_column(const at::Tensor& local, const dtensor::DeviceMesh& mesh,
+                                const dtensor::Placement& layout);
+/// RowwiseParallel's Linear: x @ W_localᵀ is Partial; reduce it to `output`, then add the bias
+/// once.
+at::Tensor rowwise_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                          const dtensor::DeviceMesh& mesh, const dtensor::Placement& output,
+                          bool use_local_output);
+/// RowwiseParallel's Embedding: this rank's rows of the table; ids outside look up zeros, so the
+/// sum over ranks is the full lookup.
+at::Tensor rowwise_embedding(const at::Tensor& ids, const at::Tensor& weight, int64_t vocab_size,
+                             const dtensor::DeviceMesh& mesh, const dtensor::Placement& output,
+                             bool use_local_output);
+/// An MC2 column layer's input: kept sequence-sharded (the fused op gathers); every rank must
+/// hold the same number of tokens, which the global shape (exact for tagged inputs) tells.
+at::Tensor sequence_sharded_input(const char* style, const at::Tensor& local,
+                                  const dtensor::DeviceMesh& mesh, const dtensor::Placement& layout);
+
 /// Adds an output hook that redistributes the first output from `produced` to `wanted`.
 void add_output_hook(nn::HookableModule& module, const dtensor::DeviceMesh& mesh,
                      const dtensor::Placement& produced, const dtensor::Placement& wanted,
                      bool use_local_output);
+
+/// parallelize_module's apply-time check: every rank of the TP mesh describes what it will
+/// parallelize, one line per module ("fqn: Style weight Float[1024, 256] ..."); ranks that
+/// differ all throw, naming the first line that differs and each rank's version of it.
+void check_plan_agrees(const std::vector<std::string>& lines, const dtensor::DeviceMesh& mesh);
 
 /// This rank's chunk [start, start + size) of a vocabulary sharded over a 1-d mesh, and global
 /// ids mapped into it: `outside` marks ids another rank holds; their local id is 0.

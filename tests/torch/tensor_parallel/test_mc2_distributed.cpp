@@ -267,6 +267,27 @@ std::pair<std::vector<double>, Grads> train5(const llama3::TrainOptions& options
   return {out, grads};
 }
 
+// Losses step by step within loss_rtol (and falling); with compare_grads, every gradient of
+// every step within rtol 1e-3 / `grad_atol`.
+void expect_same_training(const std::vector<double>& plain, const Grads& plain_grads,
+                          const std::vector<double>& fused, const Grads& fused_grads, double loss_rtol,
+                          bool compare_grads, double grad_atol) {
+  for (size_t i = 0; i < plain.size(); ++i) {
+    EXPECT_NEAR(fused[i], plain[i], loss_rtol * plain[i]) << "step " << i + 1;
+  }
+  EXPECT_LT(fused.back(), fused.front());
+  if (!compare_grads) return;
+  ASSERT_EQ(plain_grads.size(), fused_grads.size());
+  for (size_t step = 0; step < plain_grads.size(); ++step) {
+    for (size_t k = 0; k < plain_grads[step].size(); ++k) {
+      const auto& [name, g] = fused_grads[step][k];
+      EXPECT_TRUE(at::allclose(g, plain_grads[step][k].second, 1e-3, grad_atol))
+          << "step " << step + 1 << " " << name << ": max abs diff "
+          << (g - plain_grads[step][k].second).abs().max().item<double>();
+    }
+  }
+}
+
 TEST(Llama3MC2, TrainsLikeThePlainPath) {
   if (hp_test::world_size() > 4) GTEST_SKIP() << "the debug model has 4 kv heads";
   // float32 under the relaxed contract: losses and every gradient of every step within float32
@@ -289,20 +310,7 @@ TEST(Llama3MC2, TrainsLikeThePlainPath) {
     // with w3) and one backward (w2).
     EXPECT_EQ(hp::comm::collective_count(CollectiveKind::kAllGatherMatmul),
               5 * 2 * llama3::ModelArgs::debug().n_layers);
-    for (size_t i = 0; i < plain.size(); ++i) {
-      EXPECT_NEAR(fused[i], plain[i], c.loss_rtol * plain[i]) << "step " << i + 1;
-    }
-    EXPECT_LT(fused.back(), fused.front());
-    if (!c.compare_grads) continue;
-    ASSERT_EQ(plain_grads.size(), fused_grads.size());
-    for (size_t step = 0; step < plain_grads.size(); ++step) {
-      for (size_t k = 0; k < plain_grads[step].size(); ++k) {
-        const auto& [name, g] = fused_grads[step][k];
-        EXPECT_TRUE(at::allclose(g, plain_grads[step][k].second, 1e-3, 1e-6))
-            << "step " << step + 1 << " " << name << ": max abs diff "
-            << (g - plain_grads[step][k].second).abs().max().item<double>();
-      }
-    }
+    expect_same_training(plain, plain_grads, fused, fused_grads, c.loss_rtol, c.compare_grads, 1e-6);
   }
 }
 
@@ -391,6 +399,144 @@ TEST(Llama3MC2, EnabledFusesOnlyTheFFN) {
   // before attention, plus the output's two.
   EXPECT_EQ(hp::comm::collective_count(CollectiveKind::kAllGather, "forward"), layers + 2)
       << hp::comm::collective_counts_summary();
+}
+
+// ---- mc2_scope = all: attention and output projections on the fused path ---------------------
+
+TEST(Llama3MC2All, TrainsLikePlainTensorParallel) {
+  if (hp_test::world_size() > 4) GTEST_SKIP() << "the models have 4 or 8 kv heads";
+  // float32, relaxed contract, the debug model: losses to 1e-4 and every gradient of every step
+  // to 1e-3 / 1e-5. bf16, strict contract, the smallest model within it: losses within bf16.
+  struct Case {
+    std::string preset, dtype;
+    bool relaxed;
+    double loss_rtol;
+    bool compare_grads;
+  };
+  for (const auto& c : {Case{"debug", "fp32", true, 1e-4, true}, Case{"small", "bf16", false, 1e-2, false}}) {
+    SCOPED_TRACE(c.preset + " " + c.dtype);
+    auto base = llama3::TrainOptions().preset(c.preset).dtype(c.dtype).enable_loss_parallel(true).batch_size(2);
+    hp::comm::reset_collective_counts();
+    auto [plain, plain_grads] = train5(base);
+    EXPECT_EQ(hp::comm::collective_count(CollectiveKind::kAllGatherMatmul), 0);
+    hp::comm::reset_collective_counts();
+    auto [fused, fused_grads] = train5(
+        llama3::TrainOptions(base).enable_mc2(true).mc2_scope("all").relaxed_mc2_contract(c.relaxed));
+    const int64_t layers = llama3::ModelArgs::from_preset(c.preset).n_layers;
+    // Per step, forward: wq (shared by wk, wv), w1 (shared by w3), output; backward: wo, w2.
+    EXPECT_EQ(hp::comm::collective_count(CollectiveKind::kAllGatherMatmul), 5 * (4 * layers + 1));
+    expect_same_training(plain, plain_grads, fused, fused_grads, c.loss_rtol, c.compare_grads, 1e-5);
+  }
+}
+
+TEST(Llama3MC2All, DefaultScopeIsTheFeedForwardPlanBitwise) {
+  const int64_t p = hp_test::world_size();
+  if (p > 4) GTEST_SKIP() << "the debug model has 4 kv heads";
+  auto mesh = init_device_mesh("cpu", {p}, {"tp"});
+  auto args = llama3::ModelArgs::debug();
+  auto fresh = [&] {
+    at::manual_seed(3);
+    llama3::Transformer model(args);
+    model->to(at::kBFloat16);
+    return model;
+  };
+  // The MC2 feed-forward plan written out by hand.
+  auto hand = fresh();
+  {
+    auto sp = std::make_shared<tp::SequenceParallel>();
+    auto col = std::make_shared<tp::ColwiseParallel>();
+    auto row = std::make_shared<tp::RowwiseParallel>(tp::RowwiseParallelOptions().output_layouts(Shard(1)));
+    tp::parallelize_module(
+        *hand, mesh,
+        {{"tok_embeddings", std::make_shared<tp::RowwiseParallel>(
+                                tp::RowwiseParallelOptions().input_layouts(Replicate()).output_layouts(Shard(1)))},
+         {"output", std::make_shared<tp::ColwiseParallel>(
+                        tp::ColwiseParallelOptions().input_layouts(Shard(1)).output_layouts(Replicate()))},
+         {"norm", sp}, {"layers.*.attention_norm", sp}, {"layers.*.ffn_norm", sp},
+         {"layers.*.attention", std::make_shared<tp::PrepareModuleInput>(
+                                    tp::PrepareModuleInputOptions().input_layouts({Shard(1)}).desired_input_layouts({Replicate()}))},
+         {"layers.*.attention.w[qkv]", col}, {"layers.*.attention.wo", row},
+         {"layers.*.feed_forward.w[13]", std::make_shared<tp::MC2ColwiseParallel>()},
+         {"layers.*.feed_forward.w2", std::make_shared<tp::MC2RowwiseParallel>()}});
+  }
+  auto by_option = fresh();
+  llama3::parallelize_llama3(*by_option, mesh, llama3::ParallelizeOptions().enable_mc2(true));
+  auto tokens = llama3::synthetic_batch(3, 1, 2, args.max_seq_len, args.vocab_size).narrow(1, 0, args.max_seq_len);
+  auto a = hand(tokens), b = by_option(tokens);
+  EXPECT_TRUE(a.equal(b));
+  a.to(at::kFloat).logsumexp(-1).sum().backward();
+  b.to(at::kFloat).logsumexp(-1).sum().backward();
+  auto ga = tp::full_named_parameters(*hand, true), gb = tp::full_named_parameters(*by_option, true);
+  ASSERT_EQ(ga.size(), gb.size());
+  for (size_t i = 0; i < ga.size(); ++i) EXPECT_TRUE(ga[i].second.equal(gb[i].second)) << ga[i].first;
+  // A scope without enable_mc2 is an error, not silently ignored.
+  HP_EXPECT_THROW_MSG(llama3::parallelize_llama3(*fresh(), mesh,
+                                                 llama3::ParallelizeOptions().mc2_scope(llama3::MC2Scope::kAll)),
+                      "parallelize_llama3: mc2_scope 'all' needs enable_mc2");
+  HP_EXPECT_THROW_MSG(llama3::mc2_scope_from_string("attention"), "expected mc2_scope 'ffn' or 'all', got 'attention'");
+}
+
+TEST(Llama3MC2All, CollectiveCountsPerRegion) {
+  const int64_t p = hp_test::world_size();
+  if (p > 4) GTEST_SKIP() << "the debug model has 4 kv heads";
+  auto mesh = init_device_mesh("cpu", {p}, {"tp"});
+  auto args = llama3::ModelArgs::debug();
+  at::manual_seed(3);
+  llama3::Transformer model(args);
+  llama3::parallelize_llama3(*model, mesh,
+                             llama3::ParallelizeOptions()
+                                 .enable_mc2(true)
+                                 .mc2_scope(llama3::MC2Scope::kAll)
+                                 .enable_loss_parallel(true)
+                                 .mc2_contract(tp::MC2Contract::relaxed()));
+  auto block = model->layers->ptr<llama3::TransformerBlockImpl>(0);
+  for (auto* l : {&block->attention->wq, &block->attention->wk, &block->attention->wv}) {
+    EXPECT_EQ(tp::MC2Linear::of(**l)->mode(), tp::MC2Mode::kAllGather);
+  }
+  EXPECT_EQ(tp::MC2Linear::of(*block->attention->wo)->mode(), tp::MC2Mode::kReduceScatter);
+  EXPECT_EQ(tp::MC2Linear::of(*model->output)->mode(), tp::MC2Mode::kAllGather);
+  auto tokens = llama3::synthetic_batch(3, 1, 2, args.max_seq_len, args.vocab_size).narrow(1, 0, args.max_seq_len);
+  hp::comm::reset_collective_counts();
+  at::Tensor loss;
+  {
+    hp::comm::CommRegion r("forward");
+    loss = model(tokens).logsumexp(-1).mean();  // local to this rank's vocabulary shard
+  }
+  {
+    hp::comm::CommRegion r("backward");
+    loss.backward();
+  }
+  const int64_t layers = args.n_layers;
+  auto fwd = [](CollectiveKind k) { return hp::comm::collective_count(k, "forward"); };
+  auto bwd = [](CollectiveKind k) { return hp::comm::collective_count(k, "backward"); };
+  // Forward: per block the attention input's gather (wq; wk, wv reuse it), wo's reduce-scatter,
+  // the FFN's gather (w1; w3 reuses it) and w2's reduce-scatter; then the output projection's
+  // gather. The embedding's reduce-scatter is the only plain collective left.
+  EXPECT_EQ(fwd(CollectiveKind::kAllGatherMatmul), 2 * layers + 1);
+  EXPECT_EQ(fwd(CollectiveKind::kMatmulReduceScatter), 2 * layers);
+  EXPECT_EQ(fwd(CollectiveKind::kReduceScatter), 1);
+  EXPECT_EQ(hp::comm::total_collective_count("forward"), 4 * layers + 2) << hp::comm::collective_counts_summary();
+  // Backward: the duals, one per fused op (q, k, v's input gradients leave in one ring; so do
+  // w1 and w3's), and the embedding's all-gather.
+  EXPECT_EQ(bwd(CollectiveKind::kMatmulReduceScatter), 2 * layers + 1);
+  EXPECT_EQ(bwd(CollectiveKind::kAllGatherMatmul), 2 * layers);
+  EXPECT_EQ(bwd(CollectiveKind::kAllGather), 1);
+  EXPECT_EQ(hp::comm::total_collective_count("backward"), 4 * layers + 2) << hp::comm::collective_counts_summary();
+}
+
+TEST(Llama3MC2All, StrictContractNamesTheLayerAndTheLimit) {
+  const int64_t p = hp_test::world_size();
+  if (p != 2) GTEST_SKIP() << "runs on 2 ranks";
+  auto mesh = init_device_mesh("cpu", {p}, {"tp"});
+  // The debug model's wq has 256 outputs: n_local 128 at TP 2, below the contract's 256.
+  at::manual_seed(3);
+  llama3::Transformer model(llama3::ModelArgs::debug());
+  model->to(at::kBFloat16);
+  HP_EXPECT_THROW_MSG(
+      llama3::parallelize_llama3(*model, mesh,
+                                 llama3::ParallelizeOptions().enable_mc2(true).mc2_scope(llama3::MC2Scope::kAll)),
+      "MC2ColwiseParallel: MC2 column backward contraction n_local (out_features / world_size): "
+      "expected in [256, 65535), got 128 (while applying MC2ColwiseParallel to layers.0.attention.wq)");
 }
 
 }  // namespace

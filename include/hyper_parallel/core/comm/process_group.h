@@ -12,7 +12,13 @@
 #include <string>
 #include <vector>
 
+#include <c10/util/intrusive_ptr.h>
 #include <torch/arg.h>
+
+namespace c10d {
+class ProcessGroup;
+class Store;
+}  // namespace c10d
 
 namespace hyper_parallel::comm {
 
@@ -68,6 +74,15 @@ class Group {
 /// Creates the world group: TCPStore rendezvous on master_addr:master_port, Gloo transport.
 /// Throws c10::Error naming the missing variable or bad value.
 void init_process_group(const InitOptions& options = {});
+/// Joins a world that c10d already made, e.g. the one torch.distributed.init_process_group("gloo")
+/// created in Python: the world group runs on `world` itself (no second rendezvous), and
+/// sub-groups (new_group, DeviceMesh) are made on `store` (e.g. torch.distributed's default
+/// store) with a Gloo transport of their own. Rank, world size and timeout come from `world`
+/// and `options` (interface as in init_process_group). The Python front end calls this; it is
+/// the one entry point that names a c10d type, only to pass it through.
+void init_process_group_from(c10::intrusive_ptr<c10d::ProcessGroup> world,
+                             c10::intrusive_ptr<c10d::Store> store,
+                             const InitOptions& options = {});
 bool is_initialized();
 /// The world group. Throws if init_process_group has not been called.
 Group world();

@@ -90,6 +90,13 @@ class MC2Linear {
   static MC2Linear from_linear(torch::nn::Module& module);
   /// The MC2Linear view of `module`, or nullopt if it was not converted.
   static std::optional<MC2Linear> of(torch::nn::Module& module);
+  /// An MC2Linear attached to no module, with the same configuration and forward: the Python
+  /// front end's MC2Linear (a torch.nn.Linear) holds one.
+  static MC2Linear standalone();
+
+  /// The fused Linear on `x` with weight `w` [out, in] (this rank's shard) and `bias` (may be
+  /// undefined), as configured.
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias) const;
 
   /// Runs `mode`'s fused op over `group` (its size is the TP world size). sequence_dim indexes
   /// the activation (negative counts from the end).

@@ -8,6 +8,7 @@
 
 #include <hyper_parallel/core/tensor_parallel/mc2_linear.h>
 #include <hyper_parallel/core/tensor_parallel/style.h>
+#include <hyper_parallel/nn/hookable_module.h>
 
 namespace hyper_parallel::tensor_parallel {
 
@@ -25,6 +26,15 @@ class MC2ColwiseParallel : public ParallelStyle {
  public:
   explicit MC2ColwiseParallel(MC2ColwiseParallelOptions options = {});
   std::string name() const override { return "MC2ColwiseParallel"; }
+  const MC2ColwiseParallelOptions& options() const { return options_; }
+  /// The contract's checks for a module of `kind` (named `module_name`) whose full weight has
+  /// `weight_shape` and `dtype`, on `mesh`; `linear_name` names the expected type in messages.
+  /// Throws c10::NotImplementedError for an Embedding, c10::TypeError for another non-Linear and
+  /// c10::ValueError for a limit (world size, dtype, contraction dims for every rank's shard),
+  /// before anything is touched. apply runs it; the Python front end runs it on torch.nn modules.
+  void check_target(nn::ModuleKind kind, const std::string& module_name, const char* linear_name,
+                    c10::IntArrayRef weight_shape, at::ScalarType dtype,
+                    const dtensor::DeviceMesh& mesh) const;
 
  protected:
   void apply_to(torch::nn::Module& module, const dtensor::DeviceMesh& mesh,
@@ -48,6 +58,15 @@ class MC2RowwiseParallel : public ParallelStyle {
  public:
   explicit MC2RowwiseParallel(MC2RowwiseParallelOptions options = {});
   std::string name() const override { return "MC2RowwiseParallel"; }
+  const MC2RowwiseParallelOptions& options() const { return options_; }
+  /// The contract's checks for a module of `kind` (named `module_name`) whose full weight has
+  /// `weight_shape` and `dtype`, on `mesh`; `linear_name` names the expected type in messages.
+  /// Throws c10::NotImplementedError for an Embedding, c10::TypeError for another non-Linear and
+  /// c10::ValueError for a limit (world size, dtype, contraction dims for every rank's shard),
+  /// before anything is touched. apply runs it; the Python front end runs it on torch.nn modules.
+  void check_target(nn::ModuleKind kind, const std::string& module_name, const char* linear_name,
+                    c10::IntArrayRef weight_shape, at::ScalarType dtype,
+                    const dtensor::DeviceMesh& mesh) const;
 
  protected:
   void apply_to(torch::nn::Module& module, const dtensor::DeviceMesh& mesh,

@@ -1,0 +1,210 @@
+// Whole Llama 3 training steps, side by side in one launch: plain TP, MC2 on the feed-forward
+// ("ffn") and MC2 on every Linear it can fuse ("all"), each built from the same seed, with
+// sequence and loss parallelism on, steps interleaved. For each configuration it also runs a
+// compute-only twin (the same model and shard shapes, transfers skipped), so
+//   exposed communication = step time - compute-only step time,
+// and it counts the payload bytes each rank sends per step. The link's rate is measured in the
+// same run (a send/recv stream), giving the ceiling T_plain / max(T_compute_only, T_wire) for
+// the speedup over plain TP.
+//
+//   bash bench/run_bench.sh bench_llama_step 2gbit 2 -- --rates 250mbit 500mbit 2gbit
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <CLI/CLI.hpp>
+#include <torch/optim/adamw.h>
+
+#include <hyper_parallel/hyper_parallel.h>
+
+#include "bench_util.h"
+#include "common/run_main.h"
+#include "llama3/model.h"
+#include "llama3/parallelize.h"
+#include "llama3/trainer.h"
+
+namespace hp = hyper_parallel;
+namespace tp = hp::tensor_parallel;
+
+namespace {
+
+struct Config {
+  std::string name;
+  bool mc2;
+  llama3::MC2Scope scope;
+};
+
+// One configuration's model and optimizer.
+struct Run {
+  llama3::Transformer model{nullptr};
+  std::unique_ptr<torch::optim::AdamW> optimizer;
+};
+
+Run build(const Config& c, const llama3::ModelArgs& args, int64_t seq_len, const hp::dtensor::DeviceMesh& mesh) {
+  at::manual_seed(42);  // the same full weights in every configuration
+  Run run;
+  run.model = llama3::Transformer(args);
+  run.model->to(at::kBFloat16);
+  llama3::parallelize_llama3(*run.model, mesh,
+                             llama3::ParallelizeOptions()
+                                 .enable_loss_parallel(true)
+                                 .enable_mc2(c.mc2)
+                                 .mc2_scope(c.scope)
+                                 .seq_len(seq_len));
+  run.optimizer = std::make_unique<torch::optim::AdamW>(
+      run.model->parameters(), torch::optim::AdamWOptions(1e-3).weight_decay(0.1).betas({0.9, 0.95}));
+  return run;
+}
+
+// One training step; returns its seconds and the payload bytes this rank sent.
+std::pair<double, int64_t> step(Run& run, const at::Tensor& batch, int64_t seq_len, int64_t vocab,
+                                const hp::dtensor::DeviceMesh& mesh) {
+  hp::comm::reset_collective_counts();
+  hp::comm::barrier(mesh.get_group(0));
+  const int64_t before = hp::comm::payload_bytes_sent();
+  auto t0 = std::chrono::steady_clock::now();
+  run.optimizer->zero_grad();
+  auto logits = run.model->forward(batch.narrow(1, 0, seq_len));
+  auto loss = tp::vocab_parallel_cross_entropy(logits, batch.narrow(1, 1, seq_len), vocab, mesh);
+  loss.backward();
+  tp::clip_grad_norm_(*run.model, 1.0);
+  run.optimizer->step();
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return {seconds, hp::comm::payload_bytes_sent() - before};
+}
+
+// The link's rate: this rank streams `bytes` to the next rank in 1 MiB messages while receiving
+// as much from the previous one; the slowest rank's bytes per second.
+double link_rate(const hp::comm::Group& group, int64_t bytes) {
+  const int64_t p = group.size(), r = group.rank(), elems = (int64_t{1} << 20) / 2;
+  const int64_t messages = std::max<int64_t>(1, bytes / (2 * elems));
+  auto out = at::zeros({elems}, at::kBFloat16);
+  std::vector<at::Tensor> in(messages);
+  for (auto& t : in) t = at::empty({elems}, at::kBFloat16);
+  auto stream = [&] {
+    auto tags = hp::comm::reserve_tags(group);
+    std::vector<hp::comm::Work> works;
+    for (int64_t i = 0; i < messages; ++i) works.push_back(hp::comm::irecv(in[i], (r + p - 1) % p, group, tags.step(i)));
+    for (int64_t i = 0; i < messages; ++i) works.push_back(hp::comm::isend(out, (r + 1) % p, group, tags.step(i)));
+    for (auto& w : works) w.wait();
+  };
+  const double seconds = bench::median_seconds(group, 3, stream);
+  return messages * elems * 2.0 / seconds;
+}
+
+struct Samples {
+  std::vector<double> real, compute;
+  int64_t bytes = 0;
+};
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int steps = 10, warmup = 3;
+  int64_t batch_size = 8;
+  std::string preset = "bench";
+  std::vector<std::string> rates;
+  CLI::App app("Llama 3 training steps: plain TP, MC2 ffn and MC2 all, interleaved in one launch.",
+               "bench_llama_step");
+  app.add_option("--steps", steps, "measured steps per configuration")->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--warmup", warmup, "steps before measuring")->capture_default_str();
+  app.add_option("--batch-size", batch_size, "sequences per step")->capture_default_str();
+  app.add_option("--preset", preset, "model size")->capture_default_str();
+  app.add_option("--rates", rates, "link rates to measure at, e.g. 250mbit (needs HP_BENCH_RATE_CMD)");
+  CLI11_PARSE(app, argc, argv);
+
+  return hp_examples::run_main("bench_llama_step", [&] {
+    bench::keep_freed_memory();
+    hp::comm::init_process_group();
+    const int64_t p = hp::comm::world_size();
+    auto mesh = hp::dtensor::init_device_mesh("cpu", {p}, {"tp"});
+    auto group = mesh.get_group(0);
+    const auto args = llama3::ModelArgs::from_preset(preset);
+    const int64_t seq_len = args.max_seq_len;
+    const std::vector<Config> configs{{"plain TP", false, llama3::MC2Scope::kFfn},
+                                      {"MC2 ffn", true, llama3::MC2Scope::kFfn},
+                                      {"MC2 all", true, llama3::MC2Scope::kAll}};
+    std::vector<Run> real, compute_only;
+    for (const auto& c : configs) {
+      real.push_back(build(c, args, seq_len, mesh));
+      compute_only.push_back(build(c, args, seq_len, mesh));
+    }
+    const bool print = group.rank() == 0;
+    const auto rate_cmd = bench::rate_command();
+    if (!rates.empty() && rate_cmd.empty()) {
+      // On loopback (or any link this program cannot shape) the rates mean nothing.
+      if (print) std::printf("bench_llama_step: no HP_BENCH_RATE_CMD (loopback?): --rates ignored\n");
+      rates.clear();
+    }
+    if (rates.empty()) rates.push_back("");
+    int64_t step_index = 0;
+    for (const auto& rate : rates) {
+      if (!rate.empty()) {
+        const int rc = std::system((rate_cmd + " " + rate).c_str());
+        TORCH_CHECK(rc == 0, "bench_llama_step: '", rate_cmd, " ", rate, "' failed");
+        hp::comm::barrier(group);
+      }
+      std::vector<Samples> samples(configs.size());
+      for (int s = 0; s < warmup + steps; ++s, ++step_index) {
+        auto batch = llama3::synthetic_batch(42, step_index, batch_size, seq_len, args.vocab_size);
+        for (size_t c = 0; c < configs.size(); ++c) {
+          auto [seconds, bytes] = step(real[c], batch, seq_len, args.vocab_size, mesh);
+          double compute_seconds;
+          {
+            hp::comm::detail::SkipTransfers skip;
+            compute_seconds = step(compute_only[c], batch, seq_len, args.vocab_size, mesh).first;
+          }
+          if (s < warmup) continue;
+          samples[c].real.push_back(seconds);
+          samples[c].compute.push_back(compute_seconds);
+          samples[c].bytes = bytes;
+        }
+      }
+      const double rate_bytes = link_rate(group, std::max<int64_t>(samples[0].bytes, int64_t{8} << 20));
+      if (print) {
+        std::printf("Llama 3 %s, TP %lld, bf16, SP + loss parallel, batch %lld x seq %lld, %d steps after %d "
+                    "warm-up, interleaved; link: %s%s (measured %.2f Gbit/s)\n",
+                    preset.c_str(), static_cast<long long>(p), static_cast<long long>(batch_size),
+                    static_cast<long long>(seq_len), steps, warmup, bench::link_name().c_str(),
+                    rate.empty() ? "" : (", rate " + rate).c_str(), rate_bytes * 8 / 1e9);
+        std::printf("%-10s %10s %17s %11s %10s %10s %12s %9s %9s\n", "config", "ms/step", "(min..max)",
+                    "tokens/s", "compute", "exposed", "MB sent", "speedup", "ceiling");
+      }
+      // The slowest rank's medians.
+      for (size_t c = 0; c < configs.size(); ++c) {
+        auto& sm = samples[c];
+        auto stats = hp::comm::all_gather(
+            at::tensor({median(sm.real), *std::min_element(sm.real.begin(), sm.real.end()),
+                        *std::max_element(sm.real.begin(), sm.real.end()), median(sm.compute)},
+                       at::kDouble)
+                .unsqueeze(0),
+            0, group);
+        auto worst = std::get<0>(stats.max(0));
+        const double t = worst[0].item<double>(), lo = worst[1].item<double>(), hi = worst[2].item<double>();
+        const double t_compute = worst[3].item<double>();
+        static double t_plain = 0;
+        if (c == 0) t_plain = t;
+        const double ceiling = t_plain / std::max(t_compute, sm.bytes / rate_bytes);
+        if (print) {
+          std::printf("%-10s %10.1f %8.1f..%-8.1f %11.0f %10.1f %10.1f %12.2f %8.2fx %8.2fx\n",
+                      configs[c].name.c_str(), t * 1e3, lo * 1e3, hi * 1e3,
+                      batch_size * seq_len / t, t_compute * 1e3, (t - t_compute) * 1e3,
+                      sm.bytes / 1e6, t_plain / t, ceiling);
+        }
+      }
+      if (print) std::fflush(stdout);
+    }
+    hp::comm::destroy_process_group();
+    return 0;
+  });
+}

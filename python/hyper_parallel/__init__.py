@@ -1,0 +1,41 @@
+"""hyper_parallel: tensor parallelism with MC2 (matmul fused with its collective) for PyTorch.
+
+The work is done by the C++ core (the extension ``hyper_parallel._C``); this package gives it
+PyTorch's shapes: ``init_device_mesh``, ``parallelize_module`` and the parallel styles, acting on
+``torch.nn`` modules through forward hooks.
+
+Usage (under ``hp-run --nproc-per-node 2 -- /usr/bin/python3 train.py``)::
+
+    import torch.distributed as dist
+    from hyper_parallel import init_device_mesh, parallelize_module, MC2ColwiseParallel, MC2RowwiseParallel
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    parallelize_module(mlp, mesh, {"fc1": MC2ColwiseParallel(), "fc2": MC2RowwiseParallel()})
+"""
+
+from hyper_parallel.core.dtensor import DeviceMesh, init_device_mesh
+from hyper_parallel.core.tensor_parallel import (
+    ColwiseParallel,
+    MC2ColwiseParallel,
+    MC2RowwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+__all__ = [
+    "ColwiseParallel",
+    "DeviceMesh",
+    "MC2ColwiseParallel",
+    "MC2RowwiseParallel",
+    "ParallelStyle",
+    "PrepareModuleInput",
+    "PrepareModuleOutput",
+    "RowwiseParallel",
+    "SequenceParallel",
+    "init_device_mesh",
+    "parallelize_module",
+]

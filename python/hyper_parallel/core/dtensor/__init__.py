@@ -1,0 +1,16 @@
+"""DeviceMesh, placements and DTensor of the C++ core (differentiable redistribution)."""
+
+from hyper_parallel.core.dtensor.device_mesh import DeviceMesh, init_device_mesh
+from hyper_parallel.core.dtensor.dtensor import DTensor, distribute_tensor
+from hyper_parallel.core.dtensor.placement_types import Partial, Placement, Replicate, Shard
+
+__all__ = [
+    "DTensor",
+    "DeviceMesh",
+    "Partial",
+    "Placement",
+    "Replicate",
+    "Shard",
+    "distribute_tensor",
+    "init_device_mesh",
+]

@@ -1,0 +1,46 @@
+"""Placements, spelled as torch.distributed.tensor's: Shard(dim), Replicate(), Partial()."""
+
+from hyper_parallel import _C
+
+Placement = _C.Placement
+
+
+class Shard(_C.Placement):
+    """Each rank holds chunk ``coordinate`` of tensor dim ``dim`` (torch.chunk sizes)."""
+
+    def __init__(self, dim: int):
+        super().__init__("shard", dim)
+
+    def __repr__(self) -> str:
+        return f"Shard(dim={self.dim})"
+
+
+class Replicate(_C.Placement):
+    """Each rank holds the whole value."""
+
+    def __init__(self):
+        super().__init__("replicate")
+
+    def __repr__(self) -> str:
+        return "Replicate()"
+
+
+class Partial(_C.Placement):
+    """The value is the sum (or mean) over ranks of the local tensors."""
+
+    def __init__(self, reduce_op: str = "sum"):
+        if reduce_op not in ("sum", "avg"):
+            raise ValueError(f"Partial: expected reduce_op 'sum' or 'avg', got {reduce_op!r}")
+        super().__init__("partial", 0, _C.ReduceOp.SUM if reduce_op == "sum" else _C.ReduceOp.AVG)
+
+    def __repr__(self) -> str:
+        return "Partial()" if self.reduce_op == _C.ReduceOp.SUM else "Partial(avg)"
+
+
+def as_python(placement: _C.Placement) -> Placement:
+    """The placement as Shard / Replicate / Partial (C++ returns plain placements)."""
+    if placement.is_shard():
+        return Shard(placement.dim)
+    if placement.is_replicate():
+        return Replicate()
+    return Partial("sum" if placement.reduce_op == _C.ReduceOp.SUM else "avg")

@@ -1,0 +1,24 @@
+"""Parallel styles and parallelize_module on torch.nn modules, plain and MC2."""
+
+from hyper_parallel.core.tensor_parallel.mc2_style import MC2ColwiseParallel, MC2RowwiseParallel
+from hyper_parallel.core.tensor_parallel.parallelize import parallelize_module
+from hyper_parallel.core.tensor_parallel.style import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+__all__ = [
+    "ColwiseParallel",
+    "MC2ColwiseParallel",
+    "MC2RowwiseParallel",
+    "ParallelStyle",
+    "PrepareModuleInput",
+    "PrepareModuleOutput",
+    "RowwiseParallel",
+    "SequenceParallel",
+    "parallelize_module",
+]

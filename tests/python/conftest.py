@@ -1,0 +1,40 @@
+"""Shared fixtures of the Python tests. Unit tests run in one process (a world of one rank,
+made here); system tests run under hp-run (RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set),
+every rank running the same tests in the same order."""
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def process_group():
+    """torch.distributed's world over Gloo: hp-run's, or a single rank of our own."""
+    if "WORLD_SIZE" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    yield
+    import hyper_parallel._C as C
+
+    dist.barrier()
+    if C.is_initialized():
+        C.destroy_process_group()
+    dist.destroy_process_group()
+
+
+def world_size() -> int:
+    return dist.get_world_size()
+
+
+def rank() -> int:
+    return dist.get_rank()
