@@ -180,7 +180,8 @@ int main(int argc, char** argv) {
         std::printf("%-10s %10s %17s %11s %10s %10s %12s %9s %9s\n", "config", "ms/step", "(min..max)",
                     "tokens/s", "compute", "exposed", "MB sent", "speedup", "ceiling");
       }
-      // The slowest rank's medians.
+      // The slowest rank's medians; speedups are against the first configuration, plain TP.
+      double t_plain = 0;
       for (size_t c = 0; c < configs.size(); ++c) {
         auto& sm = samples[c];
         auto stats = hp::comm::all_gather(
@@ -192,7 +193,6 @@ int main(int argc, char** argv) {
         auto worst = std::get<0>(stats.max(0));
         const double t = worst[0].item<double>(), lo = worst[1].item<double>(), hi = worst[2].item<double>();
         const double t_compute = worst[3].item<double>();
-        static double t_plain = 0;
         if (c == 0) t_plain = t;
         const double ceiling = t_plain / std::max(t_compute, sm.bytes / rate_bytes);
         if (print) {

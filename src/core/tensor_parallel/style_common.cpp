@@ -48,13 +48,13 @@ void shard_tensor_in_place(const at::Tensor& param, const DeviceMesh& mesh,
   auto local = dtensor::distribute_tensor(param.detach(), mesh, placements, src_data_rank).to_local();
   at::NoGradGuard no_grad;
   // set_data keeps the parameter object (and an optimizer's reference to it) valid.
-  const_cast<at::Tensor&>(param).set_data(local.contiguous());
+  param.set_data(local.contiguous());
 }
 
 void sum_gradient_over_mesh(const at::Tensor& param, const DeviceMesh& mesh) {
   if (mesh.size(0) == 1 || !param.requires_grad()) return;
   auto group = mesh.get_group(0);
-  const_cast<at::Tensor&>(param).register_hook([group](const at::Tensor& grad) {
+  param.register_hook([group](const at::Tensor& grad) {
     comm::CommRegion region("grad_sync");
     return comm::all_reduce(grad, comm::ReduceOp::kSum, group);
   });
