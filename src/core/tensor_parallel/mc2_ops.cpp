@@ -71,11 +71,18 @@ at::Tensor gather_rows(const at::Tensor& a, const comm::Group& group, const MC2O
   return gathered;
 }
 
-// What the ranks must agree on: a [m, k] (rows per rank for the gather, all rows for the
-// reduce-scatter), b [k, n], the dtype and the chunk count.
+// What the ranks must agree on: the extents that travel, the dtype and the chunk count. The
+// gather moves a [m, k] (rows per rank); the reduce-scatter moves rows of the product a [M, k_l]
+// b [k_l, n]. The extent that stays local (the gather's n, the reduce-scatter's k_l) may differ
+// between ranks: a weight whose sharded dim does not divide by the world size has shards of
+// torch.chunk sizes.
 comm::OpSignature signature(CollectiveKind kind, const at::Tensor& a, const at::Tensor& b,
                             const MC2Options& options) {
-  return {kind, a.scalar_type(), {a.size(0), a.size(1), b.size(1), 0}, {"m", "k", "n", "d3"},
+  if (kind == CollectiveKind::kAllGatherMatmul) {
+    return {kind, a.scalar_type(), {a.size(0), a.size(1), 0, 0}, {"m", "k", "d2", "d3"},
+            options.chunks_per_rank()};
+  }
+  return {kind, a.scalar_type(), {a.size(0), b.size(1), 0, 0}, {"M", "n", "d2", "d3"},
           options.chunks_per_rank()};
 }
 

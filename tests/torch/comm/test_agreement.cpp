@@ -90,6 +90,22 @@ TEST_F(Agreement, FusedOpsWithDifferentShapesOrChunkCounts) {
   });
 }
 
+TEST_F(Agreement, FusedOpsAllowUnevenShardsOfTheLocalExtent) {
+  // A weight whose sharded dim does not divide by the world size has torch.chunk shards: the
+  // gather's n and the reduce-scatter's k_l differ between ranks, and the ops still run.
+  const int64_t extent = 4 * p + 1, m = 3, k = 8;
+  auto full_w = at::arange(extent * k, at::kDouble).reshape({extent, k}).div(extent * k);
+  auto shard = full_w.chunk(p, 0)[r];  // out features of the column op
+  auto x_all = at::arange(p * m * k, at::kDouble).reshape({p * m, k}).div(p * m * k).sub(0.3);
+  auto [y, gathered] = tp::all_gather_matmul(x_all.narrow(0, r * m, m).contiguous(), shard, world);
+  hp_test::expect_close(y, x_all.matmul(shard.t()), "all_gather_matmul with n differing by rank");
+  auto in_shard = full_w.t().contiguous().chunk(p, 1)[r].contiguous();  // [k, extent_r]: row op
+  auto x_rows = at::arange(p * m * extent, at::kDouble).reshape({p * m, extent}).div(p * m * extent);
+  auto out = tp::matmul_reduce_scatter(x_rows.chunk(p, 1)[r].contiguous(), in_shard, world);
+  hp_test::expect_close(out, x_rows.matmul(full_w).narrow(0, r * m, m),
+                        "matmul_reduce_scatter with k differing by rank");
+}
+
 TEST_F(Agreement, ZeroRowShardOnOneRank) {
   // The rank with no rows would send nothing and the others would wait for the full timeout.
   auto w = at::ones({16, 32}, at::kBFloat16);
