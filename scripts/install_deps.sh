@@ -11,6 +11,7 @@ packages=(
   libcli11-dev          # command-line flags of hp-run and the examples
   nlohmann-json3-dev    # JSON: trace files
   zlib1g-dev            # crc32 of checkpoint shards
+  libssl-dev            # SHA-256 of the state digest (tests/tools/state_digest)
   gnuplot-nox           # bench/plot_sweep.sh
   python3-torch python3-dev pybind11-dev python3-pytest  # the Python package and its tests (/usr/bin/python3)
   iproute2              # ip netns / tc, for benchmarks over a rate-limited link

@@ -30,7 +30,7 @@ at::Tensor synthetic_batch(uint64_t seed, int64_t step, int64_t batch_size, int6
 
 std::vector<StepResult> train(const TrainOptions& options,
                               const std::function<void(int64_t, TransformerImpl&)>& inspect) {
-  const auto args = ModelArgs::from_preset(options.preset());
+  const auto args = options.model_args().value_or(ModelArgs::from_preset(options.preset()));
   const int64_t seq_len = options.seq_len().value_or(args.max_seq_len);
   TORCH_CHECK(options.dtype() == "fp32" || options.dtype() == "bf16",
               "llama3::train: expected dtype 'fp32' or 'bf16', got '", options.dtype(), "'");

@@ -16,6 +16,8 @@ namespace llama3 {
 
 struct TrainOptions {
   TORCH_ARG(std::string, preset) = "debug";
+  /// A model that is not a preset (overrides `preset`).
+  TORCH_ARG(std::optional<ModelArgs>, model_args) = std::nullopt;
   TORCH_ARG(int64_t, steps) = 20;
   TORCH_ARG(int64_t, batch_size) = 4;
   TORCH_ARG(std::optional<int64_t>, seq_len) = std::nullopt;  // default: the preset's max_seq_len
