@@ -28,7 +28,7 @@
 #include <CLI/CLI.hpp>
 
 #include <hyper_parallel/core/comm.h>
-#include <hyper_parallel/core/tensor_parallel/mc2_ops.h>
+#include <hyper_parallel/core/tensor_parallel/mc2/ops.h>
 
 #include "bench_util.h"
 #include "common/run_main.h"

@@ -6,7 +6,7 @@
 #include <ATen/ATen.h>
 
 #include <hyper_parallel/core/comm.h>
-#include <hyper_parallel/core/tensor_parallel/mc2_ops.h>
+#include <hyper_parallel/core/tensor_parallel/mc2/ops.h>
 
 namespace hp = hyper_parallel;
 namespace tp = hp::tensor_parallel;

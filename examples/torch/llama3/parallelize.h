@@ -8,7 +8,8 @@
 #include <torch/arg.h>
 
 #include <hyper_parallel/core/dtensor/device_mesh.h>
-#include <hyper_parallel/core/tensor_parallel/mc2_linear.h>
+#include <hyper_parallel/core/tensor_parallel/mc2/contract.h>
+#include <hyper_parallel/core/tensor_parallel/mc2/ops.h>
 
 #include "model.h"
 

@@ -3,8 +3,5 @@
 #include <hyper_parallel/core/tensor_parallel/grad_utils.h>
 #include <hyper_parallel/core/tensor_parallel/loss_parallel.h>
 #include <hyper_parallel/core/tensor_parallel/mc2.h>
-#include <hyper_parallel/core/tensor_parallel/mc2_linear.h>
-#include <hyper_parallel/core/tensor_parallel/mc2_ops.h>
-#include <hyper_parallel/core/tensor_parallel/mc2_style.h>
 #include <hyper_parallel/core/tensor_parallel/parallelize.h>
 #include <hyper_parallel/core/tensor_parallel/style.h>

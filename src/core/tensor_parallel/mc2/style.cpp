@@ -1,4 +1,4 @@
-#include <hyper_parallel/core/tensor_parallel/mc2_style.h>
+#include <hyper_parallel/core/tensor_parallel/mc2/style.h>
 
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
@@ -6,7 +6,7 @@
 #include <hyper_parallel/core/dtensor/dtensor.h>
 #include <hyper_parallel/nn/hookable_module.h>
 
-#include "style_common.h"
+#include "../style_common.h"
 
 namespace hyper_parallel::tensor_parallel {
 
@@ -36,20 +36,6 @@ void check_kind_and_common_limits(const char* style, nn::ModuleKind kind, const 
   check_kind(style, kind, module_name, linear_name);
   contract.check_dtype(style, dtype);
   contract.check_world_size(style, mesh.size(0));
-}
-
-// A sharded contraction extent, checked for the shard of every rank (they can differ by one
-// chunk under torch.chunk sizes), so the verdict is the same everywhere.
-void check_k_of_every_shard(const char* style, const char* what, const MC2Contract& contract,
-                            int64_t extent, int64_t world_size) {
-  for (int64_t k = 0; k < world_size; ++k) {
-    contract.check_k(style, what, dtensor::shard_size(extent, world_size, k));
-  }
-}
-
-void check_weight_rank(const char* style, c10::IntArrayRef weight_shape) {
-  TORCH_CHECK_VALUE(weight_shape.size() == 2, style, ": expected a Linear weight [out, in], got ",
-                    weight_shape);
 }
 
 // For this library's modules: one of them, a Linear, not yet parallelized (a sharded weight
@@ -88,10 +74,7 @@ void MC2ColwiseParallel::check_target(nn::ModuleKind kind, const std::string& mo
   const char* style = "MC2ColwiseParallel";
   const auto& contract = options_.contract();
   check_kind_and_common_limits(style, kind, module_name, linear_name, dtype, mesh, contract);
-  check_weight_rank(style, weight_shape);
-  contract.check_k(style, "contraction dim k (in_features)", weight_shape[1]);
-  check_k_of_every_shard(style, "column backward contraction n_local (out_features / world_size)",
-                         contract, weight_shape[0], mesh.size(0));
+  contract.check_weight(style, MC2Mode::kAllGather, weight_shape, mesh.size(0));
 }
 
 void MC2ColwiseParallel::apply_to(torch::nn::Module& module, const DeviceMesh& mesh,
@@ -133,11 +116,7 @@ void MC2RowwiseParallel::check_target(nn::ModuleKind kind, const std::string& mo
   const char* style = "MC2RowwiseParallel";
   const auto& contract = options_.contract();
   check_kind_and_common_limits(style, kind, module_name, linear_name, dtype, mesh, contract);
-  check_weight_rank(style, weight_shape);
-  check_k_of_every_shard(style, "contraction dim k (in_features / world_size)", contract,
-                         weight_shape[1], mesh.size(0));
-  // The backward all-gather-matmul multiplies dY [rows, out_features] by W: it contracts over n.
-  contract.check_k(style, "row backward contraction n (out_features)", weight_shape[0]);
+  contract.check_weight(style, MC2Mode::kReduceScatter, weight_shape, mesh.size(0));
 }
 
 void MC2RowwiseParallel::apply_to(torch::nn::Module& module, const DeviceMesh& mesh,

@@ -1,4 +1,4 @@
-#include <hyper_parallel/core/tensor_parallel/mc2_ops.h>
+#include <hyper_parallel/core/tensor_parallel/mc2/ops.h>
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>

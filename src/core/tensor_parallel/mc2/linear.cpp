@@ -1,63 +1,17 @@
-#include <hyper_parallel/core/tensor_parallel/mc2_linear.h>
-
-#include <algorithm>
-#include <limits>
-#include <mutex>
-#include <sstream>
+#include <hyper_parallel/core/tensor_parallel/mc2/linear.h>
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <torch/nn/module.h>
 
 #include <hyper_parallel/core/comm/schedule.h>
+#include <hyper_parallel/core/tensor_parallel/mc2/sequence_layout.h>
 #include <hyper_parallel/nn/hookable_module.h>
 
-#include "../autograd/attach_backward.h"
+#include "../../autograd/attach_backward.h"
+#include "shared_gather.h"
 
 namespace hyper_parallel::tensor_parallel {
-
-// ---- Contract ---------------------------------------------------------------------------------
-
-MC2Contract MC2Contract::relaxed() {
-  return MC2Contract()
-      .dtypes({at::kHalf, at::kBFloat16, at::kFloat, at::kDouble})
-      .min_k(1)
-      .max_k(std::numeric_limits<int64_t>::max())
-      .world_sizes({});
-}
-
-void MC2Contract::check_dtype(const char* where, at::ScalarType dtype) const {
-  if (std::find(dtypes_.begin(), dtypes_.end(), dtype) != dtypes_.end()) return;
-  std::ostringstream allowed;
-  for (size_t i = 0; i < dtypes_.size(); ++i) allowed << (i ? ", " : "") << dtypes_[i];
-  TORCH_CHECK_VALUE(false, where, ": MC2 dtype: expected one of {", allowed.str(), "}, got ", dtype,
-                    " (pass MC2Contract::relaxed() to run other dtypes for debugging)");
-}
-
-void MC2Contract::check_k(const char* where, const char* what, int64_t k) const {
-  TORCH_CHECK_VALUE(k >= min_k_ && k < max_k_, where, ": MC2 ", what, ": expected in [", min_k_, ", ",
-                    max_k_, "), got ", k);
-}
-
-void MC2Contract::check_world_size(const char* where, int64_t world_size) const {
-  if (world_sizes_.empty()) return;  // any
-  TORCH_CHECK_VALUE(std::find(world_sizes_.begin(), world_sizes_.end(), world_size) != world_sizes_.end(),
-                    where, ": MC2 world_size: expected one of ", c10::IntArrayRef(world_sizes_), ", got ",
-                    world_size);
-}
-
-// ---- Mode -------------------------------------------------------------------------------------
-
-const char* to_string(MC2Mode mode) {
-  return mode == MC2Mode::kAllGather ? "all_gather" : "reduce_scatter";
-}
-
-MC2Mode mc2_mode_from_string(const std::string& mode) {
-  if (mode == "all_gather") return MC2Mode::kAllGather;
-  if (mode == "reduce_scatter") return MC2Mode::kReduceScatter;
-  TORCH_CHECK_VALUE(false, "MC2Linear::configure_mc2: expected mode 'all_gather' or "
-                    "'reduce_scatter', got '", mode, "'");
-}
 
 // ---- Autograd ---------------------------------------------------------------------------------
 
@@ -127,58 +81,6 @@ at::Tensor shared_column_linear(const at::Tensor& gathered, const at::Tensor& w,
       "MC2SharedColumnLinearBackward")[0];
 }
 
-// The last activation an MC2 column layer gathered, so that the next column layer reading the
-// very same activation (Llama's w1 and w3 both read the FFN input) reuses the gather instead of
-// moving the same bytes again, as async-TP's all-gather with several weights does. An entry
-// matches only while the activation's storage is alive, at the same view and version (no
-// in-place change since), on the same group and sequence dim, and serves each layer once: a
-// layer that asks again (a new forward pass over the same input) gathers afresh, so a gather
-// and its autograd node never outlive the pass that made them.
-class SharedGather {
- public:
-  /// The gather of x made by another layer in this pass, or undefined. `layer` identifies the
-  /// caller.
-  at::Tensor lookup(const at::Tensor& x, int64_t seq, const comm::Group& group, const void* layer) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    auto storage = storage_.lock();
-    const bool same = storage && storage.get() == x.storage().unsafeGetStorageImpl() &&
-                      offset_ == x.storage_offset() && sizes_ == x.sizes().vec() &&
-                      strides_ == x.strides().vec() && version_ == x._version() && seq_ == seq &&
-                      group_ == &group.impl();
-    const bool served = std::find(served_.begin(), served_.end(), layer) != served_.end();
-    if (!same || served) return at::Tensor();
-    served_.push_back(layer);
-    return gathered_;
-  }
-  void remember(const at::Tensor& x, int64_t seq, const comm::Group& group, at::Tensor gathered,
-                const void* layer) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    served_.assign(1, layer);
-    storage_ = x.storage().getWeakStorageImpl();
-    offset_ = x.storage_offset();
-    sizes_ = x.sizes().vec();
-    strides_ = x.strides().vec();
-    version_ = x._version();
-    seq_ = seq;
-    group_ = &group.impl();
-    gathered_ = std::move(gathered);
-  }
-
- private:
-  std::mutex mutex_;
-  c10::weak_intrusive_ptr<c10::StorageImpl> storage_{c10::intrusive_ptr<c10::StorageImpl>()};
-  int64_t offset_ = 0, version_ = -1, seq_ = -1;
-  std::vector<int64_t> sizes_, strides_;
-  const void* group_ = nullptr;
-  at::Tensor gathered_;
-  std::vector<const void*> served_;  // the layer that gathered, then those that reused it
-};
-
-SharedGather& shared_gather() {
-  static SharedGather cache;
-  return cache;
-}
-
 }  // namespace
 
 at::Tensor mc2_column_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias,
@@ -209,25 +111,6 @@ at::Tensor mc2_row_linear(const at::Tensor& x, const at::Tensor& w, const at::Te
       "MC2RowLinearBackward")[0];
 }
 
-// ---- Sequence layout --------------------------------------------------------------------------
-
-at::Tensor sequence_rows(const at::Tensor& x, int64_t sequence_dim) {
-  TORCH_CHECK(x.dim() >= 2, "MC2Linear::forward: expected an activation with a sequence and a "
-              "feature dim, got ", x.sizes());
-  TORCH_CHECK(sequence_dim >= 0 && sequence_dim < x.dim() - 1,
-              "MC2Linear::forward: expected sequence_dim to be a non-feature dim of the ", x.dim(),
-              "-d activation ", x.sizes(), ", got ", sequence_dim);
-  return x.movedim(sequence_dim, 0).reshape({-1, x.size(-1)}).contiguous();
-}
-
-at::Tensor from_sequence_rows(const at::Tensor& rows, const at::Tensor& like, int64_t sequence_dim,
-                              int64_t seq_len) {
-  auto shape = like.movedim(sequence_dim, 0).sizes().vec();
-  shape.front() = seq_len;
-  shape.back() = rows.size(1);
-  return rows.view(shape).movedim(0, sequence_dim);
-}
-
 // ---- MC2Linear --------------------------------------------------------------------------------
 
 class MC2LinearKernel final : public nn::ForwardKernel {
@@ -242,22 +125,15 @@ class MC2LinearKernel final : public nn::ForwardKernel {
     const int64_t p = group.size();
     // The contract's limits on the local weight, for a layer configured without a style (the
     // styles check them at apply time, for every rank's shard).
-    const char* where = "MC2Linear::forward";
-    if (mode == MC2Mode::kAllGather) {
-      contract.check_k(where, "contraction dim k (in_features)", w.size(1));
-      contract.check_k(where, "column backward contraction n_local (out_features / world_size)", w.size(0));
-    } else {
-      contract.check_k(where, "contraction dim k (in_features / world_size)", w.size(1));
-      contract.check_k(where, "row backward contraction n (out_features)", w.size(0));
-    }
+    contract.check_local_weight("MC2Linear::forward", mode, w.sizes());
     if (mode == MC2Mode::kAllGather) {
       at::Tensor y;
-      if (auto shared = shared_gather().lookup(x, seq, group, this); shared.defined()) {
+      if (auto shared = detail::SharedGather::get().lookup(x, seq, group, this); shared.defined()) {
         y = shared_column_linear(shared, w, bias);
       } else {
         at::Tensor gathered;
         std::tie(y, gathered) = column_linear(sequence_rows(x, seq), w, bias, group, options);
-        shared_gather().remember(x, seq, group, gathered, this);
+        detail::SharedGather::get().remember(x, seq, group, gathered, this);
       }
       return from_sequence_rows(y, x, seq, x.size(seq) * p);
     }

@@ -1,0 +1,79 @@
+#pragma once
+// MC2 fused ops ("matmul + communication") on 2-d local views, W in Linear's (out, in) layout.
+// Each is a schedule of the engine in core/comm/schedule.h whose per-chunk callback is a matmul:
+// while one chunk of the sequence is in flight, the matmul of an arrived chunk runs on the
+// calling thread (transfers progress in the transport's threads). docs/mc2.md states the
+// contract.
+//
+//   all_gather_matmul      (column-parallel)  equals  G = all_gather(X, rows); Y = G Wᵀ
+//   matmul_reduce_scatter  (row-parallel)     equals  Y = reduce_scatter(X Wᵀ, rows, sum)
+//
+// Who waits on whom:
+//   - all_gather_matmul (ring all-gather): the calling thread waits for a chunk's arrival only
+//     right before it multiplies that chunk;
+//   - matmul_reduce_scatter, float32/float64 (ring reduce-scatter): it computes a chunk's partial
+//     product, then waits for the partial sum arriving from the previous rank and adds to it;
+//   - matmul_reduce_scatter, bfloat16/float16 (direct reduce-scatter): it computes each remote
+//     block's partial and hands it to the transport at once, 16 bits on the wire; it waits for
+//     the other ranks' partials of its own block only after computing its own, then sums them in
+//     float32 in rank order;
+// and every op waits for its own sends before it returns.
+//
+// Contract: all ranks of the group call the same op, in the same order, with the same dtype and
+// chunks_per_rank, and the same extents that travel (m and k of the gather; the rows and n of the
+// reduce-scatter). The extent that stays local may differ (uneven weight shards).
+
+#include <cstdint>
+#include <utility>
+
+#include <ATen/core/Tensor.h>
+#include <torch/arg.h>
+
+#include <hyper_parallel/core/comm/process_group.h>
+
+namespace hyper_parallel::tensor_parallel {
+
+/// How the fused ops cut each rank's block of rows. Usage: MC2Options().chunks_per_rank(4)
+struct MC2Options {
+  /// Each rank's block of rows travels and is multiplied as this many chunks (torch.chunk
+  /// sizes): more chunks pipeline finer (the first matmul starts sooner, the last transfer
+  /// hides behind more work) but run smaller GEMMs. Default 2, from bench_mc2 on 2 ranks.
+  TORCH_ARG(int64_t, chunks_per_rank) = 2;
+};
+
+/// (Y, G) with G = all_gather(x [m, k], rows) of shape [P·m, k] and Y = G Wᵀ [P·m, n]. Every rank
+/// passes the same m. Step s multiplies the chunks that arrived at step s-1 while forwarding them.
+std::pair<at::Tensor, at::Tensor> all_gather_matmul(const at::Tensor& x, const at::Tensor& w,
+                                                    const comm::Group& group,
+                                                    const MC2Options& options = {});
+/// reduce_scatter(x [M, k_l] Wᵀ, rows, sum) of shape [M/P, n]; M divisible by P. Step s computes
+/// the partial product of one destination block while the partial sum for it is in flight;
+/// 16-bit inputs accumulate across ranks in float32 and round once.
+at::Tensor matmul_reduce_scatter(const at::Tensor& x, const at::Tensor& w, const comm::Group& group,
+                                 const MC2Options& options = {});
+
+/// The same schedules with an explicit right operand: all_gather(a) @ b, and
+/// reduce_scatter(a @ b + addend) (addend [M, n], optional, added to each rank's partial before
+/// the reduction). The backward passes use these (b = W instead of Wᵀ).
+std::pair<at::Tensor, at::Tensor> all_gather_mm(const at::Tensor& a, const at::Tensor& b,
+                                                const comm::Group& group,
+                                                const MC2Options& options = {});
+at::Tensor mm_reduce_scatter(const at::Tensor& a, const at::Tensor& b, const comm::Group& group,
+                             const MC2Options& options = {}, const at::Tensor& addend = {});
+
+namespace detail {
+/// a @ b on a's device. libtorch 1.13 has no CPU float16 matmul: there it computes in float32
+/// and rounds once.
+at::Tensor local_matmul(const at::Tensor& a, const at::Tensor& b);
+
+/// For benchmarks: the schedules of all_gather_matmul / matmul_reduce_scatter with no-op
+/// callbacks: the same transfers, chunks, accumulate dtype and order, matmuls left out, so timing
+/// them gives the communication the fused op has to hide. Results are meaningless; not counted
+/// as collectives.
+void all_gather_matmul_transfers_only(const at::Tensor& x, const at::Tensor& w,
+                                      const comm::Group& group, const MC2Options& options = {});
+void matmul_reduce_scatter_transfers_only(const at::Tensor& x, const at::Tensor& w,
+                                          const comm::Group& group, const MC2Options& options = {});
+}  // namespace detail
+
+}  // namespace hyper_parallel::tensor_parallel

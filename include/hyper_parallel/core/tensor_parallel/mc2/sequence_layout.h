@@ -1,0 +1,20 @@
+#pragma once
+// The layout the fused ops gather and scatter: an activation [..., S, ..., H] as 2-d rows,
+// sequence-major. The sequence dim is moved to the front before flattening: flattening a
+// batch-first [B, S, H] without the move would interleave tokens of different batch rows.
+
+#include <cstdint>
+
+#include <ATen/core/Tensor.h>
+
+namespace hyper_parallel::tensor_parallel {
+
+/// Moves `sequence_dim` (a non-feature dim, non-negative) of x to the front and flattens to 2-d
+/// rows [S·rest, H], contiguous.
+at::Tensor sequence_rows(const at::Tensor& x, int64_t sequence_dim);
+/// Inverse of sequence_rows for an output with `seq_len` positions along sequence_dim, the other
+/// leading dims of `like`, and the rows' column count as features.
+at::Tensor from_sequence_rows(const at::Tensor& rows, const at::Tensor& like, int64_t sequence_dim,
+                              int64_t seq_len);
+
+}  // namespace hyper_parallel::tensor_parallel

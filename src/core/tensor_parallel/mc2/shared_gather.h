@@ -1,0 +1,42 @@
+#pragma once
+// Internal: the last activation an MC2 column layer gathered, so that the next column layer
+// reading the very same activation (Llama's w1 and w3 both read the FFN input) reuses the
+// gather instead of moving the same bytes again, as async-TP's all-gather with several weights
+// does. An entry matches only while the activation's storage is alive, at the same view and
+// version (no in-place change since), on the same group and sequence dim, and serves each layer
+// once: a layer that asks again (a new forward pass over the same input) gathers afresh, so a
+// gather and its autograd node never outlive the pass that made them.
+
+#include <cstdint>
+#include <mutex>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include <hyper_parallel/core/comm/process_group.h>
+
+namespace hyper_parallel::tensor_parallel::detail {
+
+class SharedGather {
+ public:
+  /// The process's one cache (forward passes run on one thread at a time).
+  static SharedGather& get();
+
+  /// The gather of x made by another layer in this pass, or undefined. `layer` identifies the
+  /// caller.
+  at::Tensor lookup(const at::Tensor& x, int64_t sequence_dim, const comm::Group& group, const void* layer);
+  /// Records that `layer` gathered x into `gathered`.
+  void remember(const at::Tensor& x, int64_t sequence_dim, const comm::Group& group, at::Tensor gathered,
+                const void* layer);
+
+ private:
+  std::mutex mutex_;
+  c10::weak_intrusive_ptr<c10::StorageImpl> storage_{c10::intrusive_ptr<c10::StorageImpl>()};
+  int64_t offset_ = 0, version_ = -1, sequence_dim_ = -1;
+  std::vector<int64_t> sizes_, strides_;
+  const void* group_ = nullptr;
+  at::Tensor gathered_;
+  std::vector<const void*> served_;  // the layer that gathered, then those that reused it
+};
+
+}  // namespace hyper_parallel::tensor_parallel::detail
