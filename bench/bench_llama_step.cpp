@@ -20,6 +20,7 @@
 #include <CLI/CLI.hpp>
 #include <torch/optim/adamw.h>
 
+#include <hyper_parallel/core/comm/skip_transfers.h>
 #include <hyper_parallel/hyper_parallel.h>
 
 #include "bench_util.h"

@@ -1,5 +1,7 @@
 #include <hyper_parallel/core/comm/collectives.h>
 
+#include <algorithm>
+#include <cstring>
 #include <numeric>
 #include <sstream>
 
@@ -199,7 +201,7 @@ at::Tensor all_reduce(const at::Tensor& input, ReduceOp op, const Group& group) 
   OpScope scope(group,
                 {CollectiveKind::kAllReduce, input.scalar_type(),
                  {input.numel(), static_cast<int64_t>(op == ReduceOp::kAvg)},
-                 {"numel", "avg", "d2", "d3"}},
+                 {"numel", "avg"}},
                 describe(input, group));
   auto flat = input.reshape({-1}).contiguous();
   auto sizes = chunk_sizes(flat.numel(), p);
@@ -270,7 +272,7 @@ at::Tensor broadcast(const at::Tensor& input, int64_t src, const Group& group) {
   TORCH_CHECK(src >= 0 && src < p, "hyper_parallel::comm::broadcast: expected src in [0, ", p,
               "), got ", src);
   OpScope op(group,
-             {CollectiveKind::kBroadcast, input.scalar_type(), {input.numel(), src}, {"numel", "src", "d2", "d3"}},
+             {CollectiveKind::kBroadcast, input.scalar_type(), {input.numel(), src}, {"numel", "src"}},
              describe(input, group));
   auto buffer = input.contiguous().clone();
   const auto tags = reserve_tags(group);
@@ -301,6 +303,26 @@ void barrier(const Group& group) {
     recv.wait();
     send.wait();
   }
+}
+
+std::vector<std::string> all_gather_strings(const std::string& value, const Group& group) {
+  // Bytes travel in int32 words: the collectives move no uint8.
+  const int64_t p = group.size();
+  auto lengths = all_gather(at::full({1}, static_cast<int64_t>(value.size()), at::kLong), 0, group).contiguous();
+  const auto* length = lengths.data_ptr<int64_t>();
+  std::vector<int64_t> words(static_cast<size_t>(p));
+  for (int64_t r = 0; r < p; ++r) words[r] = std::max<int64_t>(1, (length[r] + 3) / 4);
+  auto buffer = at::zeros({words[group.rank()]}, at::kInt);
+  std::memcpy(buffer.data_ptr(), value.data(), value.size());
+  auto all = all_gather(buffer, 0, group, words).contiguous();
+  const auto* bytes = static_cast<const char*>(all.data_ptr());
+  std::vector<std::string> out;
+  int64_t word = 0;
+  for (int64_t r = 0; r < p; ++r) {
+    out.emplace_back(bytes + 4 * word, static_cast<size_t>(length[r]));
+    word += words[r];
+  }
+  return out;
 }
 
 }  // namespace hyper_parallel::comm

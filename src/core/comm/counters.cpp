@@ -26,20 +26,6 @@ Counters& counters() {
 
 }  // namespace
 
-const char* to_string(CollectiveKind kind) {
-  switch (kind) {
-    case CollectiveKind::kAllGather: return "all_gather";
-    case CollectiveKind::kReduceScatter: return "reduce_scatter";
-    case CollectiveKind::kAllReduce: return "all_reduce";
-    case CollectiveKind::kAllToAll: return "all_to_all";
-    case CollectiveKind::kBroadcast: return "broadcast";
-    case CollectiveKind::kBarrier: return "barrier";
-    case CollectiveKind::kAllGatherMatmul: return "all_gather_matmul";
-    case CollectiveKind::kMatmulReduceScatter: return "matmul_reduce_scatter";
-  }
-  return "unknown";
-}
-
 void record_collective(CollectiveKind kind, std::string_view detail) {
   auto& c = counters();
   std::lock_guard<std::mutex> lock(c.mutex);

@@ -8,9 +8,13 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <hyper_parallel/core/comm/counters.h>
 #include <hyper_parallel/core/comm/p2p.h>
 #include <hyper_parallel/core/comm/work.h>
 
+#include <hyper_parallel/core/comm/skip_transfers.h>
+
+#include "control_channel.h"
 #include "flight_recorder.h"
 #include "group_impl.h"
 
@@ -26,8 +30,10 @@ std::string describe(const std::array<int64_t, kFields>& f, const std::array<con
   s << to_string(static_cast<CollectiveKind>(f[kKind])) << " "
     << c10::toString(static_cast<at::ScalarType>(f[kDtype]));
   for (int i = 0; i < 4; ++i) {
-    if (f[kDim0 + i] != 0 || std::string(names[i]) != "d" + std::to_string(i)) {
+    if (names[i] != nullptr) {
       s << " " << names[i] << "=" << f[kDim0 + i];
+    } else if (f[kDim0 + i] != 0) {
+      s << " d" << i << "=" << f[kDim0 + i];
     }
   }
   s << " chunks=" << f[kChunks];
@@ -90,6 +96,20 @@ void agree(const Group& group, const OpSignature& sig, int64_t seq) {
 }
 
 }  // namespace
+
+const char* to_string(CollectiveKind kind) {
+  switch (kind) {
+    case CollectiveKind::kAllGather: return "all_gather";
+    case CollectiveKind::kReduceScatter: return "reduce_scatter";
+    case CollectiveKind::kAllReduce: return "all_reduce";
+    case CollectiveKind::kAllToAll: return "all_to_all";
+    case CollectiveKind::kBroadcast: return "broadcast";
+    case CollectiveKind::kBarrier: return "barrier";
+    case CollectiveKind::kAllGatherMatmul: return "all_gather_matmul";
+    case CollectiveKind::kMatmulReduceScatter: return "matmul_reduce_scatter";
+  }
+  return "unknown";
+}
 
 bool agreement_checks_enabled() {
   static const bool enabled = [] {

@@ -1,168 +1,45 @@
+// Posting a transfer: tags, the checks on a send or receive, and the Work that waits for it.
 #include <hyper_parallel/core/comm/p2p.h>
-
-#include <condition_variable>
-#include <deque>
-#include <mutex>
-#include <thread>
 
 #include <c10/util/Exception.h>
 
 #include <hyper_parallel/core/comm/counters.h>
+#include <hyper_parallel/core/comm/skip_transfers.h>
 #include <hyper_parallel/core/comm/trace.h>
 
 #include "flight_recorder.h"
 #include "group_impl.h"
+#include "send_poster.h"
+#include "tags.h"
+#include "trace_waiters.h"
+#include "transfer.h"
 
 namespace hyper_parallel::comm {
+
+namespace detail {
+
+void Transfer::set_posted(c10::intrusive_ptr<c10d::Work> w, std::exception_ptr e) {
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    work = std::move(w);
+    error = std::move(e);
+    posted = true;
+  }
+  cv.notify_all();
+}
+
+c10::intrusive_ptr<c10d::Work> Transfer::wait_posted() {
+  std::unique_lock<std::mutex> lock(mutex);
+  cv.wait(lock, [&] { return posted; });
+  if (error) std::rethrow_exception(error);
+  return work;
+}
+
+}  // namespace detail
+
 namespace {
 
-// Internal tags live above the user range: base | op block | step.
-constexpr int64_t kInternalTagBase = int64_t{1} << 30;
-constexpr int64_t kOpBlocks = int64_t{1} << 19;  // blocks wrap; 2^19 ops apart never overlap
-
-// One transfer: posted to the transport (by the calling thread, or by the poster thread for
-// large sends), then completed.
-struct Transfer {
-  std::mutex mutex;
-  std::condition_variable cv;
-  c10::intrusive_ptr<c10d::Work> work;  // set once posted
-  bool posted = false;
-  bool done = false;  // completion observed by a waiter thread (tracing only)
-  std::exception_ptr error;
-
-  void set_posted(c10::intrusive_ptr<c10d::Work> w, std::exception_ptr e) {
-    {
-      std::lock_guard<std::mutex> lock(mutex);
-      work = std::move(w);
-      error = std::move(e);
-      posted = true;
-    }
-    cv.notify_all();
-  }
-  // The posted work; rethrows a failure to post.
-  c10::intrusive_ptr<c10d::Work> wait_posted() {
-    std::unique_lock<std::mutex> lock(mutex);
-    cv.wait(lock, [&] { return posted; });
-    if (error) std::rethrow_exception(error);
-    return work;
-  }
-};
-
-// Posts large sends from its own thread, in order. Gloo writes a send into the socket from the
-// thread that posts it, and on a veth link the kernel's TCP work runs there too: posted from the
-// calling thread, a 1 MB send held the matmul thread for milliseconds.
-class SendPoster {
- public:
-  static SendPoster& get() {
-    static SendPoster* poster = new SendPoster();  // its thread may outlive static destruction
-    return *poster;
-  }
-  void submit(c10::intrusive_ptr<c10d::ProcessGroup> backend, at::Tensor tensor, int dst, int tag,
-              std::shared_ptr<Transfer> transfer) {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      jobs_.push_back({std::move(backend), std::move(tensor), dst, tag, std::move(transfer)});
-      if (!started_) {
-        started_ = true;
-        std::thread([this] { run(); }).detach();
-      }
-    }
-    cv_.notify_one();
-  }
-
- private:
-  struct Job {
-    c10::intrusive_ptr<c10d::ProcessGroup> backend;
-    at::Tensor tensor;
-    int dst, tag;
-    std::shared_ptr<Transfer> transfer;
-  };
-  void run() {
-    for (;;) {
-      Job job;
-      {
-        std::unique_lock<std::mutex> lock(mutex_);
-        cv_.wait(lock, [&] { return !jobs_.empty(); });
-        job = std::move(jobs_.front());
-        jobs_.pop_front();
-      }
-      c10::intrusive_ptr<c10d::Work> work;
-      std::exception_ptr error;
-      try {
-        std::vector<at::Tensor> tensors{job.tensor};
-        work = job.backend->send(tensors, job.dst, job.tag);
-      } catch (...) {
-        error = std::current_exception();
-      }
-      job.transfer->set_posted(std::move(work), std::move(error));
-    }
-  }
-  std::mutex mutex_;
-  std::condition_variable cv_;
-  std::deque<Job> jobs_;
-  bool started_ = false;
-};
-
-// With tracing on, a waiter thread blocks on each transfer, so the span ends when the transport
-// completes it; the compute thread's wait() then waits for that waiter. The pool grows whenever
-// every waiter is busy, so each transfer in flight has its own waiter and lane in the trace.
-class WaiterPool {
- public:
-  static WaiterPool& get() {
-    static WaiterPool* pool = new WaiterPool();  // its threads may outlive static destruction
-    return *pool;
-  }
-  void submit(std::shared_ptr<Transfer> transfer, std::string name, int64_t op, int64_t post_us,
-              int64_t bytes) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    jobs_.push_back({std::move(transfer), std::move(name), op, post_us, bytes});
-    if (idle_ == 0) {
-      const int64_t lane = static_cast<int64_t>(threads_++);
-      std::thread([this, lane] { run(lane); }).detach();
-    } else {
-      cv_.notify_one();
-    }
-  }
-
- private:
-  struct Job {
-    std::shared_ptr<Transfer> transfer;
-    std::string name;
-    int64_t op, post_us, bytes;
-  };
-  void run(int64_t lane) {
-    for (;;) {
-      Job job;
-      {
-        std::unique_lock<std::mutex> lock(mutex_);
-        ++idle_;
-        cv_.wait(lock, [&] { return !jobs_.empty(); });
-        --idle_;
-        job = std::move(jobs_.front());
-        jobs_.pop_front();
-      }
-      std::exception_ptr error;
-      try {
-        job.transfer->wait_posted()->wait();
-      } catch (...) {
-        error = std::current_exception();
-      }
-      trace::detail::record_transfer(job.name, job.op, job.post_us, trace::detail::now_us(),
-                                     job.bytes, lane);
-      {
-        std::lock_guard<std::mutex> lock(job.transfer->mutex);
-        job.transfer->done = true;
-        if (!job.transfer->error) job.transfer->error = error;
-      }
-      job.transfer->cv.notify_all();
-    }
-  }
-  std::mutex mutex_;
-  std::condition_variable cv_;
-  std::deque<Job> jobs_;
-  size_t threads_ = 0;
-  int idle_ = 0;
-};
+using detail::Transfer;
 
 // The Work of one transfer. Its wait() tells the flight recorder whom this rank waits for, and
 // turns a transport failure (peer gone, timeout) into a c10::Error that names the op, its group,
@@ -206,9 +83,6 @@ class TransferWork final : public detail::WorkImpl {
   int64_t peer_;
 };
 
-// Sends of at least this size are posted by the poster thread.
-constexpr int64_t kPostedSendBytes = int64_t{64} << 10;
-
 // Gloo 1.13 rejects bf16 in some paths; transfers only move bytes, so send 2-byte floats as int16.
 at::Tensor as_wire_tensor(const at::Tensor& t) {
   if (t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf) return t.view(at::kShort);
@@ -234,19 +108,15 @@ int OpTags::step(int64_t step) const {
 }
 
 OpTags reserve_tags(const Group& group) {
-  int64_t op = group.impl().next_op.fetch_add(1) % kOpBlocks;
-  static_assert(kInternalTagBase + kOpBlocks * OpTags::kMaxSteps < (int64_t{1} << 31));
-  return OpTags(kInternalTagBase + op * OpTags::kMaxSteps);
+  const int64_t block = group.impl().next_op.fetch_add(1) % detail::kOpBlocks;
+  return OpTags(detail::kInternalTagBase + block * OpTags::kMaxSteps);
 }
 
-namespace {
+namespace detail {
 
-thread_local bool t_skip_transfers = false;
-
-// Posts one transfer (a send from the poster thread when large) and wraps it as a Work.
-Work post(bool is_send, const at::Tensor& tensor, int64_t peer, const Group& group, int tag,
-          bool traceable) {
-  if (t_skip_transfers) {
+Work post_transfer(bool is_send, const at::Tensor& tensor, int64_t peer, const Group& group, int tag,
+                   bool traceable) {
+  if (transfers_skipped()) {
     if (!is_send) tensor.zero_();
     return Work();
   }
@@ -255,7 +125,7 @@ Work post(bool is_send, const at::Tensor& tensor, int64_t peer, const Group& gro
   auto transfer = std::make_shared<Transfer>();
   auto wire = as_wire_tensor(tensor);
   const auto& backend = group.impl().backend;
-  if (is_send && bytes >= kPostedSendBytes) {
+  if (is_send && bytes >= SendPoster::kMinBytes) {
     SendPoster::get().submit(backend, wire, static_cast<int>(peer), tag, transfer);
   } else {
     std::vector<at::Tensor> tensors{wire};
@@ -267,40 +137,25 @@ Work post(bool is_send, const at::Tensor& tensor, int64_t peer, const Group& gro
   const auto what = (is_send ? "send to rank " : "receive from rank ") + std::to_string(peer) +
                     " of " + group.name() + " (global rank " + std::to_string(peer_global) + ")";
   if (post_us >= 0) {
-    WaiterPool::get().submit(transfer, (is_send ? "send to " : "recv from ") + std::to_string(peer),
-                             trace::detail::current_op(), post_us, bytes);
+    TraceWaiters::get().submit(transfer, (is_send ? "send to " : "recv from ") + std::to_string(peer),
+                               trace::detail::current_op(), post_us, bytes);
   }
   return Work(std::make_shared<TransferWork>(std::move(transfer), post_us >= 0, what, peer_global));
 }
 
-// Control messages (op signatures) share one tag per group, below the operations' tag blocks.
-constexpr int kControlTag = static_cast<int>(kInternalTagBase - 1);
-
-}  // namespace
+}  // namespace detail
 
 Work isend(const at::Tensor& tensor, int64_t dst, const Group& group, int tag) {
   check_transfer("isend", tensor, dst, group);
   if (tensor.numel() == 0) return Work();
-  if (!t_skip_transfers) detail::record_payload_bytes(static_cast<int64_t>(tensor.nbytes()));
-  return post(/*is_send=*/true, tensor, dst, group, tag, /*traceable=*/true);
+  if (!detail::transfers_skipped()) detail::record_payload_bytes(static_cast<int64_t>(tensor.nbytes()));
+  return detail::post_transfer(/*is_send=*/true, tensor, dst, group, tag, /*traceable=*/true);
 }
 
 Work irecv(const at::Tensor& tensor, int64_t src, const Group& group, int tag) {
   check_transfer("irecv", tensor, src, group);
   if (tensor.numel() == 0) return Work();
-  return post(/*is_send=*/false, tensor, src, group, tag, /*traceable=*/true);
+  return detail::post_transfer(/*is_send=*/false, tensor, src, group, tag, /*traceable=*/true);
 }
-
-namespace detail {
-
-SkipTransfers::SkipTransfers() : previous_(t_skip_transfers) { t_skip_transfers = true; }
-SkipTransfers::~SkipTransfers() { t_skip_transfers = previous_; }
-bool transfers_skipped() { return t_skip_transfers; }
-
-Work post_control(bool is_send, const at::Tensor& tensor, int64_t peer, const Group& group) {
-  return post(is_send, tensor, peer, group, kControlTag, /*traceable=*/false);
-}
-
-}  // namespace detail
 
 }  // namespace hyper_parallel::comm

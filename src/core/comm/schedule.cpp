@@ -57,19 +57,21 @@ at::Tensor BlockLayout::chunk_of_block(const at::Tensor& block_rows, int64_t blo
 
 namespace {
 
-// The ring neighbours of this rank and the tags of one operation: tag(step, chunk).
-struct Ring {
-  int64_t p, r, next, prev;
+// The tags of one operation, one per (step, chunk) transfer.
+struct StepChunkTags {
   OpTags tags;
   int64_t chunks;
-  Ring(const Group& group, int64_t chunks)
-      : p(group.size()),
-        r(group.rank()),
-        next((r + 1) % p),
-        prev((r + p - 1) % p),
-        tags(reserve_tags(group)),
-        chunks(chunks) {}
+  StepChunkTags(const Group& group, int64_t chunks) : tags(reserve_tags(group)), chunks(chunks) {}
   int tag(int64_t step, int64_t chunk) const { return tags.step(step * chunks + chunk); }
+};
+
+// A ring schedule's neighbours of this rank, and its tags.
+struct Ring {
+  int64_t p, r, next, prev;
+  StepChunkTags tags;
+  Ring(const Group& group, int64_t chunks)
+      : p(group.size()), r(group.rank()), next((r + 1) % p), prev((r + p - 1) % p), tags(group, chunks) {}
+  int tag(int64_t step, int64_t chunk) const { return tags.tag(step, chunk); }
 };
 
 void check_layout(const char* fn, const BlockLayout& layout, const Group& group) {
@@ -212,7 +214,7 @@ at::Tensor direct_reduce_scatter(const BlockLayout& layout, int64_t width,
     for (int64_t j = 0; j < chunks; ++j) layout.chunk_of_block(result, r, j).copy_(own_partial(j));
     return result;
   }
-  const Ring ring(group, chunks);
+  const StepChunkTags tags(group, chunks);
   // received[(s * chunks) + j]: chunk j of this rank's block from rank r - 1 - s, posted up front.
   std::vector<at::Tensor> received;
   std::vector<Work> recvs;
@@ -220,7 +222,7 @@ at::Tensor direct_reduce_scatter(const BlockLayout& layout, int64_t width,
     const int64_t src = (r - 1 - s + p) % p;
     for (int64_t j = 0; j < chunks; ++j) {
       received.push_back(at::empty({layout.chunk_rows(r, j), width}, input.dtype(wire)));
-      recvs.push_back(irecv(received.back(), src, group, ring.tag(s, j)));
+      recvs.push_back(irecv(received.back(), src, group, tags.tag(s, j)));
     }
   }
   // Step s: this rank's partial of block r + 1 + s, each chunk sent as soon as it is computed.
@@ -233,7 +235,7 @@ at::Tensor direct_reduce_scatter(const BlockLayout& layout, int64_t width,
       TORCH_INTERNAL_ASSERT(part.defined() && part.sizes() == c10::IntArrayRef({layout.chunk_rows(dst, j), width}),
                             "direct_reduce_scatter: the callback returned ", part.sizes());
       part = part.to(wire).contiguous();
-      sends.push_back(isend(part, dst, group, ring.tag(s, j)));
+      sends.push_back(isend(part, dst, group, tags.tag(s, j)));
       outgoing.push_back(std::move(part));
     }
   }

@@ -12,6 +12,7 @@
 // reductions accumulate in float32 and round once.
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -50,5 +51,9 @@ at::Tensor all_to_all(const at::Tensor& input, int64_t split_dim, int64_t concat
 at::Tensor broadcast(const at::Tensor& input, int64_t src, const Group& group);
 
 void barrier(const Group& group);
+
+/// Every rank's `value`, in group-rank order (two all_gathers: the lengths, then the bytes).
+/// For agreeing on descriptions, plans and errors, not for payload.
+std::vector<std::string> all_gather_strings(const std::string& value, const Group& group);
 
 }  // namespace hyper_parallel::comm

@@ -8,23 +8,9 @@
 #include <string>
 #include <string_view>
 
+#include <hyper_parallel/core/comm/op.h>
+
 namespace hyper_parallel::comm {
-
-enum class CollectiveKind {
-  kAllGather,
-  kReduceScatter,
-  kAllReduce,
-  kAllToAll,
-  kBroadcast,
-  kBarrier,
-  // MC2 fused ops (core/tensor_parallel/mc2) count as their own kinds: a fused op is one
-  // collective, not an all_gather plus a matmul.
-  kAllGatherMatmul,
-  kMatmulReduceScatter,
-};
-constexpr int kNumCollectiveKinds = 8;
-
-const char* to_string(CollectiveKind kind);
 
 /// Records one collective in the current region. Called by this library's communication code.
 void record_collective(CollectiveKind kind, std::string_view detail = {});

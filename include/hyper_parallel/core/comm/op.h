@@ -19,23 +19,42 @@
 
 #include <c10/core/ScalarType.h>
 
-#include <hyper_parallel/core/comm/counters.h>
 #include <hyper_parallel/core/comm/process_group.h>
 #include <hyper_parallel/core/comm/trace.h>
 
 namespace hyper_parallel::comm {
+
+/// The ops of this library: every collective and fused op is one of these, counted
+/// (counters.h), traced (trace.h) and recorded (the flight recorder) under this name.
+enum class CollectiveKind {
+  kAllGather,
+  kReduceScatter,
+  kAllReduce,
+  kAllToAll,
+  kBroadcast,
+  kBarrier,
+  // MC2 fused ops (core/tensor_parallel/mc2) count as their own kinds: a fused op is one
+  // collective, not an all_gather plus a matmul.
+  kAllGatherMatmul,
+  kMatmulReduceScatter,
+};
+constexpr int kNumCollectiveKinds = 8;
+
+/// "all_gather", "matmul_reduce_scatter", ...
+const char* to_string(CollectiveKind kind);
 
 namespace detail {
 struct OpRecord;
 }  // namespace detail
 
 /// What every rank of the group must agree on for one op: its kind, dtype, up to four extents
-/// (op-specific, named for messages) and the chunk count.
+/// (op-specific) and the chunk count. An extent with a name is shown in messages by that name;
+/// unnamed extents (nullptr) are compared all the same and shown as d<i> when non-zero.
 struct OpSignature {
   CollectiveKind kind;
   at::ScalarType dtype = at::kFloat;
   std::array<int64_t, 4> dims{};
-  std::array<const char*, 4> names{"d0", "d1", "d2", "d3"};
+  std::array<const char*, 4> names{};
   int64_t chunks = 1;
 };
 

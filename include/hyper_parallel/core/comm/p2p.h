@@ -39,25 +39,4 @@ Work irecv(const at::Tensor& tensor, int64_t src, const Group& group, int tag);
 /// User-level tags must be in [0, kMaxUserTag); larger ones are reserved for this library.
 constexpr int kMaxUserTag = 1 << 20;
 
-namespace detail {
-/// For benchmarks only: while one is alive on a thread, that thread's sends and receives (and
-/// the ops' agreement) are skipped and receives read as zeros, so a program runs its compute
-/// with the shard shapes of a real run and none of its communication. Results are meaningless;
-/// every rank must hold one around the same calls.
-///
-/// Usage (bench): { comm::detail::SkipTransfers skip; train_step(model); }  // compute only
-class SkipTransfers {
- public:
-  SkipTransfers();
-  ~SkipTransfers();
-  SkipTransfers(const SkipTransfers&) = delete;
-  SkipTransfers& operator=(const SkipTransfers&) = delete;
-
- private:
-  bool previous_;
-};
-/// Whether the calling thread skips its transfers.
-bool transfers_skipped();
-}  // namespace detail
-
 }  // namespace hyper_parallel::comm

@@ -79,10 +79,10 @@ at::Tensor gather_rows(const at::Tensor& a, const comm::Group& group, const MC2O
 comm::OpSignature signature(CollectiveKind kind, const at::Tensor& a, const at::Tensor& b,
                             const MC2Options& options) {
   if (kind == CollectiveKind::kAllGatherMatmul) {
-    return {kind, a.scalar_type(), {a.size(0), a.size(1), 0, 0}, {"m", "k", "d2", "d3"},
+    return {kind, a.scalar_type(), {a.size(0), a.size(1), 0, 0}, {"m", "k"},
             options.chunks_per_rank()};
   }
-  return {kind, a.scalar_type(), {a.size(0), b.size(1), 0, 0}, {"M", "n", "d2", "d3"},
+  return {kind, a.scalar_type(), {a.size(0), b.size(1), 0, 0}, {"M", "n"},
           options.chunks_per_rank()};
 }
 
