@@ -209,7 +209,7 @@ PYBIND11_MODULE(_C, m) {
                                      const dtensor::DeviceMesh& mesh, const dtensor::Placement& layout) {
     return tp::detail::sequence_sharded_input(style.c_str(), local, mesh, layout);
   });
-  m.def("check_plan_agrees", &tp::detail::check_plan_agrees, py::arg("lines"), py::arg("mesh"));
+  m.def("check_plan_agrees", &tp::check_plan_agrees, py::arg("lines"), py::arg("mesh"));
 
   // ---- MC2 ----------------------------------------------------------------------------------------
   py::class_<tp::MC2Options>(m, "MC2Options")

@@ -81,11 +81,6 @@ void add_output_hook(nn::HookableModule& module, const dtensor::DeviceMesh& mesh
                      const dtensor::Placement& produced, const dtensor::Placement& wanted,
                      bool use_local_output);
 
-/// parallelize_module's apply-time check: every rank of the TP mesh describes what it will
-/// parallelize, one line per module ("fqn: Style weight Float[1024, 256] ..."); ranks that
-/// differ all throw, naming the first line that differs and each rank's version of it.
-void check_plan_agrees(const std::vector<std::string>& lines, const dtensor::DeviceMesh& mesh);
-
 /// This rank's chunk [start, start + size) of a vocabulary sharded over a 1-d mesh, and global
 /// ids mapped into it: `outside` marks ids another rank holds; their local id is 0.
 struct VocabShard {
