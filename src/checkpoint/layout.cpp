@@ -1,16 +1,27 @@
 #include "layout.h"
 
 #include <algorithm>
+#include <sstream>
 
 #include <c10/util/Exception.h>
 
 namespace hyper_parallel::checkpoint::detail {
 
-int64_t Region::numel() const {
+std::string shape_str(const std::vector<int64_t>& shape) {
+  std::ostringstream s;
+  s << "[";
+  for (size_t i = 0; i < shape.size(); ++i) s << (i ? ", " : "") << shape[i];
+  s << "]";
+  return s.str();
+}
+
+int64_t numel_of(const std::vector<int64_t>& shape) {
   int64_t n = 1;
   for (auto v : shape) n *= v;
   return n;
 }
+
+int64_t Region::numel() const { return numel_of(shape); }
 
 Region local_region(const char* fn, const std::string& key, const Entry& entry) {
   Region r{std::vector<int64_t>(entry.global_shape.size(), 0), entry.global_shape};

@@ -10,6 +10,11 @@
 
 namespace hyper_parallel::checkpoint::detail {
 
+/// "[2, 3]" for messages.
+std::string shape_str(const std::vector<int64_t>& shape);
+/// The product of the extents (1 for a scalar's []).
+int64_t numel_of(const std::vector<int64_t>& shape);
+
 /// A box of a global tensor: [offset, offset + shape) per dim.
 struct Region {
   std::vector<int64_t> offset, shape;

@@ -4,7 +4,9 @@
 #include <bit>
 #include <sstream>
 
+#include <c10/util/ArrayRef.h>
 #include <c10/util/Exception.h>
+#include <c10/util/accumulate.h>
 #include <nlohmann/json.hpp>
 
 namespace hyper_parallel::checkpoint::detail {
@@ -43,20 +45,6 @@ at::ScalarType dtype_from_name(const char* fn, const std::string& name, const st
     if (name == d.name) return d.dtype;
   }
   TORCH_CHECK(false, fn, ": ", where, ": unknown dtype '", name, "'");
-}
-
-std::string shape_str(const std::vector<int64_t>& shape) {
-  std::ostringstream s;
-  s << "[";
-  for (size_t i = 0; i < shape.size(); ++i) s << (i ? ", " : "") << shape[i];
-  s << "]";
-  return s.str();
-}
-
-int64_t numel_of(const std::vector<int64_t>& shape) {
-  int64_t n = 1;
-  for (auto v : shape) n *= v;
-  return n;
 }
 
 std::string encode_header(const std::vector<TensorRecord>& tensors, const Metadata& metadata) {
@@ -106,9 +94,9 @@ SafetensorsReader::SafetensorsReader(const char* fn, const std::string& path)
       r.begin = offsets[0];
       r.end = offsets[1];
       const auto dtype = dtype_from_name(fn, r.dtype, path + ": tensor " + name);
-      const int64_t expected = numel_of(r.shape) * static_cast<int64_t>(c10::elementSize(dtype));
+      const int64_t expected = c10::multiply_integers(r.shape) * static_cast<int64_t>(c10::elementSize(dtype));
       TORCH_CHECK(r.end - r.begin == expected, fn, ": ", path, ": tensor ", name, ": expected ",
-                  expected, " bytes for ", r.dtype, " ", shape_str(r.shape), ", got data_offsets [",
+                  expected, " bytes for ", r.dtype, " ", c10::IntArrayRef(r.shape), ", got data_offsets [",
                   r.begin, ", ", r.end, ")");
       data_end = std::max(data_end, r.end);
       by_name_.emplace(name, tensors_.size());

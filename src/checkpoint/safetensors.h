@@ -21,9 +21,6 @@ std::string dtype_name(const char* fn, at::ScalarType dtype, const std::string& 
 /// The inverse; throws naming `where` for an unknown name.
 at::ScalarType dtype_from_name(const char* fn, const std::string& name, const std::string& where);
 
-std::string shape_str(const std::vector<int64_t>& shape);
-int64_t numel_of(const std::vector<int64_t>& shape);
-
 struct TensorRecord {
   std::string name;
   std::string dtype;

@@ -87,7 +87,7 @@ std::vector<StepResult> train(const TrainOptions& options,
     const auto latest = hp::checkpoint::latest_step(checkpoint_dir);
     TORCH_CHECK(latest.has_value(), "llama3::train: expected a checkpoint to resume from in '",
                 checkpoint_dir, "', got none (no 'latest' file)");
-    const std::string dir = checkpoint_dir + "/step-" + std::to_string(*latest);
+    const std::string dir = hp::checkpoint::step_dir(checkpoint_dir, *latest);
     hp::checkpoint::load(dir, state);
     first_step = *latest + 1;
     if (log) {

@@ -170,6 +170,9 @@ void load(const std::string& dir, State& state, const LoadOptions& options = {})
 /// The step `root/latest` names; nullopt if there is no `latest`.
 std::optional<int64_t> latest_step(const std::string& root);
 
+/// The directory of step `step` under `root`: root/step-<step>.
+std::string step_dir(const std::string& root, int64_t step);
+
 /// Writes the full (unsharded) tensors of every key not starting with "optim." to `out_file`
 /// as one safetensors file named by the model's FQNs, reassembled from the shard files (no
 /// process group needed; one process calls it). `dir` as in load.
