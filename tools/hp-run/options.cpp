@@ -1,0 +1,121 @@
+#include "options.h"
+
+#include <algorithm>
+#include <charconv>
+#include <iterator>
+
+#include <CLI/CLI.hpp>
+
+namespace hp_run {
+namespace {
+
+constexpr const char* kDescription =
+    R"(usage: hp-run --nproc-per-node N [options] -- program [args...]
+
+Starts N copies of program on this node, one per local rank, and prefixes
+every line they print with "[rank R] ". Flags also take --flag=value.)";
+
+constexpr const char* kFooter =
+    R"(Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK,
+MASTER_ADDR and MASTER_PORT in its environment.
+
+exit status: 0 if every rank succeeded; the first failing rank's exit code
+(128+signal if it was killed); 124 on timeout; 128+signal if hp-run was
+interrupted; 2 on a usage error.)";
+
+constexpr long long kIntMax = 2147483647;
+
+// A CLI11 check that the value is an integer in [lo, hi]; its message names the value (CLI11
+// prefixes the flag): "--timeout: expected a non-negative integer (seconds), got 'soon'".
+CLI::Validator integer_in(long long lo, long long hi, const std::string& expectation) {
+  return CLI::Validator(
+      [=](std::string& text) -> std::string {
+        long long value = 0;
+        const char* end = text.data() + text.size();
+        const auto [stop, error] = std::from_chars(text.data(), end, value);
+        if (text.empty() || error != std::errc() || stop != end || value < lo || value > hi) {
+          return "expected " + expectation + ", got '" + text + "'";
+        }
+        return {};
+      },
+      expectation);
+}
+
+// Checks that need every flag to be known first.
+void validate(const Options& opts) {
+  if (opts.node_rank >= opts.nnodes) {
+    throw UsageError("--node-rank: expected a value in [0, " + std::to_string(opts.nnodes) +
+                     ") for --nnodes " + std::to_string(opts.nnodes) + ", got " +
+                     std::to_string(opts.node_rank));
+  }
+  if (opts.master_port == 0 && opts.nnodes > 1) {
+    // Every node would pick a different port, so they could never meet.
+    throw UsageError(
+        "--master-port 0 (pick a free port) only works with --nnodes 1; give every node the "
+        "same port");
+  }
+  if (static_cast<long long>(opts.nnodes) * opts.nproc_per_node > kIntMax) {
+    throw UsageError("--nnodes * --nproc-per-node is too large");
+  }
+}
+
+}  // namespace
+
+// hp-run's own flags come before "--"; everything after it is the program and its arguments,
+// passed on untouched (they may look like flags).
+Options parse_args(int argc, char** argv) {
+  const std::vector<std::string> args(argv + 1, argv + argc);
+  const auto separator = std::find(args.begin(), args.end(), "--");
+  Options opts;
+  CLI::App app(kDescription, "hp-run");
+  app.footer(kFooter);
+  app.allow_extras();  // reported below in hp-run's own words
+  app.add_option("--nproc-per-node", opts.nproc_per_node,
+                 "processes (ranks) to start on this node")
+      ->required()
+      ->check(integer_in(1, kIntMax, "a positive integer"));
+  app.add_option("--nnodes", opts.nnodes, "number of nodes in the job")
+      ->capture_default_str()
+      ->check(integer_in(1, kIntMax, "a positive integer"));
+  app.add_option("--node-rank", opts.node_rank, "index of this node, 0 <= R < nnodes")
+      ->capture_default_str()
+      ->check(integer_in(0, kIntMax, "a non-negative integer"));
+  app.add_option("--master-addr", opts.master_addr, "address of the rendezvous master")
+      ->capture_default_str()
+      ->check(CLI::Validator(
+          [](std::string& text) { return text.empty() ? std::string("expected a non-empty address") : ""; },
+          "ADDRESS"));
+  app.add_option("--master-port", opts.master_port,
+                 "port of the rendezvous master; 0 picks a free port (only with --nnodes 1)")
+      ->capture_default_str()
+      ->check(integer_in(0, 65535, "an integer in [0, 65535]"));
+  app.add_option("--timeout", opts.timeout_s, "kill all ranks after S seconds; 0 = never")
+      ->capture_default_str()
+      ->check(integer_in(0, kIntMax, "a non-negative integer (seconds)"));
+  app.add_option("--grace", opts.grace_s, "seconds between SIGTERM and SIGKILL")
+      ->capture_default_str()
+      ->check(integer_in(0, kIntMax, "a non-negative integer (seconds)"));
+  try {
+    app.parse(std::vector<std::string>(std::make_reverse_iterator(separator), args.rend()));
+  } catch (const CLI::CallForHelp&) {
+    throw HelpRequested{app.help()};
+  } catch (const CLI::ArgumentMismatch& e) {
+    // CLI11 says "--nnodes: 1 required INT:... missing"; name the flag and the problem.
+    const std::string text = e.what();
+    throw UsageError(text.substr(0, text.find(':')) + ": missing value");
+  } catch (const CLI::ParseError& e) {
+    throw UsageError(e.what());
+  }
+  for (const auto& extra : app.remaining()) {
+    if (extra.starts_with("-")) throw UsageError("unknown flag '" + extra.substr(0, extra.find('=')) + "'");
+    throw UsageError("expected '--' followed by a program to run (got '" + extra + "')");
+  }
+  validate(opts);
+  if (separator == args.end() || separator + 1 == args.end()) {
+    throw UsageError("expected '--' followed by a program to run");
+  }
+  opts.command.assign(separator + 1, args.end());
+  return opts;
+}
+
+}  // namespace hp_run

@@ -1,0 +1,51 @@
+#include "ports.h"
+
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <memory>
+#include <stdexcept>
+
+#include "io.h"
+
+namespace hp_run {
+
+int pick_free_port(const std::string& address) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+  addrinfo* found = nullptr;
+  const int rc = ::getaddrinfo(address.c_str(), "0", &hints, &found);
+  if (rc != 0) {
+    throw std::runtime_error("cannot resolve --master-addr '" + address + "': " + ::gai_strerror(rc));
+  }
+  const std::unique_ptr<addrinfo, decltype(&::freeaddrinfo)> guard(found, &::freeaddrinfo);
+
+  std::string last_error = "no usable address";
+  for (const addrinfo* ai = found; ai != nullptr; ai = ai->ai_next) {
+    const int fd = ::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
+    if (fd < 0) {
+      last_error = errno_text(errno);
+      continue;
+    }
+    sockaddr_storage bound{};
+    socklen_t length = sizeof bound;
+    if (::bind(fd, ai->ai_addr, ai->ai_addrlen) == 0 &&
+        ::getsockname(fd, reinterpret_cast<sockaddr*>(&bound), &length) == 0) {
+      ::close(fd);
+      const in_port_t port = bound.ss_family == AF_INET6 ? reinterpret_cast<const sockaddr_in6*>(&bound)->sin6_port
+                                                         : reinterpret_cast<const sockaddr_in*>(&bound)->sin_port;
+      return ntohs(port);
+    }
+    last_error = errno_text(errno);
+    ::close(fd);
+  }
+  throw std::runtime_error("cannot pick a free port on '" + address + "': " + last_error);
+}
+
+}  // namespace hp_run
