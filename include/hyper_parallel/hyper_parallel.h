@@ -4,4 +4,4 @@
 #include <hyper_parallel/core/comm.h>
 #include <hyper_parallel/core/dtensor.h>
 #include <hyper_parallel/core/tensor_parallel.h>
-#include <hyper_parallel/nn.h>
+#include <hyper_parallel/core/nn.h>

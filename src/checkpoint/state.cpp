@@ -8,7 +8,7 @@
 #include <torch/nn/module.h>
 #include <torch/optim/adamw.h>
 
-#include <hyper_parallel/nn/hookable_module.h>
+#include <hyper_parallel/core/nn/hookable_module.h>
 
 #include "layout.h"
 #include "safetensors.h"

@@ -12,7 +12,7 @@
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/pimpl.h>
 
-#include <hyper_parallel/nn.h>
+#include <hyper_parallel/core/nn.h>
 
 namespace llama3 {
 

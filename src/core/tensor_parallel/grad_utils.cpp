@@ -7,7 +7,7 @@
 
 #include <hyper_parallel/core/comm/collectives.h>
 #include <hyper_parallel/core/dtensor/dtensor.h>
-#include <hyper_parallel/nn/hookable_module.h>
+#include <hyper_parallel/core/nn/hookable_module.h>
 
 namespace hyper_parallel::tensor_parallel {
 namespace {

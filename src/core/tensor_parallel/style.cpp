@@ -7,7 +7,7 @@
 #include <hyper_parallel/core/comm/counters.h>
 #include <hyper_parallel/core/dtensor/dtensor.h>
 #include <hyper_parallel/core/tensor_parallel/parallelize.h>
-#include <hyper_parallel/nn/hookable_module.h>
+#include <hyper_parallel/core/nn/hookable_module.h>
 
 #include "style_common.h"
 

@@ -9,7 +9,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <hyper_parallel/core/dtensor/dtensor.h>
-#include <hyper_parallel/nn/hookable_module.h>
+#include <hyper_parallel/core/nn/hookable_module.h>
 
 namespace torch::nn {
 class Module;

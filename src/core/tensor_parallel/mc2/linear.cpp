@@ -6,7 +6,7 @@
 
 #include <hyper_parallel/core/comm/schedule.h>
 #include <hyper_parallel/core/tensor_parallel/mc2/sequence_layout.h>
-#include <hyper_parallel/nn/hookable_module.h>
+#include <hyper_parallel/core/nn/hookable_module.h>
 
 #include "../../autograd/attach_backward.h"
 #include "shared_gather.h"

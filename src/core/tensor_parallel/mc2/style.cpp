@@ -4,7 +4,7 @@
 #include <torch/nn/module.h>
 
 #include <hyper_parallel/core/dtensor/dtensor.h>
-#include <hyper_parallel/nn/hookable_module.h>
+#include <hyper_parallel/core/nn/hookable_module.h>
 
 #include "../style_common.h"
 

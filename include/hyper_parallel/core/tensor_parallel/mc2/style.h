@@ -8,7 +8,7 @@
 
 #include <hyper_parallel/core/tensor_parallel/mc2/linear.h>
 #include <hyper_parallel/core/tensor_parallel/style.h>
-#include <hyper_parallel/nn/hookable_module.h>
+#include <hyper_parallel/core/nn/hookable_module.h>
 
 namespace hyper_parallel::tensor_parallel {
 

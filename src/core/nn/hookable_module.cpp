@@ -1,4 +1,4 @@
-#include <hyper_parallel/nn/hookable_module.h>
+#include <hyper_parallel/core/nn/hookable_module.h>
 
 #include <ostream>
 

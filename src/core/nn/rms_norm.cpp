@@ -1,4 +1,4 @@
-#include <hyper_parallel/nn/rms_norm.h>
+#include <hyper_parallel/core/nn/rms_norm.h>
 
 #include <ATen/ATen.h>
 

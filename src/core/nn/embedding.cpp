@@ -1,4 +1,4 @@
-#include <hyper_parallel/nn/embedding.h>
+#include <hyper_parallel/core/nn/embedding.h>
 
 #include <ATen/ATen.h>
 #include <torch/nn/init.h>

@@ -1,4 +1,4 @@
-#include <hyper_parallel/nn/linear.h>
+#include <hyper_parallel/core/nn/linear.h>
 
 #include <cmath>
 

@@ -1,0 +1,6 @@
+#pragma once
+// core/nn: the library's modules, with hook points (HookableModule) that parallel styles fill.
+#include <hyper_parallel/core/nn/embedding.h>
+#include <hyper_parallel/core/nn/hookable_module.h>
+#include <hyper_parallel/core/nn/linear.h>
+#include <hyper_parallel/core/nn/rms_norm.h>
