@@ -17,6 +17,7 @@ from hyper_parallel.core.dtensor import DeviceMesh, init_device_mesh
 from hyper_parallel.core.tensor_parallel import (
     ColwiseParallel,
     MC2ColwiseParallel,
+    MC2Linear,
     MC2RowwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
@@ -30,6 +31,7 @@ __all__ = [
     "ColwiseParallel",
     "DeviceMesh",
     "MC2ColwiseParallel",
+    "MC2Linear",
     "MC2RowwiseParallel",
     "ParallelStyle",
     "PrepareModuleInput",

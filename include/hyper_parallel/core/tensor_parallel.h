@@ -4,5 +4,6 @@
 #include <hyper_parallel/core/tensor_parallel/loss_parallel.h>
 #include <hyper_parallel/core/tensor_parallel/mc2.h>
 #include <hyper_parallel/core/tensor_parallel/parallelize.h>
+#include <hyper_parallel/core/tensor_parallel/parameter_sharding.h>
 #include <hyper_parallel/core/tensor_parallel/plan.h>
 #include <hyper_parallel/core/tensor_parallel/style.h>

@@ -1,7 +1,8 @@
 """Process groups, collectives and counters of the C++ core.
 
 The world is the one ``torch.distributed.init_process_group("gloo")`` made: the C++ core joins
-it (no second rendezvous) the first time it is needed.
+it (no second rendezvous) the first time it is needed, and adopts torch's process groups: every
+function here that takes a group takes a ``torch.distributed`` ProcessGroup.
 """
 
 import torch.distributed as dist
@@ -36,7 +37,7 @@ def ensure_initialized() -> None:
     _C.init_process_group_from(dist.group.WORLD, dist.distributed_c10d._get_default_store())
 
 
-def world() -> Group:
-    """The world group, as the C++ core sees it."""
+def world():
+    """The world group as torch.distributed's default ProcessGroup."""
     ensure_initialized()
-    return _C.world()
+    return dist.group.WORLD

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#include <map>
 #include <mutex>
 #include <sstream>
 
@@ -28,6 +29,8 @@ struct World {
   std::shared_ptr<::gloo::transport::Device> device;
   std::shared_ptr<detail::GroupImpl> group;
   int64_t groups_created = 0;  // sub-groups, same count on every rank (collective contract)
+  // Adopted backends (the world joined from torch among them) and their groups.
+  std::map<const c10d::ProcessGroup*, std::weak_ptr<detail::GroupImpl>> adopted;
 };
 
 World& world_state() {
@@ -211,6 +214,8 @@ void init_process_group_from(c10::intrusive_ptr<c10d::ProcessGroup> world_backen
   for (int64_t r = 0; r < size; ++r) impl->global_ranks.push_back(r);
   impl->name = "world";
   impl->timeout = options.timeout().value_or(default_timeout());
+  w.adopted.clear();
+  w.adopted[impl->backend.get()] = impl;
   w.group = std::move(impl);
   w.groups_created = 0;
   trace::detail::start(rank);
@@ -237,7 +242,35 @@ void destroy_process_group() {
   w.device.reset();
   w.store.reset();
   w.groups_created = 0;
+  w.adopted.clear();
 }
+
+Group adopt_group(c10::intrusive_ptr<c10d::ProcessGroup> backend, std::vector<int64_t> global_ranks,
+                  const std::string& name) {
+  auto& world_impl = require_world("adopt_group");
+  TORCH_CHECK_VALUE(backend, "hyper_parallel::comm::adopt_group: expected a process group, got None");
+  auto& w = world_state();
+  std::lock_guard<std::mutex> lock(w.mutex);
+  if (auto existing = w.adopted[backend.get()].lock()) return Group(existing);
+  TORCH_CHECK_VALUE(static_cast<int64_t>(global_ranks.size()) == backend->getSize(),
+                    "hyper_parallel::comm::adopt_group: expected one global rank per member of the group (",
+                    backend->getSize(), "), got ", global_ranks.size());
+  TORCH_CHECK_VALUE(backend->getRank() >= 0 && global_ranks[backend->getRank()] == world_impl.rank,
+                    "hyper_parallel::comm::adopt_group: expected this rank (global ", world_impl.rank,
+                    ") at its group rank ", backend->getRank(), " of ", c10::IntArrayRef(global_ranks));
+  auto impl = std::make_shared<detail::GroupImpl>();
+  impl->rank = backend->getRank();
+  impl->global_ranks = std::move(global_ranks);
+  std::ostringstream full_name;
+  full_name << name << c10::IntArrayRef(impl->global_ranks);
+  impl->name = full_name.str();
+  impl->timeout = world_impl.timeout;
+  impl->backend = std::move(backend);
+  w.adopted[impl->backend.get()] = impl;
+  return Group(std::move(impl));
+}
+
+c10::intrusive_ptr<c10d::ProcessGroup> backend_of(const Group& group) { return group.impl().backend; }
 
 Group new_group(const std::vector<int64_t>& ranks) {
   auto& world_impl = require_world("new_group");

@@ -29,8 +29,8 @@ std::vector<int64_t> strides_of(const std::vector<int64_t>& shape) {
 
 }  // namespace
 
-DeviceMesh::DeviceMesh(std::string device_type, std::vector<int64_t> shape,
-                       std::vector<int64_t> ranks, std::vector<std::string> dim_names) {
+DeviceMesh::DeviceMesh(std::string device_type, std::vector<int64_t> shape, std::vector<int64_t> ranks,
+                       std::vector<std::string> dim_names, const GroupFactory& make_group) {
   TORCH_CHECK(device_type == "cpu", "DeviceMesh: device_type '", device_type,
               "' is not supported by this build (Gloo transport); expected 'cpu'");
   TORCH_CHECK(!shape.empty(), "DeviceMesh: expected a mesh shape with at least 1 dim, got []");
@@ -80,7 +80,7 @@ DeviceMesh::DeviceMesh(std::string device_type, std::vector<int64_t> shape,
       for (int64_t k = 0; k < impl->shape[d]; ++k) line.push_back(impl->ranks[start + k * strides[d]]);
       std::vector<int64_t> everyone(world);
       std::iota(everyone.begin(), everyone.end(), 0);
-      comm::Group g = line == everyone ? comm::world() : comm::new_group(line);
+      comm::Group g = line == everyone ? comm::world() : make_group ? make_group(line) : comm::new_group(line);
       if (g.is_member()) impl->groups[d] = g;
     }
   }
@@ -129,6 +129,12 @@ comm::Group DeviceMesh::get_group(int64_t mesh_dim) const {
   return impl_->groups[d];
 }
 
+comm::Group DeviceMesh::get_group() const {
+  TORCH_CHECK_VALUE(ndim() == 1, "DeviceMesh::get_group: expected mesh_dim for the ", ndim(), "-d mesh ", str(),
+                    " (a name or an index), got none");
+  return get_group(0);
+}
+
 comm::Group DeviceMesh::get_group(const std::string& name) const { return get_group(dim_index(name)); }
 
 int64_t DeviceMesh::get_local_rank(int64_t mesh_dim) const {
@@ -166,7 +172,7 @@ std::string DeviceMesh::str() const {
 }
 
 DeviceMesh init_device_mesh(const std::string& device_type, const std::vector<int64_t>& mesh_shape,
-                            const std::vector<std::string>& mesh_dim_names) {
+                            const std::vector<std::string>& mesh_dim_names, const DeviceMesh::GroupFactory& make_group) {
   TORCH_CHECK(comm::is_initialized(), "init_device_mesh: process group is not initialised; call "
               "init_process_group() first");
   const int64_t world = comm::world_size();
@@ -176,7 +182,7 @@ DeviceMesh init_device_mesh(const std::string& device_type, const std::vector<in
               " to hold the world size ", world, ", got ", numel, " ranks");
   std::vector<int64_t> ranks(world);
   std::iota(ranks.begin(), ranks.end(), 0);
-  return DeviceMesh(device_type, mesh_shape, std::move(ranks), mesh_dim_names);
+  return DeviceMesh(device_type, mesh_shape, std::move(ranks), mesh_dim_names, make_group);
 }
 
 }  // namespace hyper_parallel::dtensor

@@ -5,8 +5,6 @@
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
 
-#include <hyper_parallel/core/comm/collectives.h>
-#include <hyper_parallel/core/comm/counters.h>
 
 namespace hyper_parallel::tensor_parallel {
 
@@ -25,59 +23,50 @@ nn::HookableModule& hookable(const char* style, torch::nn::Module& module) {
   return *hm;
 }
 
-nn::HookableModule& sharding_target(const char* style, torch::nn::Module& module,
-                                    const ModuleKinds& accepted) {
-  auto& hm = hookable(style, module);
-  const auto& kinds = accepted.kinds;
-  TORCH_CHECK(kinds.empty() || std::find(kinds.begin(), kinds.end(), hm.module_kind()) != kinds.end(),
-              style, ": expected ", accepted.expected, ", got ", module.name(), "; ", accepted.reason);
-  for (const auto& item : module.named_parameters(/*recurse=*/false)) {
-    TORCH_CHECK(hm.parameter_layout(item.key()) == nullptr, style, ": expected a module no style ",
-                "has parallelized yet, got ", module.name(), " whose parameter '", item.key(),
-                "' is already laid out by another style");
+ModuleTarget target_of(nn::HookableModule& hm, torch::nn::Module& module) {
+  ModuleTarget target{hm.module_kind(), module.name(), {}, at::kFloat};
+  const auto params = module.named_parameters(/*recurse=*/false);
+  if (const auto* weight = params.find("weight")) {
+    target.weight_shape = weight->sizes().vec();
+    target.weight_dtype = weight->scalar_type();
   }
-  TORCH_CHECK(hm.forward_kernel() == nullptr, style, ": expected a module no style has ",
-              "parallelized yet, got ", module.name(), " already using ", hm.forward_kernel()->name());
+  return target;
+}
+
+nn::HookableModule& sharding_target(const ParallelStyle& style, torch::nn::Module& module, const DeviceMesh& mesh,
+                                    std::optional<int64_t> src_data_rank) {
+  const auto name = style.name();
+  auto& hm = hookable(name.c_str(), module);
+  const auto target = target_of(hm, module);
+  style.check_kind(target);
+  std::vector<std::string> parameters;
+  for (const auto& item : module.named_parameters(/*recurse=*/false)) {
+    TORCH_CHECK_VALUE(hm.parameter_layout(item.key()) == nullptr, name, ": expected a module no style ",
+                      "has parallelized yet, got ", module.name(), " whose parameter '", item.key(),
+                      "' is already laid out by another style");
+    parameters.push_back(item.key());
+  }
+  TORCH_CHECK_VALUE(hm.forward_kernel() == nullptr, name, ": expected a module no style has ",
+                    "parallelized yet, got ", module.name(), " already using ", hm.forward_kernel()->name());
+  style.check_target(target, mesh);
+  auto params = module.named_parameters(/*recurse=*/false);  // handles to the module's tensors
+  for (const auto& row : style.parameter_shardings(hm.module_kind(), parameters)) {
+    auto& param = params[row.name];
+    const auto global_shape = param.sizes().vec();
+    shard_parameter_in_place(param, mesh, row.placements, src_data_rank);
+    hm.set_parameter_layout(row.name, {mesh, row.placements, global_shape});
+    if (row.sums_gradient) sum_gradient_over_mesh(param, mesh);
+  }
   return hm;
 }
 
-void shard_tensor_in_place(const at::Tensor& param, const DeviceMesh& mesh,
-                           const Placements& placements, std::optional<int64_t> src_data_rank) {
-  // The source rank's values win, so all ranks hold shards of one tensor even if their
-  // initialisation differed (unless src_data_rank is nullopt: then each shards its own copy).
-  auto local = dtensor::distribute_tensor(param.detach(), mesh, placements, src_data_rank).to_local();
-  at::NoGradGuard no_grad;
-  // set_data keeps the parameter object (and an optimizer's reference to it) valid.
-  param.set_data(local.contiguous());
-}
-
-void sum_gradient_over_mesh(const at::Tensor& param, const DeviceMesh& mesh) {
-  if (mesh.size(0) == 1 || !param.requires_grad()) return;
-  auto group = mesh.get_group(0);
-  param.register_hook([group](const at::Tensor& grad) {
-    comm::CommRegion region("grad_sync");
-    return comm::all_reduce(grad, comm::ReduceOp::kSum, group);
-  });
-}
-
-void shard_parameter(torch::nn::Module& module, const std::string& name, const DeviceMesh& mesh,
-                     const Placements& placements, std::optional<int64_t> src_data_rank) {
-  auto params = module.named_parameters(/*recurse=*/false);  // handles to the module's tensors
-  auto* param = params.find(name);
-  TORCH_INTERNAL_ASSERT(param != nullptr, "shard_parameter: no parameter '", name, "'");
-  const auto shape = param->sizes().vec();
-  shard_tensor_in_place(*param, mesh, placements, src_data_rank);
-  hookable("shard_parameter", module).set_parameter_layout(name, {mesh, placements, shape});
-}
-
-void sync_partial_gradient(torch::nn::Module& module, const std::string& name,
-                           const DeviceMesh& mesh, std::optional<int64_t> src_data_rank) {
-  auto params = module.named_parameters(/*recurse=*/false);
-  auto* param = params.find(name);
-  TORCH_INTERNAL_ASSERT(param != nullptr, "sync_partial_gradient: no parameter '", name, "'");
-  // Keep the values identical on every rank (they are replicated), then record the layout.
-  shard_parameter(module, name, mesh, {Replicate()}, src_data_rank);
-  sum_gradient_over_mesh(*param, mesh);
+std::vector<ParameterSharding> shard_each(const std::vector<std::string>& parameters,
+                                          std::vector<ParameterSharding> table) {
+  std::vector<ParameterSharding> rows;
+  for (auto& row : table) {
+    if (std::find(parameters.begin(), parameters.end(), row.name) != parameters.end()) rows.push_back(std::move(row));
+  }
+  return rows;
 }
 
 DTensor as_dtensor(const at::Tensor& local, const DeviceMesh& mesh, const Placement& layout) {
@@ -128,20 +117,34 @@ at::Tensor sequence_sharded_input(const char* style, const at::Tensor& local, co
   return d.to_local();
 }
 
+void check_layout_lists(const char* style, const char* a_name, const LayoutList& a, const char* b_name,
+                        const LayoutList& b) {
+  TORCH_CHECK_VALUE(a.size() == b.size(), style, ": expected ", a_name, " and ", b_name,
+                    " of the same length, got ", a.size(), " and ", b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    TORCH_CHECK_VALUE(a[i].has_value() == b[i].has_value(), style, ": expected ", a_name, "[", i, "] and ",
+                      b_name, "[", i, "] both set or both left alone");
+  }
+}
+
+std::vector<at::Tensor> convert_all(const char* style, const char* what, std::vector<at::Tensor> xs,
+                                    const DeviceMesh& mesh, const LayoutList& from, const LayoutList& to,
+                                    bool use_local_output) {
+  TORCH_CHECK_VALUE(xs.size() == from.size(), style, ": expected ", from.size(), " ", what, " (one per ",
+                    "layout), got ", xs.size());
+  for (size_t i = 0; i < xs.size(); ++i) {
+    if (!from[i] || !xs[i].defined()) continue;
+    xs[i] = prepare(xs[i], mesh, *from[i], *to[i], use_local_output);
+  }
+  return xs;
+}
+
 VocabShard vocab_shard(const at::Tensor& ids, int64_t vocab_size, const DeviceMesh& mesh) {
   const int64_t p = mesh.size(0), k = mesh.get_local_rank(0);
   VocabShard v{dtensor::shard_offset(vocab_size, p, k), dtensor::shard_size(vocab_size, p, k), {}, {}};
   v.outside = (ids < v.start).logical_or(ids >= v.start + v.size);
   v.local_ids = (ids - v.start).masked_fill(v.outside, 0);
   return v;
-}
-
-void add_output_hook(nn::HookableModule& module, const DeviceMesh& mesh, const Placement& produced,
-                     const Placement& wanted, bool use_local_output) {
-  module.add_output_hook([=](std::vector<at::Tensor> outputs) {
-    outputs[0] = prepare(outputs[0], mesh, produced, wanted, use_local_output);
-    return outputs;
-  });
 }
 
 }  // namespace detail

@@ -1,6 +1,6 @@
 #pragma once
-// Internal: what the parallel styles (style.cpp, mc2_style.cpp) and loss parallel share: the
-// apply preamble, parameter sharding, and the redistribution of activations in hooks.
+// Internal: what the parallel styles (style.cpp, mc2/style.cpp) and loss parallel share: the
+// apply preamble, and the redistribution of activations their hooks run.
 
 #include <optional>
 #include <string>
@@ -10,6 +10,8 @@
 
 #include <hyper_parallel/core/dtensor/dtensor.h>
 #include <hyper_parallel/core/nn/hookable_module.h>
+#include <hyper_parallel/core/tensor_parallel/parameter_sharding.h>
+#include <hyper_parallel/core/tensor_parallel/style.h>
 
 namespace torch::nn {
 class Module;
@@ -20,35 +22,21 @@ namespace hyper_parallel::tensor_parallel::detail {
 /// The module as a HookableModule, or an error naming the style and the module's type.
 nn::HookableModule& hookable(const char* style, torch::nn::Module& module);
 
-/// What a sharding style accepts: module kinds (empty: any), named for the error message.
-struct ModuleKinds {
-  std::vector<nn::ModuleKind> kinds;
-  const char* expected;  // e.g. "hyper_parallel::nn::Linear or nn::Embedding"
-  const char* reason;    // e.g. "only those are supported"
-};
+/// The style's target description of this library's module `module`.
+ModuleTarget target_of(nn::HookableModule& hm, torch::nn::Module& module);
 
 /// The apply preamble of a style that changes a module's parameters or forward: the module is
-/// one of this library's, of an accepted kind, and no style has parallelized it yet (a second
-/// one would shard already-sharded weights). Throws before anything is touched.
-nn::HookableModule& sharding_target(const char* style, torch::nn::Module& module,
-                                    const ModuleKinds& accepted);
+/// one of this library's; then, in the order every front end follows, the style's check_kind,
+/// the check that no style has parallelized it yet (a second one would shard already-sharded
+/// weights), and the style's check_target; then the parameters are laid out by the style's
+/// table (sharded in place, layouts recorded, partial gradients summed by hooks). Throws before
+/// anything is touched.
+nn::HookableModule& sharding_target(const ParallelStyle& style, torch::nn::Module& module,
+                                    const dtensor::DeviceMesh& mesh, std::optional<int64_t> src_data_rank);
 
-/// Replaces a parameter's data by its local shard, in place (the parameter object stays the
-/// same): cut from the values of TP rank src_data_rank, or each rank's own copy if nullopt.
-void shard_tensor_in_place(const at::Tensor& param, const dtensor::DeviceMesh& mesh,
-                           const dtensor::Placements& placements, std::optional<int64_t> src_data_rank);
-/// A replicated parameter whose gradient is Partial: a gradient hook sums it over the mesh
-/// (counted in CommRegion "grad_sync").
-void sum_gradient_over_mesh(const at::Tensor& param, const dtensor::DeviceMesh& mesh);
-
-/// Replaces parameter `name` of `module` by its local shard (cut from the values of TP rank
-/// src_data_rank, or of each rank's own copy if nullopt) and records the layout.
-void shard_parameter(torch::nn::Module& module, const std::string& name,
-                     const dtensor::DeviceMesh& mesh, const dtensor::Placements& placements,
-                     std::optional<int64_t> src_data_rank);
-/// A replicated parameter whose gradient is Partial: summed over the mesh by a gradient hook.
-void sync_partial_gradient(torch::nn::Module& module, const std::string& name,
-                           const dtensor::DeviceMesh& mesh, std::optional<int64_t> src_data_rank);
+/// The rows of `table` whose parameter the module has (`parameters`), in table order.
+std::vector<ParameterSharding> shard_each(const std::vector<std::string>& parameters,
+                                          std::vector<ParameterSharding> table);
 
 /// The DTensor a tagged input carries, else `local` read with `layout`.
 dtensor::DTensor as_dtensor(const at::Tensor& local, const dtensor::DeviceMesh& mesh,
@@ -76,10 +64,15 @@ at::Tensor rowwise_embedding(const at::Tensor& ids, const at::Tensor& weight, in
 at::Tensor sequence_sharded_input(const char* style, const at::Tensor& local,
                                   const dtensor::DeviceMesh& mesh, const dtensor::Placement& layout);
 
-/// Adds an output hook that redistributes the first output from `produced` to `wanted`.
-void add_output_hook(nn::HookableModule& module, const dtensor::DeviceMesh& mesh,
-                     const dtensor::Placement& produced, const dtensor::Placement& wanted,
-                     bool use_local_output);
+/// PrepareModuleInput / PrepareModuleOutput's construction check: lists of the same length,
+/// unset at the same positions (c10::ValueError otherwise).
+void check_layout_lists(const char* style, const char* a_name, const LayoutList& a, const char* b_name,
+                        const LayoutList& b);
+/// Each tensor converted from its layout in `from` to the one in `to` (unset: left alone); a
+/// count other than the lists' is a c10::ValueError.
+std::vector<at::Tensor> convert_all(const char* style, const char* what, std::vector<at::Tensor> xs,
+                                    const dtensor::DeviceMesh& mesh, const LayoutList& from,
+                                    const LayoutList& to, bool use_local_output);
 
 /// This rank's chunk [start, start + size) of a vocabulary sharded over a 1-d mesh, and global
 /// ids mapped into it: `outside` marks ids another rank holds; their local id is 0.

@@ -435,4 +435,50 @@ TEST(StyleErrors, ClearMessages) {
   }
 }
 
+// The rules each style holds, which the Python front end applies to torch.nn modules too.
+TEST(StyleRules, ParameterTables) {
+  using hp::nn::ModuleKind;
+  auto rows = [](const tp::ParallelStyle& style, ModuleKind kind, std::vector<std::string> params) {
+    std::string text;
+    for (const auto& r : style.parameter_shardings(kind, params)) {
+      text += r.name + "=" + to_string(r.placements) + (r.sums_gradient ? "+sum " : " ");
+    }
+    return text;
+  };
+  EXPECT_EQ(rows(tp::ColwiseParallel(), ModuleKind::kLinear, {"weight", "bias"}), "weight=[Shard(0)] bias=[Shard(0)] ");
+  EXPECT_EQ(rows(tp::ColwiseParallel(), ModuleKind::kLinear, {"weight"}), "weight=[Shard(0)] ");
+  EXPECT_EQ(rows(tp::ColwiseParallel(), ModuleKind::kEmbedding, {"weight"}), "weight=[Shard(1)] ");
+  EXPECT_EQ(rows(tp::RowwiseParallel(), ModuleKind::kLinear, {"weight", "bias"}),
+            "weight=[Shard(1)] bias=[Replicate()] ");
+  EXPECT_EQ(rows(tp::RowwiseParallel(tp::RowwiseParallelOptions().output_layouts(Shard(1))), ModuleKind::kLinear,
+                 {"weight", "bias"}),
+            "weight=[Shard(1)] bias=[Replicate()]+sum ");
+  EXPECT_EQ(rows(tp::RowwiseParallel(), ModuleKind::kEmbedding, {"weight"}), "weight=[Shard(0)] ");
+  EXPECT_EQ(rows(tp::SequenceParallel(), ModuleKind::kOther, {"weight", "bias"}),
+            "weight=[Replicate()]+sum bias=[Replicate()]+sum ");
+  EXPECT_EQ(rows(tp::MC2ColwiseParallel(), ModuleKind::kLinear, {"weight", "bias"}),
+            "weight=[Shard(0)] bias=[Shard(0)] ");
+  EXPECT_EQ(rows(tp::MC2RowwiseParallel(), ModuleKind::kLinear, {"weight", "bias"}),
+            "weight=[Shard(1)] bias=[Replicate()] ");
+  EXPECT_EQ(tp::MC2RowwiseParallel(tp::MC2RowwiseParallelOptions().output_layouts(Shard(-2))).sequence_dim(), -1);
+  EXPECT_EQ(tp::MC2ColwiseParallel().sequence_dim(), 1);
+}
+
+TEST(StyleRules, TheKindIsCheckedBeforeTheMesh) {
+  hp::nn::RMSNorm norm(8);
+  const auto flat = init_device_mesh("cpu", {hp_test::world_size(), 1}, {"tp", "x"});
+  HP_EXPECT_THROW_MSG(tp::ColwiseParallel().apply(*norm, flat),
+                      "ColwiseParallel: expected hyper_parallel::nn::Linear or nn::Embedding");
+  hp::nn::Embedding embedding(8, 4);
+  try {
+    tp::MC2ColwiseParallel().apply(*embedding, flat);
+    ADD_FAILURE() << "expected NotImplementedError";
+  } catch (const c10::NotImplementedError& e) {
+    EXPECT_NE(std::string(e.what()).find("MC2ColwiseParallel does not support Embedding"), std::string::npos);
+  }
+  HP_EXPECT_THROW_MSG(tp::check_unclaimed("RowwiseParallel", "Linear", std::string("ColwiseParallel")),
+                      "RowwiseParallel: expected a module no style has parallelized yet, got Linear already "
+                      "parallelized by ColwiseParallel");
+}
+
 }  // namespace

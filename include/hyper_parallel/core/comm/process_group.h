@@ -92,6 +92,18 @@ int64_t world_size();
 /// Releases the world group and every sub-group created since init.
 void destroy_process_group();
 
+/// A group that runs on a c10d process group another front end made (e.g. one from
+/// torch.distributed.new_group in Python): this library's ops use `backend` itself, and no second
+/// group is created. `global_ranks[i]` is group rank i's global rank; this rank must be one of
+/// them. The group is called `name` followed by its ranks (e.g. "torch:3[0, 1]"). Adopting the
+/// same backend again returns the same Group, so every use shares one call order and one set of
+/// tags. The world joined by init_process_group_from is already adopted.
+Group adopt_group(c10::intrusive_ptr<c10d::ProcessGroup> backend, std::vector<int64_t> global_ranks,
+                  const std::string& name);
+/// The c10d process group `group` runs on, e.g. to hand an adopted group back to the front end
+/// that made it.
+c10::intrusive_ptr<c10d::ProcessGroup> backend_of(const Group& group);
+
 /// Creates a group of the given global ranks (distinct, each in [0, world_size)); group rank i
 /// is ranks[i].
 /// Collective over the world: all ranks call it with the same list, in the same order, even

@@ -3,6 +3,7 @@
 // communication group (the ranks that differ only in that coordinate).
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -13,11 +14,17 @@ namespace hyper_parallel::dtensor {
 
 class DeviceMesh {
  public:
+  /// Makes the group of the global ranks of one line of the mesh along one dim; a rank outside
+  /// the line gets a non-member Group. Called by every rank for every line, in the same order.
+  using GroupFactory = std::function<comm::Group(const std::vector<int64_t>& ranks)>;
+
   /// Builds a mesh over `ranks` (row-major, shape `shape`). Collective over the world: every
   /// rank calls it with the same arguments (it creates the sub-groups), even ranks outside it.
-  /// Usually made through init_device_mesh.
+  /// Usually made through init_device_mesh. A line that is the whole world, in order, runs on
+  /// the world group; the other lines' groups come from `make_group` (default comm::new_group;
+  /// the Python front end passes one that makes torch.distributed groups).
   DeviceMesh(std::string device_type, std::vector<int64_t> shape, std::vector<int64_t> ranks,
-             std::vector<std::string> dim_names = {});
+             std::vector<std::string> dim_names = {}, const GroupFactory& make_group = {});
 
   const std::string& device_type() const;
   int64_t ndim() const;
@@ -30,7 +37,10 @@ class DeviceMesh {
   /// Index of the mesh dim called `name`; throws naming the known names otherwise.
   int64_t dim_index(const std::string& name) const;
   /// Group of the ranks that share every coordinate of this rank except `mesh_dim`.
-  comm::Group get_group(int64_t mesh_dim = 0) const;
+  comm::Group get_group(int64_t mesh_dim) const;
+  /// The group of a 1-d mesh; on an n-d mesh a c10::ValueError asking for the dim (as PyTorch's
+  /// get_group() without mesh_dim).
+  comm::Group get_group() const;
   comm::Group get_group(const std::string& name) const;
   /// This rank's coordinate along `mesh_dim` (= its rank in get_group(mesh_dim)).
   int64_t get_local_rank(int64_t mesh_dim = 0) const;
@@ -58,6 +68,7 @@ class DeviceMesh {
 ///   auto mesh = init_device_mesh("cpu", {2, 4}, {"dp", "tp"});
 ///   auto tp = mesh["tp"];
 DeviceMesh init_device_mesh(const std::string& device_type, const std::vector<int64_t>& mesh_shape,
-                            const std::vector<std::string>& mesh_dim_names = {});
+                            const std::vector<std::string>& mesh_dim_names = {},
+                            const DeviceMesh::GroupFactory& make_group = {});
 
 }  // namespace hyper_parallel::dtensor

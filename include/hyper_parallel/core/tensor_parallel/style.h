@@ -15,14 +15,42 @@
 
 #include <torch/arg.h>
 
+#include <ATen/core/Tensor.h>
+
 #include <hyper_parallel/core/dtensor/device_mesh.h>
 #include <hyper_parallel/core/dtensor/placement.h>
+#include <hyper_parallel/core/nn/hookable_module.h>
+#include <hyper_parallel/core/tensor_parallel/parameter_sharding.h>
 
 namespace torch::nn {
 class Module;
 }
 
 namespace hyper_parallel::tensor_parallel {
+
+/// The type names a style's messages use for the modules it accepts: this library's, or, from
+/// the Python front end, torch.nn's (ModuleTypeNames::torch_nn()).
+struct ModuleTypeNames {
+  std::string linear = "hyper_parallel::nn::Linear";
+  std::string embedding = "nn::Embedding";
+  static ModuleTypeNames torch_nn() { return {"torch.nn.Linear", "torch.nn.Embedding"}; }
+};
+
+/// What a style is about to be applied to, for its checks.
+struct ModuleTarget {
+  nn::ModuleKind kind = nn::ModuleKind::kOther;
+  /// The module's type, for messages ("Linear", "ReLU").
+  std::string type;
+  /// Its own parameter named "weight": full shape and dtype (empty shape: none).
+  std::vector<int64_t> weight_shape;
+  at::ScalarType weight_dtype = at::kFloat;
+};
+
+/// A module's parameters and forward are changed by one sharding style only: throws a
+/// c10::ValueError "<style>: expected a module no style has parallelized yet, got <module_type>
+/// already parallelized by <claimed_by>" if `claimed_by` is set.
+void check_unclaimed(const std::string& style, const std::string& module_type,
+                     const std::optional<std::string>& claimed_by);
 
 class ParallelStyle {
  public:
@@ -34,6 +62,23 @@ class ParallelStyle {
   void apply(torch::nn::Module& module, const dtensor::DeviceMesh& mesh,
              std::optional<int64_t> src_data_rank = 0) const;
   virtual std::string name() const = 0;
+
+  /// The checks apply makes before it touches anything, in this order: check_kind, then
+  /// check_unclaimed, then check_target. The Python front end makes the same calls.
+  ///
+  /// Throws unless the style takes a module of `target.kind`: c10::TypeError for a kind it does
+  /// not take, c10::NotImplementedError for one it does not support yet; `names` spell the
+  /// accepted types. Default: any kind.
+  virtual void check_kind(const ModuleTarget& target, const ModuleTypeNames& names = {}) const {}
+  /// Throws c10::ValueError unless the style's options and limits fit `target` on `mesh`.
+  /// Default: nothing to check.
+  virtual void check_target(const ModuleTarget& target, const dtensor::DeviceMesh& mesh) const {}
+  /// The style's parameter table for a module of `kind` whose own parameters are called
+  /// `parameters` (in module order). Default: none.
+  virtual std::vector<ParameterSharding> parameter_shardings(
+      nn::ModuleKind kind, const std::vector<std::string>& parameters) const {
+    return {};
+  }
 
  protected:
   /// The style's own work, after apply checked that the mesh is 1-d.
@@ -55,9 +100,18 @@ struct ColwiseParallelOptions {
 
 class ColwiseParallel : public ParallelStyle {
  public:
-  explicit ColwiseParallel(ColwiseParallelOptions options = {}) : options_(std::move(options)) {}
+  explicit ColwiseParallel(ColwiseParallelOptions options = {});
   std::string name() const override { return "ColwiseParallel"; }
   const ColwiseParallelOptions& options() const { return options_; }
+  void check_kind(const ModuleTarget& target, const ModuleTypeNames& names = {}) const override;
+  std::vector<ParameterSharding> parameter_shardings(
+      nn::ModuleKind kind, const std::vector<std::string>& parameters) const override;
+
+  /// The input hook: a Linear's input made Replicate (gathered if sharded; its gradient, Partial,
+  /// is reduce-scattered), an Embedding's ids made Replicate.
+  at::Tensor prepare_input(const at::Tensor& input, nn::ModuleKind kind, const dtensor::DeviceMesh& mesh) const;
+  /// The output hook: Shard(-1) redistributed to output_layouts.
+  at::Tensor prepare_output(const at::Tensor& output, const dtensor::DeviceMesh& mesh) const;
 
  protected:
   void apply_to(torch::nn::Module& module, const dtensor::DeviceMesh& mesh,
@@ -81,9 +135,24 @@ struct RowwiseParallelOptions {
 
 class RowwiseParallel : public ParallelStyle {
  public:
-  explicit RowwiseParallel(RowwiseParallelOptions options = {}) : options_(std::move(options)) {}
+  explicit RowwiseParallel(RowwiseParallelOptions options = {});
   std::string name() const override { return "RowwiseParallel"; }
   const RowwiseParallelOptions& options() const { return options_; }
+  void check_kind(const ModuleTarget& target, const ModuleTypeNames& names = {}) const override;
+  void check_target(const ModuleTarget& target, const dtensor::DeviceMesh& mesh) const override;
+  std::vector<ParameterSharding> parameter_shardings(
+      nn::ModuleKind kind, const std::vector<std::string>& parameters) const override;
+
+  /// A Linear's input hook: input_layouts redistributed to Shard(-1), the features.
+  at::Tensor prepare_input(const at::Tensor& input, const dtensor::DeviceMesh& mesh) const;
+  /// A Linear's forward: x @ W_localᵀ is Partial; reduced to output_layouts, then the bias added
+  /// once.
+  at::Tensor forward_linear(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& bias,
+                            const dtensor::DeviceMesh& mesh) const;
+  /// An Embedding's forward over this rank's rows of a `vocab_size` table: ids outside look up
+  /// zeros, so the sum over ranks (to output_layouts) is the full lookup.
+  at::Tensor forward_embedding(const at::Tensor& ids, const at::Tensor& weight, int64_t vocab_size,
+                               const dtensor::DeviceMesh& mesh) const;
 
  protected:
   void apply_to(torch::nn::Module& module, const dtensor::DeviceMesh& mesh,
@@ -110,6 +179,15 @@ class SequenceParallel : public ParallelStyle {
  public:
   explicit SequenceParallel(SequenceParallelOptions options = {}) : options_(std::move(options)) {}
   std::string name() const override { return "SequenceParallel"; }
+  const SequenceParallelOptions& options() const { return options_; }
+  std::vector<ParameterSharding> parameter_shardings(
+      nn::ModuleKind kind, const std::vector<std::string>& parameters) const override;
+
+  /// The input hook: every floating input taken as Shard(sequence_dim) (a tagged one is
+  /// redistributed to it); other inputs (ids, masks) pass unchanged.
+  std::vector<at::Tensor> prepare_inputs(std::vector<at::Tensor> inputs, const dtensor::DeviceMesh& mesh) const;
+  /// The output hook: Shard(sequence_dim), tagged unless use_local_output.
+  at::Tensor prepare_output(const at::Tensor& output, const dtensor::DeviceMesh& mesh) const;
 
  protected:
   void apply_to(torch::nn::Module& module, const dtensor::DeviceMesh& mesh,
@@ -137,8 +215,14 @@ struct PrepareModuleInputOptions {
 
 class PrepareModuleInput : public ParallelStyle {
  public:
+  /// Throws c10::ValueError unless the two lists have the same length and the same unset
+  /// positions.
   explicit PrepareModuleInput(PrepareModuleInputOptions options);
   std::string name() const override { return "PrepareModuleInput"; }
+  const PrepareModuleInputOptions& options() const { return options_; }
+
+  /// The input hook: one layout per positional input (a different count is a c10::ValueError).
+  std::vector<at::Tensor> prepare_inputs(std::vector<at::Tensor> inputs, const dtensor::DeviceMesh& mesh) const;
 
  protected:
   void apply_to(torch::nn::Module& module, const dtensor::DeviceMesh& mesh,
@@ -157,8 +241,14 @@ struct PrepareModuleOutputOptions {
 
 class PrepareModuleOutput : public ParallelStyle {
  public:
+  /// Throws c10::ValueError unless the two lists have the same length and the same unset
+  /// positions.
   explicit PrepareModuleOutput(PrepareModuleOutputOptions options);
   std::string name() const override { return "PrepareModuleOutput"; }
+  const PrepareModuleOutputOptions& options() const { return options_; }
+
+  /// The output hook: one layout per output (a different count is a c10::ValueError).
+  std::vector<at::Tensor> prepare_outputs(std::vector<at::Tensor> outputs, const dtensor::DeviceMesh& mesh) const;
 
  protected:
   void apply_to(torch::nn::Module& module, const dtensor::DeviceMesh& mesh,

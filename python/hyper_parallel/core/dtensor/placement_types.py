@@ -1,4 +1,5 @@
-"""Placements, spelled as torch.distributed.tensor's: Shard(dim), Replicate(), Partial()."""
+"""Placements, spelled as torch.distributed.tensor's: Shard(dim), Replicate(), Partial().
+Comparing a placement with anything that is not one is False (``x in [None, Shard(1)]``)."""
 
 from hyper_parallel import _C
 

@@ -1,5 +1,6 @@
 """Parallel styles and parallelize_module on torch.nn modules, plain and MC2."""
 
+from hyper_parallel.core.tensor_parallel.mc2 import MC2Linear
 from hyper_parallel.core.tensor_parallel.mc2_style import MC2ColwiseParallel, MC2RowwiseParallel
 from hyper_parallel.core.tensor_parallel.parallelize import parallelize_module
 from hyper_parallel.core.tensor_parallel.style import (
@@ -14,6 +15,7 @@ from hyper_parallel.core.tensor_parallel.style import (
 __all__ = [
     "ColwiseParallel",
     "MC2ColwiseParallel",
+    "MC2Linear",
     "MC2RowwiseParallel",
     "ParallelStyle",
     "PrepareModuleInput",

@@ -1,15 +1,24 @@
-"""MC2Linear: a torch.nn.Linear whose forward is an MC2 fused op of the C++ core.
+"""MC2 (matmul + communication) fused linear primitives for tensor parallelism, with the original
+system's interface: the autograd Functions, ``get_hcomm_info``, ``MC2Linear`` and the sequence
+helpers.
 
-``MC2Linear.from_linear(linear)`` converts in place: the same object and the same Parameters,
-now an MC2Linear (``isinstance`` holds). ``configure_mc2`` chooses the fused op:
-``"all_gather"`` (column-parallel: input sharded on the sequence, output features sharded) or
-``"reduce_scatter"`` (row-parallel: input features sharded, output sharded on the sequence).
-The forward, its contract checks and its backward (each op's backward runs its dual) are the C++
-core's.
+The two fused operations are duals (docs/mc2.md):
+
+* ``AllGatherMatmulFunction``      forward:  ``Y = AllGather_rows(X) @ Wᵀ + b``
+                                   backward: ``dX = matmul_reduce_scatter(dY, W)``, ``dW = dYᵀ G``
+* ``MatmulReduceScatterFunction``  forward:  ``Y = ReduceScatter_rows(X @ Wᵀ) + b``
+                                   backward: ``dX, dY_full = all_gather_matmul(dY, W)``,
+                                   ``dW = dY_fullᵀ X``
+
+Both run on local 2-d tensors (rows, features), ``W`` in ``nn.Linear``'s (out, in) layout, over a
+``torch.distributed`` ProcessGroup (or the core's Group). Their forward and backward are each one
+call into the C++ core, the very passes MC2Linear's autograd runs: the fused ops overlap the
+transfers of the collective with the matmul, portably, over point-to-point transfers.
 """
 
 from typing import Optional
 
+import torch
 from torch import nn
 
 from hyper_parallel import _C
@@ -17,17 +26,92 @@ from hyper_parallel import _C
 MC2Contract = _C.MC2Contract
 MC2Options = _C.MC2Options
 
+__all__ = [
+    "get_hcomm_info",
+    "AllGatherMatmulFunction",
+    "MatmulReduceScatterFunction",
+    "MC2Linear",
+]
+
+
+def get_hcomm_info(group) -> str:
+    """The name of the communicator the C++ core uses for ``group`` (a torch.distributed
+    ProcessGroup): non-empty and equal on every rank of the group, e.g. ``"world"`` or
+    ``"torch:3[0, 1]"`` (torch's name for the group, then its global ranks). The original
+    returns the HCCL communicator's name here."""
+    return _C.get_hcomm_info(group)
+
+
+def _normalize_sequence_dim(sequence_dim: int, ndim_leading: int) -> int:
+    """``sequence_dim`` among ``ndim_leading`` leading dims; negative counts from their end.
+    Out of range: RuntimeError."""
+    return _C.normalize_sequence_dim(sequence_dim, ndim_leading)
+
+
+def _move_dim_to_front(tensor: torch.Tensor, dim: int) -> torch.Tensor:
+    """``dim`` moved to the front, the other dims in order; contiguous."""
+    return _C.move_dim_to_front(tensor, dim)
+
+
+def _move_front_to_dim(tensor: torch.Tensor, dim: int) -> torch.Tensor:
+    """The inverse of :func:`_move_dim_to_front`."""
+    return _C.move_front_to_dim(tensor, dim)
+
+
+class AllGatherMatmulFunction(torch.autograd.Function):
+    """Column-parallel fused all-gather + matmul: ``.apply(x, w, group, world_size, bias)``,
+    x (rows, k) this rank's rows, w (n_local, k), bias (n_local,) or None."""
+
+    @staticmethod
+    def forward(ctx, x, w, group, world_size, bias=None):  # pylint: disable=arguments-differ
+        out, gathered = _C.mc2_column_forward(x, w, bias, group, world_size)
+        ctx.save_for_backward(gathered, w)
+        ctx.group = group
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):  # pylint: disable=arguments-differ
+        gathered, w = ctx.saved_tensors
+        need_x, need_w, _, _, need_b = ctx.needs_input_grad
+        grad_x, grad_w, grad_b = _C.mc2_column_backward(grad_out, None, gathered, w, ctx.group, MC2Options(),
+                                                        need_x, need_w, need_b)
+        return grad_x, grad_w, None, None, grad_b
+
+
+class MatmulReduceScatterFunction(torch.autograd.Function):
+    """Row-parallel fused matmul + reduce-scatter: ``.apply(x, w, group, world_size, bias)``,
+    x (rows, k_local) all rows, w (n, k_local), bias (n,) or None; rows divisible by world_size."""
+
+    @staticmethod
+    def forward(ctx, x, w, group, world_size, bias=None):  # pylint: disable=arguments-differ
+        out = _C.mc2_row_forward(x, w, bias, group, world_size)
+        ctx.save_for_backward(x, w)
+        ctx.group = group
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):  # pylint: disable=arguments-differ
+        x, w = ctx.saved_tensors
+        need_x, need_w, _, _, need_b = ctx.needs_input_grad
+        grad_x, grad_w, grad_b = _C.mc2_row_backward(grad_out, x, w, ctx.group, MC2Options(), need_x, need_w, need_b)
+        return grad_x, grad_w, None, None, grad_b
+
 
 class MC2Linear(nn.Linear):
-    """A torch.nn.Linear running an MC2 fused op. Make one with from_linear."""
+    """A torch.nn.Linear whose forward is an MC2 fused op of the C++ core, once configured.
 
-    mc2_mode: Optional[str] = None
-    mc2_group = None
-    mc2_world_size: Optional[int] = None
-    mc2_sequence_dim: Optional[int] = None
+    ``MC2Linear.from_linear(linear)`` converts in place: the same object and the same Parameters,
+    now an MC2Linear (``isinstance`` holds). ``configure_mc2(mode, group, world_size,
+    sequence_dim=0)`` chooses the fused op, ``"all_gather"`` (column-parallel: input sharded on
+    the sequence, output features sharded) or ``"reduce_scatter"`` (row-parallel: input features
+    sharded, output sharded on the sequence). The configuration lives in the C++ core, which also
+    runs the forward, its contract checks and the backward.
+    """
 
     def __init__(self, *args, **kwargs):
-        raise TypeError("MC2Linear: convert an existing torch.nn.Linear with MC2Linear.from_linear(linear)")
+        super().__init__(*args, **kwargs)
+        self._mc2 = _C.MC2LinearState()
+        self._mc2_group = None
 
     @classmethod
     def from_linear(cls, linear: nn.Module) -> "MC2Linear":
@@ -38,25 +122,40 @@ class MC2Linear(nn.Linear):
             raise TypeError(f"MC2Linear.from_linear: expected a torch.nn.Linear, got {type(linear).__name__}")
         linear.__class__ = cls
         linear._mc2 = _C.MC2LinearState()
+        linear._mc2_group = None
         return linear
 
-    def configure_mc2(self, mode: str, group: _C.Group, world_size: int, sequence_dim: int,
+    def configure_mc2(self, mode: str, group, world_size: int, sequence_dim: int = 0,
                       contract: Optional[MC2Contract] = None, options: Optional[MC2Options] = None) -> None:
-        """Runs ``mode``'s fused op over ``group`` (of ``world_size`` ranks) on activations whose
-        sequence is dim ``sequence_dim``."""
-        if world_size != group.size():
-            raise ValueError(f"MC2Linear.configure_mc2: expected world_size to equal the group's size "
-                             f"({group.size()}), got {world_size}")
-        self._mc2.configure_mc2(mode, group, sequence_dim, contract or MC2Contract.strict(),
+        """Runs ``mode``'s fused op over ``group`` (a torch.distributed ProcessGroup of
+        ``world_size`` ranks; another size is a ValueError) on activations whose sequence is
+        leading dim ``sequence_dim`` (negative counts from the end of the leading dims)."""
+        self._mc2.configure_mc2(mode, group, world_size, sequence_dim, contract or MC2Contract.strict(),
                                 options or MC2Options())
-        self.mc2_mode, self.mc2_group = mode, group
-        self.mc2_world_size, self.mc2_sequence_dim = world_size, sequence_dim
+        self._mc2_group = group
 
     @property
     def is_configured(self) -> bool:
         return self._mc2.is_configured
 
-    def forward(self, input):
+    @property
+    def mc2_mode(self) -> Optional[str]:
+        return self._mc2.mode
+
+    @property
+    def mc2_group(self):
+        """The group configure_mc2 was given."""
+        return self._mc2_group
+
+    @property
+    def mc2_world_size(self) -> Optional[int]:
+        return self._mc2.world_size
+
+    @property
+    def mc2_sequence_dim(self) -> Optional[int]:
+        return self._mc2.sequence_dim
+
+    def forward(self, input):  # pylint: disable=redefined-builtin
         return self._mc2.forward(input, self.weight, self.bias)
 
     def extra_repr(self) -> str:

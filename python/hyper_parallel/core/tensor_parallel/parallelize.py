@@ -1,8 +1,8 @@
-"""parallelize_module: applies parallel styles to a torch.nn module tree."""
+"""parallelize_module: applies parallel styles to a torch.nn module tree. The plan's rules (glob
+matching of keys against module paths and its warnings, the target descriptions, the ranks'
+agreement on them) are the C++ core's, the same parallelize_module applies to C++ modules."""
 
-import fnmatch
-import warnings
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Dict, Optional, Union
 
 from torch import nn
 
@@ -10,20 +10,21 @@ from hyper_parallel import _C
 from hyper_parallel.core.tensor_parallel.style import ParallelStyle
 
 
-def _matching(module: nn.Module, prefix: str, tokens: List[str]) -> List[Tuple[str, nn.Module]]:
-    if not tokens:
-        return [(prefix, module)]
-    found = []
-    for name, child in module.named_children():
-        if fnmatch.fnmatchcase(name, tokens[0]):
-            found += _matching(child, f"{prefix}.{name}" if prefix else name, tokens[1:])
-    return found
+def _targets(module: nn.Module, plan: Dict[str, ParallelStyle]):
+    for key, style in plan.items():
+        if not isinstance(style, ParallelStyle):
+            raise TypeError(f"parallelize_module: expected a ParallelStyle for plan key {key!r}, "
+                            f"got {type(style).__name__}")
+    entries = list(plan.items())
+    modules = dict(module.named_modules(remove_duplicate=False))  # pre-order, the root as ""
+    matches = _C.match_plan([(key, type(style).__name__) for key, style in entries], list(modules),
+                            type(module).__name__)
+    return [(fqn, modules[fqn], entries[i][1]) for i, fqn in matches]
 
 
 def _describe(fqn: str, module: nn.Module, style: ParallelStyle) -> str:
-    params = " ".join(f"{n} {str(p.dtype).replace('torch.', '')}{list(p.shape)}"
-                      for n, p in module.named_parameters(recurse=False))
-    return f"{fqn or '(root)'}: {type(style).__name__} {params}".rstrip()
+    params = [(name, p.dtype, list(p.shape)) for name, p in module.named_parameters(recurse=False)]
+    return _C.describe_target(fqn, type(style).__name__, params)
 
 
 def parallelize_module(
@@ -42,22 +43,9 @@ def parallelize_module(
     if isinstance(parallelize_plan, ParallelStyle):
         targets = [("", module, parallelize_plan)]
     elif isinstance(parallelize_plan, dict) or parallelize_plan is None:
+        targets = _targets(module, parallelize_plan or {})
         if not parallelize_plan:
-            warnings.warn(f"parallelize_module: the plan is empty; nothing in {type(module).__name__} is parallelized")
             return module
-        targets = []
-        for key, style in parallelize_plan.items():
-            if not isinstance(style, ParallelStyle):
-                raise TypeError(f"parallelize_module: expected a ParallelStyle for plan key {key!r}, "
-                                f"got {type(style).__name__}")
-            tokens = key.split(".") if key else []
-            if any(not t for t in tokens):
-                raise ValueError(f"parallelize_module: expected plan key tokens separated by single dots, got {key!r}")
-            found = _matching(module, "", tokens)
-            if not found:
-                warnings.warn(f"parallelize_module: plan key {key!r} ({type(style).__name__}) matched no submodule "
-                              f"of {type(module).__name__}")
-            targets += [(fqn, m, style) for fqn, m in found]
     else:
         raise TypeError(f"parallelize_module: expected a ParallelStyle or a dict of them, got "
                         f"{type(parallelize_plan).__name__}")
@@ -65,7 +53,7 @@ def parallelize_module(
     for fqn, m, style in targets:
         style.src_data_rank = src_data_rank
         try:
-            style._apply(m, device_mesh)
+            style.apply(m, device_mesh)
         except Exception as error:
             error.add_note(f"while applying {type(style).__name__} to {fqn or 'the root module'}")
             raise

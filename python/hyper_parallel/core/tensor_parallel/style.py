@@ -1,45 +1,55 @@
-"""Parallel styles for torch.nn modules, with torch.distributed.tensor.parallel's defaults.
+"""Parallel styles for torch.nn modules, shaped as torch.distributed.tensor.parallel's: keyword
+options, layouts kept as tuples, a public ``apply(module, device_mesh)``.
 
-A style shards a module's parameters in place (the Parameter objects stay, so an optimizer made
-before or after sees them) and redistributes its activations in forward (pre-)hooks. Every tensor
-operation is one call into the C++ core (hyper_parallel._C), which also gives the backward.
-Between modules tensors are local shards; ``use_local_output=False`` returns the local tensor
-tagged with its layout, so the next style reads its placements (the C++ core's tag).
+A style installs hooks and nothing else. Each holds the C++ core's style of the same name, which
+owns every rule: the kinds of module it takes, the contract's limits, the parameter table (which
+parameter gets which placement, which gradient is summed) and the computation each hook runs.
+Parameters are sharded in place (the Parameter objects stay, so an optimizer made before or after
+sees them). Between modules tensors are local shards; ``use_local_output=False`` returns the local
+tensor tagged with its layout, so the next style reads its placements (the C++ core's tag).
 """
 
 import types
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple, Union
 
+import torch
 from torch import nn
 
 from hyper_parallel import _C
-from hyper_parallel.core.dtensor.placement_types import Partial, Placement, Replicate, Shard
+from hyper_parallel.core.dtensor.placement_types import Placement, Replicate, Shard
 
 
-class ParallelStyle:
-    """Applied to one module by parallelize_module, which sets ``src_data_rank``: the TP rank
-    whose parameter values are sharded (None: every rank shards its own copy)."""
-
-    src_data_rank: Optional[int] = 0
-
-    def _apply(self, module: nn.Module, device_mesh: _C.DeviceMesh) -> nn.Module:
-        raise NotImplementedError(f"{type(self).__name__} does not implement _apply")
+def _module_kind(module: nn.Module) -> str:
+    if isinstance(module, nn.Linear):
+        return "linear"
+    return "embedding" if isinstance(module, nn.Embedding) else "other"
 
 
-def _claim(style: str, module: nn.Module) -> None:
-    """A module's parameters and forward are changed by one sharding style only."""
-    previous = getattr(module, "_hp_sharding_style", None)
-    if previous is not None:
-        raise ValueError(
-            f"{style}: expected a module no style has parallelized yet, got {type(module).__name__} "
-            f"already parallelized by {previous}"
-        )
-    module._hp_sharding_style = style
+def _layouts(value, default) -> Tuple:
+    """A layout argument as a tuple: None -> (default,), a placement -> (it,), a sequence -> tuple."""
+    if value is None:
+        return (default,)
+    return tuple(value) if isinstance(value, (list, tuple)) else (value,)
 
 
-def _shard(param, mesh, placements, src_data_rank) -> None:
-    if param is not None:
-        _C.shard_tensor_in_place(param, mesh, list(placements), src_data_rank)
+def _shard_module(core, module: nn.Module, device_mesh, src_data_rank) -> str:
+    """The apply preamble, in the core's order: the module's kind, the 1-d mesh, no style there
+    before, the style's limits; then the parameters, by the core's table. Returns the kind."""
+    kind, module_type = _module_kind(module), type(module).__name__
+    core.check_kind(kind, module_type)
+    _C.check_tp_mesh(core.name(), device_mesh)
+    _C.check_unclaimed(core.name(), module_type, getattr(module, "_hp_sharding_style", None))
+    weight = module._parameters.get("weight")
+    core.check_target(kind, module_type, list(weight.shape) if weight is not None else [],
+                      weight.dtype if weight is not None else None, device_mesh)
+    module._hp_sharding_style = core.name()
+    names = [name for name, _ in module.named_parameters(recurse=False)]
+    for name, placements, sums_gradient in core.parameter_shardings(kind, names):
+        param = module._parameters[name]
+        _C.shard_parameter_in_place(param, device_mesh, placements, src_data_rank)
+        if sums_gradient:
+            _C.sum_gradient_over_mesh(param, device_mesh)
+    return kind
 
 
 def _replace_first_input(convert):
@@ -51,6 +61,21 @@ def _replace_first_input(convert):
     return hook
 
 
+class ParallelStyle:
+    """Applied to one module by parallelize_module (or directly: ``style.apply(module, mesh)``).
+    ``src_data_rank``: the TP rank whose parameter values are sharded (None: every rank shards its
+    own copy, with no communication)."""
+
+    src_data_rank: Optional[int] = 0
+
+    def apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        raise NotImplementedError(f"{type(self).__name__} does not implement apply")
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        """torch.distributed.tensor.parallel's spelling of apply."""
+        return self.apply(module, device_mesh)
+
+
 class ColwiseParallel(ParallelStyle):
     """Linear weight and bias Shard(0), Embedding weight Shard(1); the input is made Replicate
     (a Shard input is all-gathered, its Partial gradient reduce-scattered); the output is
@@ -58,68 +83,55 @@ class ColwiseParallel(ParallelStyle):
 
     def __init__(self, *, input_layouts: Optional[Placement] = None, output_layouts: Optional[Placement] = None,
                  use_local_output: bool = True):
-        self.input_layouts = input_layouts if input_layouts is not None else Replicate()
-        self.output_layouts = output_layouts if output_layouts is not None else Shard(-1)
+        self.input_layouts = _layouts(input_layouts, Replicate())
+        self.output_layouts = _layouts(output_layouts, Shard(-1))
+        self.desired_input_layouts = (Replicate(),)
         self.use_local_output = use_local_output
+        self._core()  # the core checks the options now
 
-    def _apply(self, module, device_mesh):
-        name = type(self).__name__
-        mesh, layout = device_mesh, self.input_layouts
-        if isinstance(module, nn.Linear):
-            _claim(name, module)
-            _shard(module.weight, mesh, [Shard(0)], self.src_data_rank)
-            _shard(module.bias, mesh, [Shard(0)], self.src_data_rank)
-            module.register_forward_pre_hook(
-                _replace_first_input(lambda x: _C.replicate_for_column(x, mesh, layout)))
-        elif isinstance(module, nn.Embedding):
-            _claim(name, module)
-            _shard(module.weight, mesh, [Shard(1)], self.src_data_rank)
-            module.register_forward_pre_hook(
-                _replace_first_input(lambda ids: _C.prepare(ids, mesh, layout, Replicate(), True)))
-        else:
-            raise TypeError(f"{name}: expected torch.nn.Linear or torch.nn.Embedding, got {type(module).__name__}")
-        out, local = self.output_layouts, self.use_local_output
-        module.register_forward_hook(lambda m, args, y: _C.prepare(y, mesh, Shard(-1), out, local))
+    def _core(self):
+        return _C.ColwiseParallel(self.input_layouts[0], self.output_layouts[0], self.use_local_output)
+
+    def apply(self, module, device_mesh):
+        core = self._core()
+        kind = _shard_module(core, module, device_mesh, self.src_data_rank)
+        module.register_forward_pre_hook(_replace_first_input(lambda x: core.prepare_input(x, kind, device_mesh)))
+        module.register_forward_hook(lambda m, args, y: core.prepare_output(y, device_mesh))
         return module
 
 
 class RowwiseParallel(ParallelStyle):
     """Linear weight Shard(1), bias Replicate and added once after the reduction; Embedding
     weight Shard(0) over the vocabulary with a Replicate input. The local result is Partial:
-    all-reduced to Replicate or reduce-scattered to a Shard output."""
+    all-reduced to Replicate or reduce-scattered to a Shard output. ``reduce_dtype``: the
+    reduction's accumulate dtype; 16-bit reductions always accumulate in float32, so only None
+    and torch.float32 are accepted."""
 
     def __init__(self, *, input_layouts: Optional[Placement] = None, output_layouts: Optional[Placement] = None,
-                 use_local_output: bool = True):
-        self.input_layouts = input_layouts if input_layouts is not None else Shard(-1)
-        self.output_layouts = output_layouts if output_layouts is not None else Replicate()
+                 use_local_output: bool = True, reduce_dtype=None):
+        if reduce_dtype not in (None, torch.float32):
+            raise NotImplementedError(f"{type(self).__name__}: reduce_dtype {reduce_dtype} is not supported; "
+                                      "16-bit reductions accumulate in torch.float32 (None or torch.float32)")
+        self.input_layouts = _layouts(input_layouts, Shard(-1))
+        self.output_layouts = _layouts(output_layouts, Replicate())
+        self.desired_input_layouts = (Shard(-1),)
         self.use_local_output = use_local_output
+        self.reduce_dtype = reduce_dtype
+        self._core()
 
-    def _apply(self, module, device_mesh):
-        name = type(self).__name__
-        mesh, out, local = device_mesh, self.output_layouts, self.use_local_output
-        if isinstance(module, nn.Linear):
-            _claim(name, module)
-            _shard(module.weight, mesh, [Shard(1)], self.src_data_rank)
-            if module.bias is not None:
-                _shard(module.bias, mesh, [Replicate()], self.src_data_rank)
-                if out.is_shard():  # each rank then sees the bias gradient of its own rows only
-                    _C.sum_gradient_over_mesh(module.bias, mesh)
-            layout = self.input_layouts
-            module.register_forward_pre_hook(
-                _replace_first_input(lambda x: _C.prepare(x, mesh, layout, Shard(x.dim() - 1), True)))
-            module.forward = types.MethodType(
-                lambda self, x: _C.rowwise_linear(x, self.weight, self.bias, mesh, out, local), module)
-        elif isinstance(module, nn.Embedding):
-            if not self.input_layouts.is_replicate():
-                raise ValueError(f"{name}: expected input_layouts Replicate for an Embedding (ids index the "
-                                 f"whole vocabulary), got {self.input_layouts}")
-            _claim(name, module)
+    def _core(self):
+        return _C.RowwiseParallel(self.input_layouts[0], self.output_layouts[0], self.use_local_output)
+
+    def apply(self, module, device_mesh):
+        core, mesh = self._core(), device_mesh
+        kind = _shard_module(core, module, mesh, self.src_data_rank)
+        if kind == "embedding":
+            self.desired_input_layouts = (Replicate(),)
             vocab = module.num_embeddings
-            _shard(module.weight, mesh, [Shard(0)], self.src_data_rank)
-            module.forward = types.MethodType(
-                lambda self, ids: _C.rowwise_embedding(ids, self.weight, vocab, mesh, out, local), module)
-        else:
-            raise TypeError(f"{name}: expected torch.nn.Linear or torch.nn.Embedding, got {type(module).__name__}")
+            module.forward = types.MethodType(lambda m, ids: core.forward_embedding(ids, m.weight, vocab, mesh), module)
+            return module
+        module.register_forward_pre_hook(_replace_first_input(lambda x: core.prepare_input(x, mesh)))
+        module.forward = types.MethodType(lambda m, x: core.forward_linear(x, m.weight, m.bias, mesh), module)
         return module
 
 
@@ -129,77 +141,63 @@ class SequenceParallel(ParallelStyle):
     (Partial) are summed over the mesh by a gradient hook."""
 
     def __init__(self, *, sequence_dim: int = 1, use_local_output: bool = False):
-        self.sequence_dim = sequence_dim
+        self.sequence_sharding = (Shard(sequence_dim),)
         self.use_local_output = use_local_output
 
-    def _apply(self, module, device_mesh):
-        _claim(type(self).__name__, module)
-        mesh, seq, local = device_mesh, Shard(self.sequence_dim), self.use_local_output
-        for param in module.parameters(recurse=False):
-            _shard(param, mesh, [Replicate()], self.src_data_rank)
-            _C.sum_gradient_over_mesh(param, mesh)
+    def _core(self):
+        return _C.SequenceParallel(self.sequence_sharding[0].dim, self.use_local_output)
 
-        def pre_hook(m, args):
-            return tuple(_C.prepare(x, mesh, seq, seq, True) if getattr(x, "is_floating_point", lambda: False)()
-                         else x for x in args)
-
-        module.register_forward_pre_hook(pre_hook)
-        module.register_forward_hook(lambda m, args, y: _C.prepare(y, mesh, seq, seq, local))
+    def apply(self, module, device_mesh):
+        core = self._core()
+        _shard_module(core, module, device_mesh, self.src_data_rank)
+        module.register_forward_pre_hook(lambda m, args: core.prepare_inputs(args, device_mesh))
+        module.register_forward_hook(lambda m, args, y: core.prepare_output(y, device_mesh))
         return module
 
 
-def _check_lists(style: str, a_name: str, a: Sequence, b_name: str, b: Sequence) -> None:
-    if len(a) != len(b):
-        raise ValueError(f"{style}: expected {a_name} and {b_name} of the same length, got {len(a)} and {len(b)}")
-    for i, (x, y) in enumerate(zip(a, b)):
-        if (x is None) != (y is None):
-            raise ValueError(f"{style}: expected {a_name}[{i}] and {b_name}[{i}] both set or both None")
-
-
-def _convert_all(style, what, xs, mesh, src, dst, local):
-    if len(xs) != len(src):
-        raise ValueError(f"{style}: expected {len(src)} {what} (one per layout), got {len(xs)}")
-    return tuple(x if s is None or x is None else _C.prepare(x, mesh, s, d, local)
-                 for x, s, d in zip(xs, src, dst))
+Layouts = Union[Optional[Placement], Sequence[Optional[Placement]]]
 
 
 class PrepareModuleInput(ParallelStyle):
     """Converts each positional input from input_layouts to desired_input_layouts (None leaves
     one alone) before the module runs."""
 
-    def __init__(self, *, input_layouts, desired_input_layouts, use_local_output: bool = False):
-        self.input_layouts = list(input_layouts) if isinstance(input_layouts, (list, tuple)) else [input_layouts]
-        self.desired_input_layouts = (list(desired_input_layouts) if isinstance(desired_input_layouts, (list, tuple))
-                                      else [desired_input_layouts])
+    def __init__(self, *, input_layouts: Layouts, desired_input_layouts: Layouts, use_local_output: bool = False):
+        self.input_layouts = _layouts(input_layouts, None)
+        self.desired_input_layouts = _layouts(desired_input_layouts, None)
         self.use_local_output = use_local_output
-        _check_lists("PrepareModuleInput", "input_layouts", self.input_layouts, "desired_input_layouts",
-                     self.desired_input_layouts)
+        self._core()
 
-    def _apply(self, module, device_mesh):
-        src, dst, local = self.input_layouts, self.desired_input_layouts, self.use_local_output
-        module.register_forward_pre_hook(
-            lambda m, args: _convert_all("PrepareModuleInput", "inputs", args, device_mesh, src, dst, local))
+    def _core(self):
+        return _C.PrepareModuleInput(list(self.input_layouts), list(self.desired_input_layouts), self.use_local_output)
+
+    def apply(self, module, device_mesh):
+        core = self._core()
+        _C.check_tp_mesh(core.name(), device_mesh)
+        module.register_forward_pre_hook(lambda m, args: core.prepare_inputs(args, device_mesh))
         return module
 
 
 class PrepareModuleOutput(ParallelStyle):
     """Converts each output from output_layouts to desired_output_layouts."""
 
-    def __init__(self, *, output_layouts, desired_output_layouts, use_local_output: bool = True):
-        self.output_layouts = list(output_layouts) if isinstance(output_layouts, (list, tuple)) else [output_layouts]
-        self.desired_output_layouts = (list(desired_output_layouts) if isinstance(desired_output_layouts, (list, tuple))
-                                       else [desired_output_layouts])
+    def __init__(self, *, output_layouts: Layouts, desired_output_layouts: Layouts, use_local_output: bool = True):
+        self.output_layouts = _layouts(output_layouts, None)
+        self.desired_output_layouts = _layouts(desired_output_layouts, None)
         self.use_local_output = use_local_output
-        _check_lists("PrepareModuleOutput", "output_layouts", self.output_layouts, "desired_output_layouts",
-                     self.desired_output_layouts)
+        self._core()
 
-    def _apply(self, module, device_mesh):
-        src, dst, local = self.output_layouts, self.desired_output_layouts, self.use_local_output
+    def _core(self):
+        return _C.PrepareModuleOutput(list(self.output_layouts), list(self.desired_output_layouts),
+                                      self.use_local_output)
+
+    def apply(self, module, device_mesh):
+        core = self._core()
+        _C.check_tp_mesh(core.name(), device_mesh)
 
         def hook(m, args, out):
             single = not isinstance(out, tuple)
-            converted = _convert_all("PrepareModuleOutput", "outputs", (out,) if single else out, device_mesh,
-                                     src, dst, local)
+            converted = core.prepare_outputs((out,) if single else out, device_mesh)
             return converted[0] if single else converted
 
         module.register_forward_hook(hook)

@@ -5,6 +5,21 @@
 
 namespace hyper_parallel::tensor_parallel {
 
+int64_t normalize_sequence_dim(int64_t sequence_dim, int64_t ndim_leading) {
+  const int64_t d = sequence_dim < 0 ? sequence_dim + ndim_leading : sequence_dim;
+  TORCH_CHECK(d >= 0 && d < ndim_leading, "MC2Linear sequence_dim=", sequence_dim,
+              " is out of range for leading rank ", ndim_leading, ".");
+  return d;
+}
+
+at::Tensor move_dim_to_front(const at::Tensor& t, int64_t dim) {
+  return t.movedim(dim, 0).contiguous();
+}
+
+at::Tensor move_front_to_dim(const at::Tensor& t, int64_t dim) {
+  return t.movedim(0, dim).contiguous();
+}
+
 at::Tensor sequence_rows(const at::Tensor& x, int64_t sequence_dim) {
   TORCH_CHECK(x.dim() >= 2, "MC2Linear::forward: expected an activation with a sequence and a "
               "feature dim, got ", x.sizes());

@@ -15,130 +15,106 @@ using dtensor::Placement;
 using dtensor::Replicate;
 using dtensor::Shard;
 
+// ---- What both styles share ---------------------------------------------------------------
+
+void MC2Style::check_kind(const ModuleTarget& target, const ModuleTypeNames& names) const {
+  // MC2 fuses Linear layers: an Embedding is not supported, anything else is the wrong type.
+  TORCH_CHECK_NOT_IMPLEMENTED(target.kind != nn::ModuleKind::kEmbedding, name(),
+                              " does not support Embedding (got ", target.type, "); MC2 fuses Linear layers only");
+  TORCH_CHECK_TYPE(target.kind == nn::ModuleKind::kLinear, name(), ": expected ", names.linear, ", got ",
+                   target.type, "; MC2 fuses Linear layers only");
+}
+
+void MC2Style::check_target(const ModuleTarget& target, const DeviceMesh& mesh) const {
+  // Values every rank shares (shapes, dtype, world size): all ranks fail together, and none is
+  // left waiting in the collective that sharding the weights starts.
+  const auto style = name();
+  contract().check_dtype(style.c_str(), target.weight_dtype);
+  contract().check_world_size(style.c_str(), mesh.size(0));
+  contract().check_weight(style.c_str(), mc2_mode(), target.weight_shape, mesh.size(0));
+}
+
+int64_t MC2Style::sequence_dim() const {
+  // A tensor dim d < 0 counts the feature dim; among the leading dims it is d + 1.
+  const int64_t d = sequence_layout().dim();
+  return d >= 0 ? d : d + 1;
+}
+
+void MC2Style::apply_to(torch::nn::Module& module, const DeviceMesh& mesh,
+                        std::optional<int64_t> src_data_rank) const {
+  auto& hm = detail::sharding_target(*this, module, mesh, src_data_rank);
+  MC2Linear::from_linear(module).configure_mc2(mc2_mode(), mesh.get_group(0), sequence_dim(), contract(),
+                                               mc2_options());
+  auto self = clone();
+  hm.add_input_hook([self, mesh](std::vector<at::Tensor> xs) {
+    xs[0] = self->prepare_input(xs[0], mesh);
+    return xs;
+  });
+  hm.add_output_hook([self, mesh](std::vector<at::Tensor> ys) {
+    ys[0] = self->prepare_output(ys[0], mesh);
+    return ys;
+  });
+}
+
 namespace {
 
-// MC2 fuses Linear layers: an Embedding is not supported, anything else is the wrong type.
-void check_kind(const char* style, nn::ModuleKind kind, const std::string& module_name,
-                const char* linear_name) {
-  TORCH_CHECK_NOT_IMPLEMENTED(kind != nn::ModuleKind::kEmbedding, style,
-                              " does not support Embedding (got ", module_name,
-                              "); MC2 fuses Linear layers only");
-  TORCH_CHECK_TYPE(kind == nn::ModuleKind::kLinear, style, ": expected ", linear_name, ", got ",
-                   module_name, "; MC2 fuses Linear layers only");
-}
-
-// The kind and the limits both MC2 styles check before touching a module. They depend only on
-// values every rank shares (shapes, dtype, world size), so all ranks fail together and none is
-// left waiting in the collective that sharding the weights starts.
-void check_kind_and_common_limits(const char* style, nn::ModuleKind kind, const std::string& module_name,
-                                  const char* linear_name, at::ScalarType dtype, const DeviceMesh& mesh,
-                                  const MC2Contract& contract) {
-  check_kind(style, kind, module_name, linear_name);
-  contract.check_dtype(style, dtype);
-  contract.check_world_size(style, mesh.size(0));
-}
-
-// For this library's modules: one of them, a Linear, not yet parallelized (a sharded weight
-// would fail the limits for the wrong reason), then the contract on the full weight.
-template <typename Style>
-void check_module(const Style& style, torch::nn::Module& module, const DeviceMesh& mesh) {
-  const auto name = style.name();
-  auto& hm = detail::hookable(name.c_str(), module);
-  check_kind(name.c_str(), hm.module_kind(), module.name(), "hyper_parallel::nn::Linear");
-  // The kind is checked above (with the exception types Python sees); here: not yet parallelized.
-  detail::sharding_target(name.c_str(), module, {{}, "a module of this library", "any kind"});
-  const auto weight = module.named_parameters(/*recurse=*/false)["weight"];
-  style.check_target(hm.module_kind(), module.name(), "hyper_parallel::nn::Linear", weight.sizes(),
-                     weight.scalar_type(), mesh);
+void check_sequence_layout(const char* style, const char* what, const char* fused, const Placement& layout) {
+  TORCH_CHECK_VALUE(layout.is_shard(), style, ": requires a sharded ", what, " layout (sequence parallelism: the "
+                    "fused op ", fused, " the sequence), got ", what, "_layouts ", layout.str());
+  TORCH_CHECK_VALUE(layout.dim() != -1, style, ": expected ", what, "_layouts Shard(sequence dim), got Shard(-1), "
+                    "the feature dim");
 }
 
 }  // namespace
 
-MC2ColwiseParallel::MC2ColwiseParallel(MC2ColwiseParallelOptions options)
-    : options_(std::move(options)) {
-  TORCH_CHECK_VALUE(options_.input_layouts().is_shard(),
-                    "MC2ColwiseParallel: requires a sharded input layout (sequence parallelism: the "
-                    "fused op all-gathers the sequence), got input_layouts ",
-                    options_.input_layouts().str());
-  TORCH_CHECK_VALUE(options_.input_layouts().dim() != -1,
-                    "MC2ColwiseParallel: expected input_layouts Shard(sequence dim), got Shard(-1), "
-                    "the feature dim");
+// ---- MC2ColwiseParallel -------------------------------------------------------------------
+
+MC2ColwiseParallel::MC2ColwiseParallel(MC2ColwiseParallelOptions options) : options_(std::move(options)) {
+  check_sequence_layout("MC2ColwiseParallel", "input", "all-gathers", options_.input_layouts());
   TORCH_CHECK_VALUE(!options_.output_layouts().is_partial(),
                     "MC2ColwiseParallel: expected output_layouts Shard or Replicate, got ",
                     options_.output_layouts().str());
 }
 
-void MC2ColwiseParallel::check_target(nn::ModuleKind kind, const std::string& module_name,
-                                      const char* linear_name, c10::IntArrayRef weight_shape,
-                                      at::ScalarType dtype, const DeviceMesh& mesh) const {
-  const char* style = "MC2ColwiseParallel";
-  const auto& contract = options_.contract();
-  check_kind_and_common_limits(style, kind, module_name, linear_name, dtype, mesh, contract);
-  contract.check_weight(style, MC2Mode::kAllGather, weight_shape, mesh.size(0));
+std::vector<ParameterSharding> MC2ColwiseParallel::parameter_shardings(nn::ModuleKind,
+                                                                       const std::vector<std::string>& parameters) const {
+  return detail::shard_each(parameters, {{"weight", {Shard(0)}}, {"bias", {Shard(0)}}});
 }
 
-void MC2ColwiseParallel::apply_to(torch::nn::Module& module, const DeviceMesh& mesh,
-                                  std::optional<int64_t> src_data_rank) const {
-  check_module(*this, module, mesh);
-  detail::shard_parameter(module, "weight", mesh, {Shard(0)}, src_data_rank);
-  if (module.named_parameters(false).contains("bias")) {
-    detail::shard_parameter(module, "bias", mesh, {Shard(0)}, src_data_rank);
-  }
-  const Placement in = options_.input_layouts();
-  MC2Linear::from_linear(module).configure_mc2(MC2Mode::kAllGather, mesh.get_group(0), in.dim(),
-                                               options_.contract(), options_.mc2_options());
-  auto& hm = detail::hookable("MC2ColwiseParallel", module);
-  // The input stays sequence-sharded: the fused op does the gather (no redistribute here).
-  hm.add_input_hook([mesh, in](std::vector<at::Tensor> inputs) {
-    inputs[0] = detail::sequence_sharded_input("MC2ColwiseParallel", inputs[0], mesh, in);
-    return inputs;
-  });
-  detail::add_output_hook(hm, mesh, Shard(-1), options_.output_layouts(), options_.use_local_output());
+at::Tensor MC2ColwiseParallel::prepare_input(const at::Tensor& input, const DeviceMesh& mesh) const {
+  return detail::sequence_sharded_input("MC2ColwiseParallel", input, mesh, options_.input_layouts());
 }
 
-MC2RowwiseParallel::MC2RowwiseParallel(MC2RowwiseParallelOptions options)
-    : options_(std::move(options)) {
-  TORCH_CHECK_VALUE(options_.output_layouts().is_shard(),
-                    "MC2RowwiseParallel: requires a sharded output layout (sequence parallelism: the "
-                    "fused op reduce-scatters the sequence), got output_layouts ",
-                    options_.output_layouts().str());
-  TORCH_CHECK_VALUE(options_.output_layouts().dim() != -1,
-                    "MC2RowwiseParallel: expected output_layouts Shard(sequence dim), got Shard(-1), "
-                    "the feature dim");
+at::Tensor MC2ColwiseParallel::prepare_output(const at::Tensor& output, const DeviceMesh& mesh) const {
+  return detail::prepare(output, mesh, Shard(-1), options_.output_layouts(), options_.use_local_output());
+}
+
+
+// ---- MC2RowwiseParallel -------------------------------------------------------------------
+
+MC2RowwiseParallel::MC2RowwiseParallel(MC2RowwiseParallelOptions options) : options_(std::move(options)) {
+  check_sequence_layout("MC2RowwiseParallel", "output", "reduce-scatters", options_.output_layouts());
   TORCH_CHECK_VALUE(!options_.input_layouts().is_partial(),
                     "MC2RowwiseParallel: expected input_layouts Shard or Replicate, got ",
                     options_.input_layouts().str());
 }
 
-void MC2RowwiseParallel::check_target(nn::ModuleKind kind, const std::string& module_name,
-                                      const char* linear_name, c10::IntArrayRef weight_shape,
-                                      at::ScalarType dtype, const DeviceMesh& mesh) const {
-  const char* style = "MC2RowwiseParallel";
-  const auto& contract = options_.contract();
-  check_kind_and_common_limits(style, kind, module_name, linear_name, dtype, mesh, contract);
-  contract.check_weight(style, MC2Mode::kReduceScatter, weight_shape, mesh.size(0));
+std::vector<ParameterSharding> MC2RowwiseParallel::parameter_shardings(nn::ModuleKind,
+                                                                       const std::vector<std::string>& parameters) const {
+  // The fused backward gathers dY, so the bias gradient is complete on every rank.
+  return detail::shard_each(parameters, {{"weight", {Shard(1)}}, {"bias", {Replicate()}}});
 }
 
-void MC2RowwiseParallel::apply_to(torch::nn::Module& module, const DeviceMesh& mesh,
-                                  std::optional<int64_t> src_data_rank) const {
-  check_module(*this, module, mesh);
-  detail::shard_parameter(module, "weight", mesh, {Shard(1)}, src_data_rank);
-  if (module.named_parameters(false).contains("bias")) {
-    // The fused backward gathers dY, so the bias gradient is complete on every rank.
-    detail::shard_parameter(module, "bias", mesh, {Replicate()}, src_data_rank);
-  }
-  const Placement out = options_.output_layouts();
-  MC2Linear::from_linear(module).configure_mc2(MC2Mode::kReduceScatter, mesh.get_group(0),
-                                               out.dim(), options_.contract(), options_.mc2_options());
-  auto& hm = detail::hookable("MC2RowwiseParallel", module);
-  const Placement in = options_.input_layouts();
-  hm.add_input_hook([mesh, in](std::vector<at::Tensor> inputs) {
-    TORCH_CHECK(inputs[0].dim() >= 2, "MC2RowwiseParallel: expected an activation [..., S, ..., H], got ",
-                inputs[0].sizes());
-    inputs[0] = detail::prepare(inputs[0], mesh, in, Shard(inputs[0].dim() - 1), true);
-    return inputs;
-  });
-  detail::add_output_hook(hm, mesh, out, out, options_.use_local_output());
+at::Tensor MC2RowwiseParallel::prepare_input(const at::Tensor& input, const DeviceMesh& mesh) const {
+  TORCH_CHECK_VALUE(input.dim() >= 2, "MC2RowwiseParallel: expected an activation [..., S, ..., H], got ",
+                    input.sizes());
+  return detail::prepare(input, mesh, options_.input_layouts(), Shard(input.dim() - 1), true);
 }
+
+at::Tensor MC2RowwiseParallel::prepare_output(const at::Tensor& output, const DeviceMesh& mesh) const {
+  const auto& out = options_.output_layouts();
+  return detail::prepare(output, mesh, out, out, options_.use_local_output());
+}
+
 
 }  // namespace hyper_parallel::tensor_parallel

@@ -1,6 +1,6 @@
 #pragma once
-// The trainable fused Linear: its autograd (each fused op's backward runs its dual, docs/mc2.md)
-// and MC2Linear, the handle on an nn::Linear whose forward runs it.
+// MC2Linear: the handle on an nn::Linear whose forward runs the fused Linear (fused_linear.h),
+// and the forward kernel it installs (sequence layout, shared gathers, the contract's checks).
 
 #include <cstdint>
 #include <memory>
@@ -14,6 +14,7 @@
 
 #include <hyper_parallel/core/comm/process_group.h>
 #include <hyper_parallel/core/tensor_parallel/mc2/contract.h>
+#include <hyper_parallel/core/tensor_parallel/mc2/fused_linear.h>
 #include <hyper_parallel/core/tensor_parallel/mc2/ops.h>
 
 namespace torch::nn {
@@ -21,17 +22,6 @@ class Module;
 }
 
 namespace hyper_parallel::tensor_parallel {
-
-// ---- Differentiable fused Linear ------------------------------------------------------------
-
-/// Column-parallel: y = all_gather(x) Wᵀ + b on 2-d views. Backward (contract):
-/// dX = matmul_reduce_scatter(dY, W), dW = dYᵀ G (G saved from forward), db = Σ_rows dY.
-at::Tensor mc2_column_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias,
-                             const comm::Group& group, const MC2Options& options = {});
-/// Row-parallel: y = reduce_scatter(x Wᵀ) + b on 2-d views. Backward: (dX, dY_full) =
-/// all_gather_matmul(dY, W untransposed), dW = dY_fullᵀ X, db = Σ_rows dY_full.
-at::Tensor mc2_row_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias,
-                          const comm::Group& group, const MC2Options& options = {});
 
 class MC2LinearKernel;
 
@@ -59,9 +49,13 @@ class MC2Linear {
   /// undefined), as configured.
   at::Tensor forward(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias) const;
 
-  /// Runs `mode`'s fused op over `group` (its size is the TP world size). sequence_dim indexes
-  /// the activation (negative counts from the end).
+  /// Runs `mode`'s fused op over `group` (its size is the TP world size) on activations whose
+  /// sequence is leading dim `sequence_dim` (negative counts from the end of the leading dims:
+  /// normalize_sequence_dim).
   void configure_mc2(MC2Mode mode, const comm::Group& group, int64_t sequence_dim,
+                     const MC2Contract& contract = {}, const MC2Options& options = {}) const;
+  /// The original system's signature: `world_size` must equal group.size() (c10::ValueError).
+  void configure_mc2(MC2Mode mode, const comm::Group& group, int64_t world_size, int64_t sequence_dim,
                      const MC2Contract& contract = {}, const MC2Options& options = {}) const;
 
   bool is_configured() const;

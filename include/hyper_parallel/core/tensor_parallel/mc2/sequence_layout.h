@@ -9,6 +9,17 @@
 
 namespace hyper_parallel::tensor_parallel {
 
+/// MC2Linear's sequence dim as an index into an activation's `ndim_leading` leading dims (all
+/// but the features): a negative dim counts from the end of them. Out of range is an error
+/// (RuntimeError) "MC2Linear sequence_dim=<d> is out of range for leading rank <n>.", as in the
+/// original system.
+int64_t normalize_sequence_dim(int64_t sequence_dim, int64_t ndim_leading);
+
+/// `t` with dim `dim` moved to the front, the other dims in order; contiguous.
+at::Tensor move_dim_to_front(const at::Tensor& t, int64_t dim);
+/// The inverse of move_dim_to_front: the front dim moved to `dim`; contiguous.
+at::Tensor move_front_to_dim(const at::Tensor& t, int64_t dim);
+
 /// Moves `sequence_dim` (a non-feature dim, non-negative) of x to the front and flattens to 2-d
 /// rows [S·rest, H], contiguous.
 at::Tensor sequence_rows(const at::Tensor& x, int64_t sequence_dim);
