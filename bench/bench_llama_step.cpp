@@ -82,44 +82,91 @@ std::pair<double, int64_t> step(Run& run, const at::Tensor& batch, int64_t seq_l
 // The link's rate: this rank streams `bytes` to the next rank in 1 MiB messages while receiving
 // as much from the previous one; the slowest rank's bytes per second.
 double link_rate(const hp::comm::Group& group, int64_t bytes) {
-  const int64_t p = group.size(), r = group.rank(), elems = (int64_t{1} << 20) / 2;
-  const int64_t messages = std::max<int64_t>(1, bytes / (2 * elems));
-  auto out = at::zeros({elems}, at::kBFloat16);
-  std::vector<at::Tensor> in(messages);
-  for (auto& t : in) t = at::empty({elems}, at::kBFloat16);
-  auto stream = [&] {
-    auto tags = hp::comm::reserve_tags(group);
-    std::vector<hp::comm::Work> works;
-    for (int64_t i = 0; i < messages; ++i) works.push_back(hp::comm::irecv(in[i], (r + p - 1) % p, group, tags.step(i)));
-    for (int64_t i = 0; i < messages; ++i) works.push_back(hp::comm::isend(out, (r + 1) % p, group, tags.step(i)));
-    for (auto& w : works) w.wait();
-  };
-  const double seconds = bench::median_seconds(group, 3, stream);
-  return messages * elems * 2.0 / seconds;
+  const int64_t elems = (int64_t{1} << 20) / 2;
+  const bench::NeighbourStream stream(group, bytes / (2 * elems), elems);
+  return stream.bytes() / bench::time_calls(group, 3, [&] { stream.run(); }).median;
 }
 
-struct Samples {
-  std::vector<double> real, compute;
+// One configuration's result at one rate: the slowest rank's step statistics, its compute-only
+// twin's median and the payload bytes a rank sends per step.
+struct Measured {
+  bench::Stats step;
+  double compute = 0;
   int64_t bytes = 0;
 };
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
+struct Bench {
+  std::vector<Config> configs;
+  std::vector<Run> real, compute_only;
+  llama3::ModelArgs args;
+  int64_t seq_len = 0, batch_size = 0;
+  int steps = 0, warmup = 0;
+  int64_t step_index = 0;  // the data of every step differs, across rates too
+};
+
+// Interleaved steps of every configuration and its compute-only twin.
+std::vector<Measured> measure(Bench& b, const hp::dtensor::DeviceMesh& mesh) {
+  const auto group = mesh.get_group(0);
+  std::vector<std::vector<double>> real(b.configs.size()), compute(b.configs.size());
+  std::vector<Measured> out(b.configs.size());
+  for (int s = 0; s < b.warmup + b.steps; ++s, ++b.step_index) {
+    auto batch = llama3::synthetic_batch(42, b.step_index, b.batch_size, b.seq_len, b.args.vocab_size);
+    for (size_t c = 0; c < b.configs.size(); ++c) {
+      auto [seconds, bytes] = step(b.real[c], batch, b.seq_len, b.args.vocab_size, mesh);
+      double compute_seconds;
+      {
+        hp::comm::detail::SkipTransfers skip;
+        compute_seconds = step(b.compute_only[c], batch, b.seq_len, b.args.vocab_size, mesh).first;
+      }
+      if (s < b.warmup) continue;
+      real[c].push_back(seconds);
+      compute[c].push_back(compute_seconds);
+      out[c].bytes = bytes;
+    }
+  }
+  for (size_t c = 0; c < b.configs.size(); ++c) {
+    out[c].step = bench::slowest(real[c], group);
+    out[c].compute = bench::slowest(compute[c], group).median;
+  }
+  return out;
+}
+
+// Speedups are against the first configuration, plain TP; the ceiling is T_plain over the
+// step's bound, max(compute-only step, bytes sent / measured link rate).
+void report(const Bench& b, const std::vector<Measured>& results, const std::string& preset, const std::string& rate,
+            double rate_bytes, int64_t p) {
+  std::printf("Llama 3 %s, TP %lld, bf16, SP + loss parallel, batch %lld x seq %lld, %d steps after %d "
+              "warm-up, interleaved; link: %s%s (measured %.2f Gbit/s)\n",
+              preset.c_str(), static_cast<long long>(p), static_cast<long long>(b.batch_size),
+              static_cast<long long>(b.seq_len), b.steps, b.warmup, bench::link_name().c_str(),
+              rate.empty() ? "" : (", rate " + rate).c_str(), rate_bytes * 8 / 1e9);
+  std::printf("%-10s %10s %17s %11s %10s %10s %12s %9s %9s\n", "config", "ms/step", "(min..max)", "tokens/s",
+              "compute", "exposed", "MB sent", "speedup", "ceiling");
+  const double t_plain = results[0].step.median;
+  for (size_t c = 0; c < results.size(); ++c) {
+    const auto& m = results[c];
+    const double t = m.step.median, ceiling = t_plain / std::max(m.compute, m.bytes / rate_bytes);
+    std::printf("%-10s %10.1f %8.1f..%-8.1f %11.0f %10.1f %10.1f %12.2f %8.2fx %8.2fx\n", b.configs[c].name.c_str(),
+                t * 1e3, m.step.min * 1e3, m.step.max * 1e3, b.batch_size * b.seq_len / t, m.compute * 1e3,
+                (t - m.compute) * 1e3, m.bytes / 1e6, t_plain / t, ceiling);
+  }
+  std::fflush(stdout);
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  int steps = 10, warmup = 3;
-  int64_t batch_size = 8;
+  Bench b;
+  b.steps = 10;
+  b.warmup = 3;
+  b.batch_size = 8;
   std::string preset = "bench";
   std::vector<std::string> rates;
   CLI::App app("Llama 3 training steps: plain TP, MC2 ffn and MC2 all, interleaved in one launch.",
                "bench_llama_step");
-  app.add_option("--steps", steps, "measured steps per configuration")->capture_default_str()->check(CLI::PositiveNumber);
-  app.add_option("--warmup", warmup, "steps before measuring")->capture_default_str();
-  app.add_option("--batch-size", batch_size, "sequences per step")->capture_default_str();
+  app.add_option("--steps", b.steps, "measured steps per configuration")->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--warmup", b.warmup, "steps before measuring")->capture_default_str();
+  app.add_option("--batch-size", b.batch_size, "sequences per step")->capture_default_str();
   app.add_option("--preset", preset, "model size")->capture_default_str();
   app.add_option("--rates", rates, "link rates to measure at, e.g. 250mbit (needs HP_BENCH_RATE_CMD)");
   CLI11_PARSE(app, argc, argv);
@@ -130,15 +177,14 @@ int main(int argc, char** argv) {
     const int64_t p = hp::comm::world_size();
     auto mesh = hp::dtensor::init_device_mesh("cpu", {p}, {"tp"});
     auto group = mesh.get_group(0);
-    const auto args = llama3::ModelArgs::from_preset(preset);
-    const int64_t seq_len = args.max_seq_len;
-    const std::vector<Config> configs{{"plain TP", false, llama3::MC2Scope::kFfn},
-                                      {"MC2 ffn", true, llama3::MC2Scope::kFfn},
-                                      {"MC2 all", true, llama3::MC2Scope::kAll}};
-    std::vector<Run> real, compute_only;
-    for (const auto& c : configs) {
-      real.push_back(build(c, args, seq_len, mesh));
-      compute_only.push_back(build(c, args, seq_len, mesh));
+    b.args = llama3::ModelArgs::from_preset(preset);
+    b.seq_len = b.args.max_seq_len;
+    b.configs = {{"plain TP", false, llama3::MC2Scope::kFfn},
+                 {"MC2 ffn", true, llama3::MC2Scope::kFfn},
+                 {"MC2 all", true, llama3::MC2Scope::kAll}};
+    for (const auto& c : b.configs) {
+      b.real.push_back(build(c, b.args, b.seq_len, mesh));
+      b.compute_only.push_back(build(c, b.args, b.seq_len, mesh));
     }
     const bool print = group.rank() == 0;
     const auto rate_cmd = bench::rate_command();
@@ -148,62 +194,11 @@ int main(int argc, char** argv) {
       rates.clear();
     }
     if (rates.empty()) rates.push_back("");
-    int64_t step_index = 0;
     for (const auto& rate : rates) {
-      if (!rate.empty()) {
-        const int rc = std::system((rate_cmd + " " + rate).c_str());
-        TORCH_CHECK(rc == 0, "bench_llama_step: '", rate_cmd, " ", rate, "' failed");
-        hp::comm::barrier(group);
-      }
-      std::vector<Samples> samples(configs.size());
-      for (int s = 0; s < warmup + steps; ++s, ++step_index) {
-        auto batch = llama3::synthetic_batch(42, step_index, batch_size, seq_len, args.vocab_size);
-        for (size_t c = 0; c < configs.size(); ++c) {
-          auto [seconds, bytes] = step(real[c], batch, seq_len, args.vocab_size, mesh);
-          double compute_seconds;
-          {
-            hp::comm::detail::SkipTransfers skip;
-            compute_seconds = step(compute_only[c], batch, seq_len, args.vocab_size, mesh).first;
-          }
-          if (s < warmup) continue;
-          samples[c].real.push_back(seconds);
-          samples[c].compute.push_back(compute_seconds);
-          samples[c].bytes = bytes;
-        }
-      }
-      const double rate_bytes = link_rate(group, std::max<int64_t>(samples[0].bytes, int64_t{8} << 20));
-      if (print) {
-        std::printf("Llama 3 %s, TP %lld, bf16, SP + loss parallel, batch %lld x seq %lld, %d steps after %d "
-                    "warm-up, interleaved; link: %s%s (measured %.2f Gbit/s)\n",
-                    preset.c_str(), static_cast<long long>(p), static_cast<long long>(batch_size),
-                    static_cast<long long>(seq_len), steps, warmup, bench::link_name().c_str(),
-                    rate.empty() ? "" : (", rate " + rate).c_str(), rate_bytes * 8 / 1e9);
-        std::printf("%-10s %10s %17s %11s %10s %10s %12s %9s %9s\n", "config", "ms/step", "(min..max)",
-                    "tokens/s", "compute", "exposed", "MB sent", "speedup", "ceiling");
-      }
-      // The slowest rank's medians; speedups are against the first configuration, plain TP.
-      double t_plain = 0;
-      for (size_t c = 0; c < configs.size(); ++c) {
-        auto& sm = samples[c];
-        auto stats = hp::comm::all_gather(
-            at::tensor({median(sm.real), *std::min_element(sm.real.begin(), sm.real.end()),
-                        *std::max_element(sm.real.begin(), sm.real.end()), median(sm.compute)},
-                       at::kDouble)
-                .unsqueeze(0),
-            0, group);
-        auto worst = std::get<0>(stats.max(0));
-        const double t = worst[0].item<double>(), lo = worst[1].item<double>(), hi = worst[2].item<double>();
-        const double t_compute = worst[3].item<double>();
-        if (c == 0) t_plain = t;
-        const double ceiling = t_plain / std::max(t_compute, sm.bytes / rate_bytes);
-        if (print) {
-          std::printf("%-10s %10.1f %8.1f..%-8.1f %11.0f %10.1f %10.1f %12.2f %8.2fx %8.2fx\n",
-                      configs[c].name.c_str(), t * 1e3, lo * 1e3, hi * 1e3,
-                      batch_size * seq_len / t, t_compute * 1e3, (t - t_compute) * 1e3,
-                      sm.bytes / 1e6, t_plain / t, ceiling);
-        }
-      }
-      if (print) std::fflush(stdout);
+      if (!rate.empty()) bench::set_rate("bench_llama_step", rate_cmd, rate, group);
+      const auto results = measure(b, mesh);
+      const double rate_bytes = link_rate(group, std::max<int64_t>(results[0].bytes, int64_t{8} << 20));
+      if (print) report(b, results, preset, rate, rate_bytes, p);
     }
     hp::comm::destroy_process_group();
     return 0;

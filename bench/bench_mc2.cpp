@@ -21,6 +21,8 @@
 #include <thread>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -56,34 +58,31 @@ struct Result {
   std::vector<std::pair<int64_t, bench::Stats>> fused;  // per chunk count
 };
 
-// One op on one shape at the current link rate.
-Result measure(Op op, const Shape& s, const hp::comm::Group& group, int iters,
-               const std::vector<int64_t>& chunk_counts, int64_t stream_chunks) {
-  const int64_t p = group.size(), r = group.rank(), m = s.rows_per_rank;
-  at::manual_seed(1 + r);
-  auto w = at::randn({s.n, s.k}).to(at::kBFloat16);
-  const bool ag = op == Op::kAllGatherMatmul;
-  auto x = at::randn({ag ? m : p * m, s.k}).to(at::kBFloat16);
-  auto full = at::randn({p * m, s.k}).to(at::kBFloat16);  // AG: stands for the gathered rows
-  auto y = at::empty({p * m, s.n}, at::kBFloat16);
-  // The stream: bytes_min per rank, in the messages of one chunk of the fused op.
-  const int64_t bytes_min = (p - 1) * m * (ag ? s.k : s.n) * 2;
-  const int64_t message_rows = std::max<int64_t>(1, m / stream_chunks);
-  const int64_t message_elems = message_rows * (ag ? s.k : s.n);
-  const int64_t messages = std::max<int64_t>(1, bytes_min / (message_elems * 2));
-  auto out_msg = at::randn({message_elems}).to(at::kBFloat16);
-  std::vector<at::Tensor> in_msgs;
-  for (int64_t i = 0; i < messages; ++i) in_msgs.push_back(at::empty({message_elems}, at::kBFloat16));
-  const int64_t next = (r + 1) % p, prev = (r + p - 1) % p;
-  auto stream = [&] {
-    auto tags = hp::comm::reserve_tags(group);
-    std::vector<hp::comm::Work> works;
-    for (int64_t i = 0; i < messages; ++i) works.push_back(hp::comm::irecv(in_msgs[i], prev, group, tags.step(i)));
-    for (int64_t i = 0; i < messages; ++i) works.push_back(hp::comm::isend(out_msg, next, group, tags.step(i)));
-    for (auto& wk : works) wk.wait();
-  };
+// The operands of one op on one shape, and its variants as callables.
+struct Setup {
+  bool ag;
+  int64_t p, m;
+  at::Tensor w, x, full, y;
+  std::unique_ptr<bench::NeighbourStream> stream;
+  tp::MC2Options default_options;
+
+  Setup(Op op, const Shape& s, const hp::comm::Group& group, int64_t stream_chunks)
+      : ag(op == Op::kAllGatherMatmul), p(group.size()), m(s.rows_per_rank) {
+    at::manual_seed(1 + group.rank());
+    w = at::randn({s.n, s.k}).to(at::kBFloat16);
+    x = at::randn({ag ? m : p * m, s.k}).to(at::kBFloat16);
+    full = at::randn({p * m, s.k}).to(at::kBFloat16);  // AG: stands for the gathered rows
+    y = at::empty({p * m, s.n}, at::kBFloat16);
+    // The stream: bytes_min per rank, in the messages of one chunk of the fused op.
+    const int64_t width = ag ? s.k : s.n, bytes_min = (p - 1) * m * width * 2;
+    const int64_t message_elems = std::max<int64_t>(1, m / stream_chunks) * width;
+    stream = std::make_unique<bench::NeighbourStream>(group, std::max<int64_t>(1, bytes_min / (message_elems * 2)),
+                                                      message_elems);
+    default_options = tp::MC2Options().chunks_per_rank(stream_chunks);
+  }
+
   // The op's matmuls in `chunks` chunks per block.
-  auto matmuls = [&](int64_t chunks) {
+  void matmuls(int64_t chunks) {
     const auto& a = ag ? full : x;
     for (int64_t b = 0; b < p; ++b) {
       for (int64_t j = 0; j < chunks; ++j) {
@@ -93,68 +92,76 @@ Result measure(Op op, const Shape& s, const hp::comm::Group& group, int iters,
         at::mm_out(out, a.narrow(0, at_row, rows), w.t());
       }
     }
-  };
-  auto compute = [&] { matmuls(stream_chunks); };
-  auto unfused = [&] {
+  }
+  void unfused(const hp::comm::Group& group) {
     if (ag) {
       at::mm(hp::comm::all_gather(x, 0, group), w.t());
     } else {
       hp::comm::reduce_scatter(at::mm(x, w.t()), 0, hp::comm::ReduceOp::kSum, group);
     }
-  };
-  auto coll = [&] {
+  }
+  void collective(const hp::comm::Group& group) {
     if (ag) {
       hp::comm::all_gather(x, 0, group);
     } else {
       hp::comm::reduce_scatter(y, 0, hp::comm::ReduceOp::kSum, group);
     }
-  };
-  const auto default_options = tp::MC2Options().chunks_per_rank(stream_chunks);
-  auto engine = [&] {
+  }
+  // The fused op's own schedule with no-op callbacks: the transfers it has to hide.
+  void engine(const hp::comm::Group& group) {
     if (ag) {
       tp::detail::all_gather_matmul_transfers_only(x, w, group, default_options);
     } else {
       tp::detail::matmul_reduce_scatter_transfers_only(x, w, group, default_options);
     }
-  };
+  }
+  void fused(const hp::comm::Group& group, const tp::MC2Options& options) {
+    if (ag) {
+      tp::all_gather_matmul(x, w, group, options);
+    } else {
+      tp::matmul_reduce_scatter(x, w, group, options);
+    }
+  }
+};
+
+// Seconds of `fn` alone, appended to `times` (for variants timed inside another variant).
+template <typename Fn>
+void timed(std::vector<double>& times, Fn&& fn) {
+  const auto t0 = std::chrono::steady_clock::now();
+  fn();
+  times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+}
+
+// One op on one shape at the current link rate.
+Result measure(Op op, const Shape& s, const hp::comm::Group& group, int iters,
+               const std::vector<int64_t>& chunk_counts, int64_t stream_chunks) {
+  Setup u(op, s, group, stream_chunks);
   // For the gap breakdown: the same matmuls unchunked, and the chunked ones while the fused
   // op's transfers run in another thread of this process (as they do inside the fused op).
   std::vector<double> whole_times, contended_times;
-  auto compute_whole = [&] {
-    auto t0 = std::chrono::steady_clock::now();
-    matmuls(1);
-    whole_times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-  };
-  auto compute_contended = [&] {
-    std::thread transfers(engine);
-    auto t0 = std::chrono::steady_clock::now();
-    compute();
-    contended_times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-    transfers.join();
-  };
-  std::vector<std::function<void()>> variants{stream, compute, unfused, coll, engine, compute_whole,
-                                              compute_contended};
+  std::vector<std::function<void()>> variants{
+      [&] { u.stream->run(); },
+      [&] { u.matmuls(stream_chunks); },
+      [&] { u.unfused(group); },
+      [&] { u.collective(group); },
+      [&] { u.engine(group); },
+      [&] { timed(whole_times, [&] { u.matmuls(1); }); },
+      [&] {
+        std::thread transfers([&] { u.engine(group); });
+        timed(contended_times, [&] { u.matmuls(stream_chunks); });
+        transfers.join();
+      }};
   for (auto c : chunk_counts) {
-    const auto options = tp::MC2Options().chunks_per_rank(c);
-    variants.push_back([&, options] {
-      if (ag) {
-        tp::all_gather_matmul(x, w, group, options);
-      } else {
-        tp::matmul_reduce_scatter(x, w, group, options);
-      }
-    });
+    variants.push_back([&u, &group, options = tp::MC2Options().chunks_per_rank(c)] { u.fused(group, options); });
   }
   const auto stats = bench::interleaved(group, iters, variants);
   Result res{0, 0, stats[0], stats[1], stats[2], stats[3], stats[4], 0, 0, {}};
   for (size_t i = 0; i < chunk_counts.size(); ++i) res.fused.emplace_back(chunk_counts[i], stats[7 + i]);
-  auto median_over_ranks = [&](std::vector<double> t) {
-    std::sort(t.begin(), t.end());
-    return hp::comm::all_gather(at::full({1}, t[t.size() / 2], at::kDouble), 0, group).max().item<double>();
-  };
-  res.compute_whole = median_over_ranks(whole_times);
-  res.compute_contended = median_over_ranks(contended_times);
-  const double sent = static_cast<double>(messages * message_elems * 2);
-  res.rate_gbps = 8 * sent / res.stream.median / 1e9;
+  whole_times.erase(whole_times.begin());  // the warm-up round
+  contended_times.erase(contended_times.begin());
+  res.compute_whole = bench::slowest(whole_times, group).median;
+  res.compute_contended = bench::slowest(contended_times, group).median;
+  res.rate_gbps = 8.0 * u.stream->bytes() / res.stream.median / 1e9;
   res.r = res.stream.median / res.compute.median;
   return res;
 }
@@ -213,12 +220,6 @@ void write_csv(std::ofstream& csv, Op op, const Shape& s, const Result& res, con
   csv.flush();
 }
 
-void set_rate(const std::string& command, double bits_per_s, const hp::comm::Group& group) {
-  const std::string rate = std::to_string(static_cast<long long>(bits_per_s)) + "bit";
-  const int rc = std::system((command + " " + rate).c_str());
-  TORCH_CHECK(rc == 0, "bench_mc2: the rate command '", command, " ", rate, "' failed (", rc, ")");
-  hp::comm::barrier(group);
-}
 
 }  // namespace
 
@@ -287,7 +288,7 @@ int main(int argc, char** argv) {
         auto probe = measure(op, s, group, 3, {stream_chunks}, stream_chunks);
         for (double ratio : ratios) {
           const double rate = std::clamp(8 * bytes_min / (ratio * probe.compute.median), 2e7, 4e10);
-          set_rate(rate_cmd, rate, group);
+          bench::set_rate("bench_mc2", rate_cmd, std::to_string(static_cast<long long>(rate)) + "bit", group);
           auto res = measure(op, s, group, iters, chunk_counts, stream_chunks);
           if (print) print_line(op, s, res);
           if (csv.is_open()) write_csv(csv, op, s, res, link);

@@ -1,87 +1,70 @@
 #pragma once
-// Timing helpers shared by the benchmarks.
+// What the benchmarks share: the slowest rank's statistics of timed calls, interleaved variants,
+// the neighbour stream that measures the link, and the link's name and rate command.
 
-#include <malloc.h>
-
-#include <algorithm>
-#include <chrono>
-#include <cstdlib>
+#include <cstdint>
 #include <functional>
 #include <string>
-#include <utility>
 #include <vector>
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
-#include <hyper_parallel/core/comm.h>
+#include <hyper_parallel/core/comm/process_group.h>
 
 namespace bench {
 
 /// Keep freed buffers in the heap, as a caching allocator would: otherwise every large
 /// allocation is a fresh mmap whose page faults get timed (they can cost more than a transfer).
-inline void keep_freed_memory() {
-  mallopt(M_MMAP_THRESHOLD, 1 << 30);
-  mallopt(M_TRIM_THRESHOLD, 1 << 30);
-}
+void keep_freed_memory();
 
-/// Seconds of one call of fn: median over `iters` (after one warm-up), each iteration started
-/// together (barrier), the slowest rank's median.
-template <typename Fn>
-double median_seconds(const hyper_parallel::comm::Group& group, int iters, Fn&& fn) {
-  fn();
-  std::vector<double> times;
-  for (int i = 0; i < iters; ++i) {
-    hyper_parallel::comm::barrier(group);
-    auto t0 = std::chrono::steady_clock::now();
-    fn();
-    times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-  }
-  std::sort(times.begin(), times.end());
-  auto med = at::full({1}, times[times.size() / 2], at::kDouble);
-  return hyper_parallel::comm::all_gather(med, 0, group).max().item<double>();
-}
-
-/// Median and spread (min, max) of one variant, in seconds; each is the slowest rank's.
+/// Median and spread (min, max) in seconds; each is the slowest rank's.
 struct Stats {
   double median = 0, min = 0, max = 0;
 };
 
+/// The slowest rank's median, min and max of this rank's `seconds`. Collective over `group`.
+Stats slowest(std::vector<double> seconds, const hyper_parallel::comm::Group& group);
+
+/// Seconds of one call of `fn`: one warm-up, then `iters` calls each started together (a
+/// barrier); the slowest rank's statistics. Collective.
+Stats time_calls(const hyper_parallel::comm::Group& group, int iters, const std::function<void()>& fn);
+
 /// Times several variants interleaved (A B C A B C ...), so that drifts of a shared machine hit
-/// them alike: one warm-up round, then `iters` rounds, each call started together (barrier).
-inline std::vector<Stats> interleaved(const hyper_parallel::comm::Group& group, int iters,
-                                      const std::vector<std::function<void()>>& variants) {
-  for (const auto& fn : variants) fn();
-  std::vector<std::vector<double>> times(variants.size());
-  for (int i = 0; i < iters; ++i) {
-    for (size_t v = 0; v < variants.size(); ++v) {
-      hyper_parallel::comm::barrier(group);
-      auto t0 = std::chrono::steady_clock::now();
-      variants[v]();
-      times[v].push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-    }
-  }
-  std::vector<Stats> out;
-  for (auto& t : times) {
-    std::sort(t.begin(), t.end());
-    auto local = at::tensor({t[t.size() / 2], t.front(), t.back()}, at::kDouble).unsqueeze(0);
-    auto all = hyper_parallel::comm::all_gather(local, 0, group);  // [P, 3]
-    auto slowest = std::get<0>(all.max(0));
-    out.push_back({slowest[0].item<double>(), slowest[1].item<double>(), slowest[2].item<double>()});
-  }
-  return out;
-}
+/// them alike: one warm-up round, then `iters` rounds, each call started together (a barrier).
+/// Collective.
+std::vector<Stats> interleaved(const hyper_parallel::comm::Group& group, int iters,
+                               const std::vector<std::function<void()>>& variants);
+
+/// The link, measured with the messages of the op under test: `messages` messages of `elems`
+/// bfloat16 elements to the next rank of the group while as many arrive from the previous one.
+///
+/// Usage:
+///   bench::NeighbourStream stream(group, /*messages=*/16, /*elems=*/1 << 19);
+///   auto stats = bench::time_calls(group, 5, [&] { stream.run(); });
+///   double bytes_per_s = stream.bytes() / stats.median;
+class NeighbourStream {
+ public:
+  NeighbourStream(const hyper_parallel::comm::Group& group, int64_t messages, int64_t elems);
+  /// Sends and receives every message, then returns. Collective over the group.
+  void run() const;
+  /// Bytes this rank sends per run.
+  int64_t bytes() const { return messages_ * elems_ * 2; }
+
+ private:
+  hyper_parallel::comm::Group group_;
+  int64_t messages_, elems_;
+  at::Tensor out_;
+  std::vector<at::Tensor> in_;
+};
 
 /// What the ranks talk over, as the launching script says (HP_BENCH_LINK), else loopback.
-inline std::string link_name() {
-  const char* link = std::getenv("HP_BENCH_LINK");
-  return link ? link : "loopback (TCP costs CPU on the same cores as the matmuls)";
-}
-
+std::string link_name();
 /// The command that changes this rank's link rate (HP_BENCH_RATE_CMD, set by run_bench.sh when
 /// the ranks run in rate-limited network namespaces), or empty.
-inline std::string rate_command() {
-  const char* cmd = std::getenv("HP_BENCH_RATE_CMD");
-  return cmd ? cmd : "";
-}
+std::string rate_command();
+/// Runs `command rate` on every rank (e.g. "250mbit"), then a barrier; `program` names the caller
+/// in the error if the command fails.
+void set_rate(const char* program, const std::string& command, const std::string& rate,
+              const hyper_parallel::comm::Group& group);
 
 }  // namespace bench

@@ -96,9 +96,13 @@ std::string staging_dir(const std::string& root, int64_t step, const std::string
 }
 
 void prepare_staging(const char* fn, const std::string& root, const std::string& staging) {
-  fs::create_directories(root);
-  remove_leftovers(root);
-  fs::create_directory(staging);
+  try {
+    fs::create_directories(root);
+    remove_leftovers(root);
+    fs::create_directory(staging);
+  } catch (const fs::filesystem_error& e) {
+    TORCH_CHECK(false, fn, ": cannot prepare ", staging, ": ", e.what());
+  }
 }
 
 void publish(const char* fn, const std::string& root, const std::string& staging, int64_t step,

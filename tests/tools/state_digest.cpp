@@ -91,16 +91,16 @@ void digest_collectives(const comm::Group& world) {
   for (const auto dtype : dtypes) {
     Section section(std::string("collectives/") + c10::toString(dtype));
     for (const int64_t n : {int64_t{0}, int64_t{1}, int64_t{7}, 3 * p + 1, int64_t{1000}}) {
-      const auto tag = "n" + std::to_string(n);
+      const auto item = [n](const char* op) { return std::string(op) + ".n" + std::to_string(n); };
       const auto x = values(dtype, {n, 3}, n);
-      section.add("all_gather." + tag, comm::all_gather(x, 0, world));
-      section.add("reduce_scatter_sum." + tag, comm::reduce_scatter(x, 0, comm::ReduceOp::kSum, world));
+      section.add(item("all_gather"), comm::all_gather(x, 0, world));
+      section.add(item("reduce_scatter_sum"), comm::reduce_scatter(x, 0, comm::ReduceOp::kSum, world));
       if (at::isFloatingType(dtype)) {
-        section.add("reduce_scatter_avg." + tag, comm::reduce_scatter(x, 0, comm::ReduceOp::kAvg, world));
+        section.add(item("reduce_scatter_avg"), comm::reduce_scatter(x, 0, comm::ReduceOp::kAvg, world));
       }
-      section.add("all_reduce." + tag, comm::all_reduce(x, comm::ReduceOp::kSum, world));
-      section.add("all_to_all." + tag, comm::all_to_all(x, 0, 1, world));
-      section.add("broadcast." + tag, comm::broadcast(x, p - 1, world));
+      section.add(item("all_reduce"), comm::all_reduce(x, comm::ReduceOp::kSum, world));
+      section.add(item("all_to_all"), comm::all_to_all(x, 0, 1, world));
+      section.add(item("broadcast"), comm::broadcast(x, p - 1, world));
     }
   }
 }
@@ -112,12 +112,14 @@ void digest_fused_ops(const comm::Group& world) {
     for (const int64_t chunks : {1, 2, 3}) {
       const auto options = tp::MC2Options().chunks_per_rank(chunks);
       for (const int64_t m : {0, 5, 64}) {
-        const auto tag = "m" + std::to_string(m) + ".chunks" + std::to_string(chunks);
+        const auto item = [m, chunks](const char* op) {
+          return std::string(op) + ".m" + std::to_string(m) + ".chunks" + std::to_string(chunks);
+        };
         const auto w = values(dtype, {n, k}, 17 * m + chunks);
         const auto [y, gathered] = tp::all_gather_matmul(values(dtype, {m, k}, m + chunks), w, world, options);
-        section.add("all_gather_matmul.y." + tag, y);
-        section.add("all_gather_matmul.gathered." + tag, gathered);
-        section.add("matmul_reduce_scatter." + tag,
+        section.add(item("all_gather_matmul.y"), y);
+        section.add(item("all_gather_matmul.gathered"), gathered);
+        section.add(item("matmul_reduce_scatter"),
                     tp::matmul_reduce_scatter(values(dtype, {p * m, k}, 3 * m + chunks), w, world, options));
       }
     }

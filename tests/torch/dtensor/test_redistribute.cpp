@@ -128,7 +128,9 @@ TEST(Redistribute, OneDimCollectivesMatchTheSemantics) {
     EXPECT_EQ(hp::comm::collective_count(c.forward, "forward"), 1);
     EXPECT_EQ(hp::comm::total_collective_count("backward"), c.backward ? 1 : 0)
         << hp::comm::collective_counts_summary();
-    if (c.backward) EXPECT_EQ(hp::comm::collective_count(*c.backward, "backward"), 1);
+    if (c.backward) {
+      EXPECT_EQ(hp::comm::collective_count(*c.backward, "backward"), 1);
+    }
   }
   // Replicate -> Shard is a local slice both ways... forward slice, backward all_gather.
   auto local = at::ones({4, 4}, at::kDouble).requires_grad_(true);

@@ -69,14 +69,14 @@ class ParallelStyle {
   /// Throws unless the style takes a module of `target.kind`: c10::TypeError for a kind it does
   /// not take, c10::NotImplementedError for one it does not support yet; `names` spell the
   /// accepted types. Default: any kind.
-  virtual void check_kind(const ModuleTarget& target, const ModuleTypeNames& names = {}) const {}
+  virtual void check_kind(const ModuleTarget& /*target*/, const ModuleTypeNames& /*names*/ = {}) const {}
   /// Throws c10::ValueError unless the style's options and limits fit `target` on `mesh`.
   /// Default: nothing to check.
-  virtual void check_target(const ModuleTarget& target, const dtensor::DeviceMesh& mesh) const {}
+  virtual void check_target(const ModuleTarget& /*target*/, const dtensor::DeviceMesh& /*mesh*/) const {}
   /// The style's parameter table for a module of `kind` whose own parameters are called
   /// `parameters` (in module order). Default: none.
   virtual std::vector<ParameterSharding> parameter_shardings(
-      nn::ModuleKind kind, const std::vector<std::string>& parameters) const {
+      nn::ModuleKind /*kind*/, const std::vector<std::string>& /*parameters*/) const {
     return {};
   }
 

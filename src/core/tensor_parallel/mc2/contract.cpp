@@ -21,6 +21,10 @@ MC2Mode mc2_mode_from_string(const std::string& mode) {
                     "'reduce_scatter', got '", mode, "'");
 }
 
+std::vector<at::ScalarType> MC2Contract::strict_dtypes() { return {at::kHalf, at::kBFloat16}; }
+
+std::vector<int64_t> MC2Contract::strict_world_sizes() { return {2, 4, 8}; }
+
 MC2Contract MC2Contract::relaxed() {
   return MC2Contract()
       .dtypes({at::kHalf, at::kBFloat16, at::kFloat, at::kDouble})

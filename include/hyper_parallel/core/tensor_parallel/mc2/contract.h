@@ -30,15 +30,16 @@ MC2Mode mc2_mode_from_string(const std::string& mode);
 ///   MC2ColwiseParallel(MC2ColwiseParallelOptions().contract(MC2Contract::relaxed()))
 struct MC2Contract {
   /// Allowed dtypes; default float16, bfloat16.
-  TORCH_ARG(std::vector<at::ScalarType>, dtypes) =
-      std::vector<at::ScalarType>{at::kHalf, at::kBFloat16};
+  TORCH_ARG(std::vector<at::ScalarType>, dtypes) = strict_dtypes();
   /// Contraction dims k (and the column backward's n_local) must lie in [min_k, max_k).
   TORCH_ARG(int64_t, min_k) = 256;
   TORCH_ARG(int64_t, max_k) = 65535;
   /// Allowed TP world sizes; default 2, 4, 8.
-  TORCH_ARG(std::vector<int64_t>, world_sizes) = std::vector<int64_t>{2, 4, 8};
+  TORCH_ARG(std::vector<int64_t>, world_sizes) = strict_world_sizes();
 
  public:  // TORCH_ARG leaves the section private
+  static std::vector<at::ScalarType> strict_dtypes();
+  static std::vector<int64_t> strict_world_sizes();
   /// The original's limits (the default).
   static MC2Contract strict() { return {}; }
   /// Any floating dtype, any k >= 1, any world size: same semantics, for debugging and tests.
