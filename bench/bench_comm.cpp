@@ -31,11 +31,11 @@ Row measure(const hp::comm::Group& group, int64_t bytes, int iters) {
   auto chunk = at::randn({step_numel});
   auto full = at::randn({step_numel * p});
   const bench::NeighbourStream step(group, 1, 2 * step_numel);  // one fp32 ring step's bytes
-  const auto stats = bench::interleaved(
-      group, iters,
-      {[&] { step.run(); }, [&] { hp::comm::all_gather(chunk, 0, group); },
-       [&] { hp::comm::reduce_scatter(full, 0, hp::comm::ReduceOp::kSum, group); },
-       [&] { hp::comm::all_reduce(full, hp::comm::ReduceOp::kSum, group); }});
+  const auto stats =
+      bench::interleaved(group, iters,
+                         {[&] { step.run(); }, [&] { hp::comm::all_gather(chunk, 0, group); },
+                          [&] { hp::comm::reduce_scatter(full, 0, hp::comm::ReduceOp::kSum, group); },
+                          [&] { hp::comm::all_reduce(full, hp::comm::ReduceOp::kSum, group); }});
   const double step_bytes = 4.0 * step_numel, total = step_bytes * p, bus = (p - 1.0) / p * total;
   return {total / (1 << 20), step_bytes / stats[0].median / 1e9, bus / stats[1].median / 1e9,
           bus / stats[2].median / 1e9, 2 * bus / stats[3].median / 1e9};
@@ -43,7 +43,8 @@ Row measure(const hp::comm::Group& group, int64_t bytes, int iters) {
 
 void report(const Row& row) {
   std::printf("%10.3f %12.3f %12.3f %12.3f %12.3f %7.0f%% %7.0f%%\n", row.total_mb, row.p2p, row.all_gather,
-              row.reduce_scatter, row.all_reduce, 100 * row.all_gather / row.p2p, 100 * row.reduce_scatter / row.p2p);
+              row.reduce_scatter, row.all_reduce, 100 * row.all_gather / row.p2p,
+              100 * row.reduce_scatter / row.p2p);
 }
 
 }  // namespace
@@ -53,7 +54,9 @@ int main(int argc, char** argv) {
   int iters = 5;
   CLI::App app("Ring collectives' bus bandwidth next to point-to-point bandwidth.", "bench_comm");
   app.add_option("--max-mb", max_mb, "largest total size")->capture_default_str()->check(CLI::PositiveNumber);
-  app.add_option("--iters", iters, "rounds per variant (median)")->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--iters", iters, "rounds per variant (median)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   CLI11_PARSE(app, argc, argv);
   return hp_examples::run_main("bench_comm", [&] {
     bench::keep_freed_memory();

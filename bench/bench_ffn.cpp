@@ -38,8 +38,9 @@ llama3::FeedForward make(bool mc2, const Sizes& s, const hp::dtensor::DeviceMesh
   }
   tp::parallelize_module(
       *ffn, mesh,
-      {{"", std::make_shared<tp::PrepareModuleInput>(
-                tp::PrepareModuleInputOptions().input_layouts({Shard(1)}).desired_input_layouts({Replicate()}))},
+      {{"",
+        std::make_shared<tp::PrepareModuleInput>(
+            tp::PrepareModuleInputOptions().input_layouts({Shard(1)}).desired_input_layouts({Replicate()}))},
        {"w1", std::make_shared<tp::ColwiseParallel>()},
        {"w3", std::make_shared<tp::ColwiseParallel>()},
        {"w2", std::make_shared<tp::RowwiseParallel>(tp::RowwiseParallelOptions().output_layouts(Shard(1)))}});
@@ -60,15 +61,17 @@ std::vector<bench::Stats> measure(const Sizes& s, const hp::dtensor::DeviceMesh&
   auto step = [&](llama3::FeedForward& m) {
     return [&m, &x] { m(x.clone().requires_grad_(true)).sum().backward(); };
   };
-  return bench::interleaved(mesh.get_group(0), s.iters, {forward(plain), forward(fused), step(plain), step(fused)});
+  return bench::interleaved(mesh.get_group(0), s.iters,
+                            {forward(plain), forward(fused), step(plain), step(fused)});
 }
 
 void report(const Sizes& s, int64_t p, const std::vector<bench::Stats>& t) {
-  std::printf("Llama FFN block, %lld ranks, bf16, dim %lld, hidden %lld, %lld tokens (%lld per rank), median of %d "
-              "(interleaved), link: %s\n",
-              static_cast<long long>(p), static_cast<long long>(s.dim), static_cast<long long>(s.hidden),
-              static_cast<long long>(s.tokens), static_cast<long long>(s.tokens / p), s.iters,
-              bench::link_name().c_str());
+  std::printf(
+      "Llama FFN block, %lld ranks, bf16, dim %lld, hidden %lld, %lld tokens (%lld per rank), median of %d "
+      "(interleaved), link: %s\n",
+      static_cast<long long>(p), static_cast<long long>(s.dim), static_cast<long long>(s.hidden),
+      static_cast<long long>(s.tokens), static_cast<long long>(s.tokens / p), s.iters,
+      bench::link_name().c_str());
   std::printf("%-18s %10s %10s %9s\n", "", "unfused ms", "MC2 ms", "speedup");
   std::printf("%-18s %10.1f %10.1f %8.2fx\n", "forward", t[0].median * 1e3, t[1].median * 1e3,
               t[0].median / t[1].median);
@@ -83,8 +86,12 @@ int main(int argc, char** argv) {
   CLI::App app("The Llama 3 feed-forward block, unfused vs MC2, side by side.", "bench_ffn");
   app.add_option("--dim", s.dim, "model dim")->capture_default_str()->check(CLI::PositiveNumber);
   app.add_option("--hidden", s.hidden, "FFN hidden dim")->capture_default_str()->check(CLI::PositiveNumber);
-  app.add_option("--tokens", s.tokens, "tokens per step, all ranks")->capture_default_str()->check(CLI::PositiveNumber);
-  app.add_option("--iters", s.iters, "rounds per variant (median)")->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--tokens", s.tokens, "tokens per step, all ranks")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--iters", s.iters, "rounds per variant (median)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   CLI11_PARSE(app, argc, argv);
   return hp_examples::run_main("bench_ffn", [&] {
     bench::keep_freed_memory();

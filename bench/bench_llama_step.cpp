@@ -46,17 +46,16 @@ struct Run {
   std::unique_ptr<torch::optim::AdamW> optimizer;
 };
 
-Run build(const Config& c, const llama3::ModelArgs& args, int64_t seq_len, const hp::dtensor::DeviceMesh& mesh) {
+Run build(const Config& c, const llama3::ModelArgs& args, int64_t seq_len,
+          const hp::dtensor::DeviceMesh& mesh) {
   at::manual_seed(42);  // the same full weights in every configuration
   Run run;
   run.model = llama3::Transformer(args);
   run.model->to(at::kBFloat16);
-  llama3::parallelize_llama3(*run.model, mesh,
-                             llama3::ParallelizeOptions()
-                                 .enable_loss_parallel(true)
-                                 .enable_mc2(c.mc2)
-                                 .mc2_scope(c.scope)
-                                 .seq_len(seq_len));
+  llama3::parallelize_llama3(
+      *run.model, mesh,
+      llama3::ParallelizeOptions().enable_loss_parallel(true).enable_mc2(c.mc2).mc2_scope(c.scope).seq_len(
+          seq_len));
   run.optimizer = std::make_unique<torch::optim::AdamW>(
       run.model->parameters(), torch::optim::AdamWOptions(1e-3).weight_decay(0.1).betas({0.9, 0.95}));
   return run;
@@ -133,22 +132,24 @@ std::vector<Measured> measure(Bench& b, const hp::dtensor::DeviceMesh& mesh) {
 
 // Speedups are against the first configuration, plain TP; the ceiling is T_plain over the
 // step's bound, max(compute-only step, bytes sent / measured link rate).
-void report(const Bench& b, const std::vector<Measured>& results, const std::string& preset, const std::string& rate,
-            double rate_bytes, int64_t p) {
-  std::printf("Llama 3 %s, TP %lld, bf16, SP + loss parallel, batch %lld x seq %lld, %d steps after %d "
-              "warm-up, interleaved; link: %s%s (measured %.2f Gbit/s)\n",
-              preset.c_str(), static_cast<long long>(p), static_cast<long long>(b.batch_size),
-              static_cast<long long>(b.seq_len), b.steps, b.warmup, bench::link_name().c_str(),
-              rate.empty() ? "" : (", rate " + rate).c_str(), rate_bytes * 8 / 1e9);
+void report(const Bench& b, const std::vector<Measured>& results, const std::string& preset,
+            const std::string& rate, double rate_bytes, int64_t p) {
+  std::printf(
+      "Llama 3 %s, TP %lld, bf16, SP + loss parallel, batch %lld x seq %lld, %d steps after %d "
+      "warm-up, interleaved; link: %s%s (measured %.2f Gbit/s)\n",
+      preset.c_str(), static_cast<long long>(p), static_cast<long long>(b.batch_size),
+      static_cast<long long>(b.seq_len), b.steps, b.warmup, bench::link_name().c_str(),
+      rate.empty() ? "" : (", rate " + rate).c_str(), rate_bytes * 8 / 1e9);
   std::printf("%-10s %10s %17s %11s %10s %10s %12s %9s %9s\n", "config", "ms/step", "(min..max)", "tokens/s",
               "compute", "exposed", "MB sent", "speedup", "ceiling");
   const double t_plain = results[0].step.median;
   for (size_t c = 0; c < results.size(); ++c) {
     const auto& m = results[c];
     const double t = m.step.median, ceiling = t_plain / std::max(m.compute, m.bytes / rate_bytes);
-    std::printf("%-10s %10.1f %8.1f..%-8.1f %11.0f %10.1f %10.1f %12.2f %8.2fx %8.2fx\n", b.configs[c].name.c_str(),
-                t * 1e3, m.step.min * 1e3, m.step.max * 1e3, b.batch_size * b.seq_len / t, m.compute * 1e3,
-                (t - m.compute) * 1e3, m.bytes / 1e6, t_plain / t, ceiling);
+    std::printf("%-10s %10.1f %8.1f..%-8.1f %11.0f %10.1f %10.1f %12.2f %8.2fx %8.2fx\n",
+                b.configs[c].name.c_str(), t * 1e3, m.step.min * 1e3, m.step.max * 1e3,
+                b.batch_size * b.seq_len / t, m.compute * 1e3, (t - m.compute) * 1e3, m.bytes / 1e6,
+                t_plain / t, ceiling);
   }
   std::fflush(stdout);
 }
@@ -164,7 +165,9 @@ int main(int argc, char** argv) {
   std::vector<std::string> rates;
   CLI::App app("Llama 3 training steps: plain TP, MC2 ffn and MC2 all, interleaved in one launch.",
                "bench_llama_step");
-  app.add_option("--steps", b.steps, "measured steps per configuration")->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--steps", b.steps, "measured steps per configuration")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   app.add_option("--warmup", b.warmup, "steps before measuring")->capture_default_str();
   app.add_option("--batch-size", b.batch_size, "sequences per step")->capture_default_str();
   app.add_option("--preset", preset, "model size")->capture_default_str();

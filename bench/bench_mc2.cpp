@@ -76,8 +76,8 @@ struct Setup {
     // The stream: bytes_min per rank, in the messages of one chunk of the fused op.
     const int64_t width = ag ? s.k : s.n, bytes_min = (p - 1) * m * width * 2;
     const int64_t message_elems = std::max<int64_t>(1, m / stream_chunks) * width;
-    stream = std::make_unique<bench::NeighbourStream>(group, std::max<int64_t>(1, bytes_min / (message_elems * 2)),
-                                                      message_elems);
+    stream = std::make_unique<bench::NeighbourStream>(
+        group, std::max<int64_t>(1, bytes_min / (message_elems * 2)), message_elems);
     default_options = tp::MC2Options().chunks_per_rank(stream_chunks);
   }
 
@@ -139,20 +139,20 @@ Result measure(Op op, const Shape& s, const hp::comm::Group& group, int iters,
   // For the gap breakdown: the same matmuls unchunked, and the chunked ones while the fused
   // op's transfers run in another thread of this process (as they do inside the fused op).
   std::vector<double> whole_times, contended_times;
-  std::vector<std::function<void()>> variants{
-      [&] { u.stream->run(); },
-      [&] { u.matmuls(stream_chunks); },
-      [&] { u.unfused(group); },
-      [&] { u.collective(group); },
-      [&] { u.engine(group); },
-      [&] { timed(whole_times, [&] { u.matmuls(1); }); },
-      [&] {
-        std::thread transfers([&] { u.engine(group); });
-        timed(contended_times, [&] { u.matmuls(stream_chunks); });
-        transfers.join();
-      }};
+  std::vector<std::function<void()>> variants{[&] { u.stream->run(); },
+                                              [&] { u.matmuls(stream_chunks); },
+                                              [&] { u.unfused(group); },
+                                              [&] { u.collective(group); },
+                                              [&] { u.engine(group); },
+                                              [&] { timed(whole_times, [&] { u.matmuls(1); }); },
+                                              [&] {
+                                                std::thread transfers([&] { u.engine(group); });
+                                                timed(contended_times, [&] { u.matmuls(stream_chunks); });
+                                                transfers.join();
+                                              }};
   for (auto c : chunk_counts) {
-    variants.push_back([&u, &group, options = tp::MC2Options().chunks_per_rank(c)] { u.fused(group, options); });
+    variants.push_back(
+        [&u, &group, options = tp::MC2Options().chunks_per_rank(c)] { u.fused(group, options); });
   }
   const auto stats = bench::interleaved(group, iters, variants);
   Result res{0, 0, stats[0], stats[1], stats[2], stats[3], stats[4], 0, 0, {}};
@@ -182,7 +182,8 @@ void print_line(Op op, const Shape& s, const Result& res) {
   }
   const double bound = std::max(res.compute.median, res.stream.median);
   std::printf("%-22s %-7s %6.2f %5.2f %9.1f %9.1f %9.1f %9.1f", op_name(op), s.name.c_str(), res.rate_gbps,
-              res.r, res.compute.median * 1e3, res.stream.median * 1e3, bound * 1e3, res.unfused.median * 1e3);
+              res.r, res.compute.median * 1e3, res.stream.median * 1e3, bound * 1e3,
+              res.unfused.median * 1e3);
   for (const auto& f : res.fused) std::printf(" %10.1f", f.second.median * 1e3);
   std::printf(" %6.2fx %7.2f %6lld %9.1f %9.1f\n", res.unfused.median / best->second.median,
               bound / best->second.median, static_cast<long long>(best->first), res.coll.median * 1e3,
@@ -192,11 +193,12 @@ void print_line(Op op, const Shape& s, const Result& res) {
   // communication (head, tail, waits).
   const double chunking = res.compute.median - res.compute_whole;
   const double contention = res.compute_contended - res.compute.median;
-  std::printf("%-22s %-7s   gap %.1f ms = chunked GEMMs %.1f + transfer CPU contention %.1f + exposed %.1f"
-              "  (fused spread %.1f..%.1f)\n",
-              "", "", (best->second.median - bound) * 1e3, chunking * 1e3, contention * 1e3,
-              (best->second.median - bound - chunking - contention) * 1e3, best->second.min * 1e3,
-              best->second.max * 1e3);
+  std::printf(
+      "%-22s %-7s   gap %.1f ms = chunked GEMMs %.1f + transfer CPU contention %.1f + exposed %.1f"
+      "  (fused spread %.1f..%.1f)\n",
+      "", "", (best->second.median - bound) * 1e3, chunking * 1e3, contention * 1e3,
+      (best->second.median - bound - chunking - contention) * 1e3, best->second.min * 1e3,
+      best->second.max * 1e3);
   std::fflush(stdout);
 }
 
@@ -220,7 +222,6 @@ void write_csv(std::ofstream& csv, Op op, const Shape& s, const Result& res, con
   csv.flush();
 }
 
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -231,8 +232,11 @@ int main(int argc, char** argv) {
   int64_t stream_chunks = 4;
   std::vector<double> ratios{0.25, 0.5, 1, 2, 4};
   CLI::App app("MC2 fused ops against their physical bound, side by side in one run.", "bench_mc2");
-  app.add_option("--iters", iters, "rounds per variant (median and spread)")->capture_default_str()->check(CLI::PositiveNumber);
-  app.add_option("--chunks", chunk_counts, "chunks_per_rank values of the fused variants")->capture_default_str();
+  app.add_option("--iters", iters, "rounds per variant (median and spread)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--chunks", chunk_counts, "chunks_per_rank values of the fused variants")
+      ->capture_default_str();
   app.add_option("--stream-chunks", stream_chunks, "chunks of the stream, compute and engine variants")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
@@ -266,7 +270,8 @@ int main(int argc, char** argv) {
     }
     // "ffn": the bench Llama preset's w1 at TP 2, batch 8 (1024 rows per rank, dim 1024, 1408
     // outputs); "small" and "medium" bracket it.
-    const std::vector<Shape> shapes{{"ffn", 1024, 1024, 1408}, {"small", 512, 2048, 1024}, {"medium", 1024, 4096, 1792}};
+    const std::vector<Shape> shapes{
+        {"ffn", 1024, 1024, 1408}, {"small", 512, 2048, 1024}, {"medium", 1024, 4096, 1792}};
     const auto link = bench::link_name();
     if (print) {
       std::printf("MC2 overlap, %lld ranks, bf16, median of %d (interleaved), link: %s\n",

@@ -22,7 +22,8 @@ void keep_freed_memory() {
 
 Stats slowest(std::vector<double> seconds, const comm::Group& group) {
   std::sort(seconds.begin(), seconds.end());
-  auto local = at::tensor({seconds[seconds.size() / 2], seconds.front(), seconds.back()}, at::kDouble).unsqueeze(0);
+  auto local =
+      at::tensor({seconds[seconds.size() / 2], seconds.front(), seconds.back()}, at::kDouble).unsqueeze(0);
   const auto worst = std::get<0>(comm::all_gather(local, 0, group).max(0));  // [P, 3] -> [3]
   return {worst[0].item<double>(), worst[1].item<double>(), worst[2].item<double>()};
 }
@@ -31,7 +32,8 @@ Stats time_calls(const comm::Group& group, int iters, const std::function<void()
   return interleaved(group, iters, {fn}).front();
 }
 
-std::vector<Stats> interleaved(const comm::Group& group, int iters, const std::vector<std::function<void()>>& variants) {
+std::vector<Stats> interleaved(const comm::Group& group, int iters,
+                               const std::vector<std::function<void()>>& variants) {
   for (const auto& fn : variants) fn();
   std::vector<std::vector<double>> times(variants.size());
   for (int i = 0; i < iters; ++i) {
@@ -57,8 +59,10 @@ void NeighbourStream::run() const {
   const int64_t p = group_.size(), r = group_.rank();
   auto tags = comm::reserve_tags(group_);
   std::vector<comm::Work> works;
-  for (int64_t i = 0; i < messages_; ++i) works.push_back(comm::irecv(in_[i], (r + p - 1) % p, group_, tags.step(i)));
-  for (int64_t i = 0; i < messages_; ++i) works.push_back(comm::isend(out_, (r + 1) % p, group_, tags.step(i)));
+  for (int64_t i = 0; i < messages_; ++i)
+    works.push_back(comm::irecv(in_[i], (r + p - 1) % p, group_, tags.step(i)));
+  for (int64_t i = 0; i < messages_; ++i)
+    works.push_back(comm::isend(out_, (r + 1) % p, group_, tags.step(i)));
   for (auto& w : works) w.wait();
 }
 
@@ -72,7 +76,8 @@ std::string rate_command() {
   return cmd ? cmd : "";
 }
 
-void set_rate(const char* program, const std::string& command, const std::string& rate, const comm::Group& group) {
+void set_rate(const char* program, const std::string& command, const std::string& rate,
+              const comm::Group& group) {
   const int rc = std::system((command + " " + rate).c_str());
   TORCH_CHECK(rc == 0, program, ": the rate command '", command, " ", rate, "' failed (", rc, ")");
   comm::barrier(group);

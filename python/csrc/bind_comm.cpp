@@ -15,8 +15,10 @@ comm::CollectiveKind kind_from_string(const std::string& name) {
     const auto kind = static_cast<comm::CollectiveKind>(k);
     if (name == comm::to_string(kind)) return kind;
   }
-  TORCH_CHECK_VALUE(false, "collective_count: expected a collective kind such as 'all_gather' or "
-                    "'matmul_reduce_scatter', got '", name, "'");
+  TORCH_CHECK_VALUE(false,
+                    "collective_count: expected a collective kind such as 'all_gather' or "
+                    "'matmul_reduce_scatter', got '",
+                    name, "'");
 }
 
 // comm::CommRegion as a Python context manager.
@@ -57,45 +59,75 @@ void bind_groups(py::module& m) {
   m.def("global_rank", &comm::global_rank);
   m.def("world_size", &comm::world_size);
   m.def("new_group", &comm::new_group, py::arg("ranks"));
-  m.def("as_group", [](py::handle g) { return group_arg(g); }, py::arg("group"),
-        "The core's Group for a torch.distributed ProcessGroup (adopted) or a Group.");
-  m.def("get_hcomm_info", [](py::handle g) { return group_arg(g).name(); }, py::arg("group"),
-        "The name of the communicator the core uses for `group`, equal on every rank of it.");
+  m.def(
+      "as_group", [](py::handle g) { return group_arg(g); }, py::arg("group"),
+      "The core's Group for a torch.distributed ProcessGroup (adopted) or a Group.");
+  m.def(
+      "get_hcomm_info", [](py::handle g) { return group_arg(g).name(); }, py::arg("group"),
+      "The name of the communicator the core uses for `group`, equal on every rank of it.");
 }
 
 void bind_collectives(py::module& m) {
-  py::enum_<comm::ReduceOp>(m, "ReduceOp").value("SUM", comm::ReduceOp::kSum).value("AVG", comm::ReduceOp::kAvg);
-  m.def("all_gather", [](const at::Tensor& t, int64_t dim, py::handle g, std::vector<int64_t> sizes) {
-    return comm::all_gather(t, dim, group_arg(g), sizes);
-  }, py::arg("tensor"), py::arg("dim"), py::arg("group"), py::arg("sizes") = std::vector<int64_t>{});
-  m.def("reduce_scatter", [](const at::Tensor& t, int64_t dim, comm::ReduceOp op, py::handle g,
-                             std::vector<int64_t> sizes) { return comm::reduce_scatter(t, dim, op, group_arg(g), sizes); },
-        py::arg("tensor"), py::arg("dim"), py::arg("op"), py::arg("group"), py::arg("sizes") = std::vector<int64_t>{});
-  m.def("all_reduce", [](const at::Tensor& t, comm::ReduceOp op, py::handle g) {
-    return comm::all_reduce(t, op, group_arg(g));
-  }, py::arg("tensor"), py::arg("op"), py::arg("group"));
-  m.def("all_to_all", [](const at::Tensor& t, int64_t split_dim, int64_t concat_dim, py::handle g) {
-    return comm::all_to_all(t, split_dim, concat_dim, group_arg(g));
-  }, py::arg("tensor"), py::arg("split_dim"), py::arg("concat_dim"), py::arg("group"));
-  m.def("broadcast", [](const at::Tensor& t, int64_t src, py::handle g) {
-    return comm::broadcast(t, src, group_arg(g));
-  }, py::arg("tensor"), py::arg("src"), py::arg("group"));
-  m.def("barrier", [](py::handle g) { comm::barrier(group_arg(g)); }, py::arg("group"));
+  py::enum_<comm::ReduceOp>(m, "ReduceOp")
+      .value("SUM", comm::ReduceOp::kSum)
+      .value("AVG", comm::ReduceOp::kAvg);
+  m.def(
+      "all_gather",
+      [](const at::Tensor& t, int64_t dim, py::handle g, std::vector<int64_t> sizes) {
+        return comm::all_gather(t, dim, group_arg(g), sizes);
+      },
+      py::arg("tensor"), py::arg("dim"), py::arg("group"), py::arg("sizes") = std::vector<int64_t>{});
+  m.def(
+      "reduce_scatter",
+      [](const at::Tensor& t, int64_t dim, comm::ReduceOp op, py::handle g, std::vector<int64_t> sizes) {
+        return comm::reduce_scatter(t, dim, op, group_arg(g), sizes);
+      },
+      py::arg("tensor"), py::arg("dim"), py::arg("op"), py::arg("group"),
+      py::arg("sizes") = std::vector<int64_t>{});
+  m.def(
+      "all_reduce",
+      [](const at::Tensor& t, comm::ReduceOp op, py::handle g) {
+        return comm::all_reduce(t, op, group_arg(g));
+      },
+      py::arg("tensor"), py::arg("op"), py::arg("group"));
+  m.def(
+      "all_to_all",
+      [](const at::Tensor& t, int64_t split_dim, int64_t concat_dim, py::handle g) {
+        return comm::all_to_all(t, split_dim, concat_dim, group_arg(g));
+      },
+      py::arg("tensor"), py::arg("split_dim"), py::arg("concat_dim"), py::arg("group"));
+  m.def(
+      "broadcast",
+      [](const at::Tensor& t, int64_t src, py::handle g) { return comm::broadcast(t, src, group_arg(g)); },
+      py::arg("tensor"), py::arg("src"), py::arg("group"));
+  m.def(
+      "barrier", [](py::handle g) { comm::barrier(group_arg(g)); }, py::arg("group"));
 }
 
 void bind_counters(py::module& m) {
-  m.def("collective_count", [](const std::string& kind, const std::string& region) {
-    return comm::collective_count(kind_from_string(kind), region);
-  }, py::arg("kind"), py::arg("region") = "");
-  m.def("total_collective_count", [](const std::string& region) { return comm::total_collective_count(region); },
-        py::arg("region") = "");
+  m.def(
+      "collective_count",
+      [](const std::string& kind, const std::string& region) {
+        return comm::collective_count(kind_from_string(kind), region);
+      },
+      py::arg("kind"), py::arg("region") = "");
+  m.def(
+      "total_collective_count",
+      [](const std::string& region) { return comm::total_collective_count(region); }, py::arg("region") = "");
   m.def("reset_collective_counts", &comm::reset_collective_counts);
   m.def("collective_counts_summary", &comm::collective_counts_summary);
-  m.def("payload_bytes_sent", [](const std::string& region) { return comm::payload_bytes_sent(region); },
-        py::arg("region") = "");
+  m.def(
+      "payload_bytes_sent", [](const std::string& region) { return comm::payload_bytes_sent(region); },
+      py::arg("region") = "");
   py::class_<PyCommRegion>(m, "CommRegion")
       .def(py::init<std::string>(), py::arg("name"))
-      .def("__enter__", [](PyCommRegion& r) { r.enter(); return &r; }, py::return_value_policy::reference)
+      .def(
+          "__enter__",
+          [](PyCommRegion& r) {
+            r.enter();
+            return &r;
+          },
+          py::return_value_policy::reference)
       .def("__exit__", [](PyCommRegion& r, py::args) { r.exit(); });
 }
 

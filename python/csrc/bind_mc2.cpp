@@ -26,60 +26,73 @@ void bind_contract(py::module& m) {
       .def_property_readonly("min_k", [](const tp::MC2Contract& c) { return c.min_k(); })
       .def_property_readonly("max_k", [](const tp::MC2Contract& c) { return c.max_k(); })
       .def_property_readonly("world_sizes", [](const tp::MC2Contract& c) { return c.world_sizes(); })
-      .def_property_readonly("dtypes", [](const tp::MC2Contract& c) {
-        py::list out;
-        for (auto d : c.dtypes()) out.append(dtype_object(d));
-        return out;
-      })
-      .def("check_dtype", [](const tp::MC2Contract& c, const std::string& where, const py::object& dtype) {
-        c.check_dtype(where.c_str(), dtype_arg(dtype));
-      })
-      .def("check_k", [](const tp::MC2Contract& c, const std::string& where, const std::string& what, int64_t k) {
-        c.check_k(where.c_str(), what.c_str(), k);
-      })
+      .def_property_readonly("dtypes",
+                             [](const tp::MC2Contract& c) {
+                               py::list out;
+                               for (auto d : c.dtypes()) out.append(dtype_object(d));
+                               return out;
+                             })
+      .def("check_dtype", [](const tp::MC2Contract& c, const std::string& where,
+                             const py::object& dtype) { c.check_dtype(where.c_str(), dtype_arg(dtype)); })
+      .def("check_k", [](const tp::MC2Contract& c, const std::string& where, const std::string& what,
+                         int64_t k) { c.check_k(where.c_str(), what.c_str(), k); })
       .def("check_world_size", [](const tp::MC2Contract& c, const std::string& where, int64_t ws) {
         c.check_world_size(where.c_str(), ws);
       });
-  m.def("mc2_mode_from_string", [](const std::string& mode) { return tp::to_string(tp::mc2_mode_from_string(mode)); });
+  m.def("mc2_mode_from_string",
+        [](const std::string& mode) { return tp::to_string(tp::mc2_mode_from_string(mode)); });
 }
 
 void bind_ops_and_layout(py::module& m) {
-  m.def("all_gather_matmul", [](const at::Tensor& x, const at::Tensor& w, py::handle g, const tp::MC2Options& o) {
-    return tp::all_gather_matmul(x, w, group_arg(g), o);
-  }, py::arg("x"), py::arg("w"), py::arg("group"), py::arg("options") = tp::MC2Options());
-  m.def("matmul_reduce_scatter", [](const at::Tensor& x, const at::Tensor& w, py::handle g, const tp::MC2Options& o) {
-    return tp::matmul_reduce_scatter(x, w, group_arg(g), o);
-  }, py::arg("x"), py::arg("w"), py::arg("group"), py::arg("options") = tp::MC2Options());
+  m.def(
+      "all_gather_matmul",
+      [](const at::Tensor& x, const at::Tensor& w, py::handle g, const tp::MC2Options& o) {
+        return tp::all_gather_matmul(x, w, group_arg(g), o);
+      },
+      py::arg("x"), py::arg("w"), py::arg("group"), py::arg("options") = tp::MC2Options());
+  m.def(
+      "matmul_reduce_scatter",
+      [](const at::Tensor& x, const at::Tensor& w, py::handle g, const tp::MC2Options& o) {
+        return tp::matmul_reduce_scatter(x, w, group_arg(g), o);
+      },
+      py::arg("x"), py::arg("w"), py::arg("group"), py::arg("options") = tp::MC2Options());
   m.def("sequence_rows", &tp::sequence_rows, py::arg("x"), py::arg("sequence_dim"));
-  m.def("from_sequence_rows", &tp::from_sequence_rows, py::arg("rows"), py::arg("like"), py::arg("sequence_dim"),
-        py::arg("seq_len"));
-  m.def("normalize_sequence_dim", &tp::normalize_sequence_dim, py::arg("sequence_dim"), py::arg("ndim_leading"));
+  m.def("from_sequence_rows", &tp::from_sequence_rows, py::arg("rows"), py::arg("like"),
+        py::arg("sequence_dim"), py::arg("seq_len"));
+  m.def("normalize_sequence_dim", &tp::normalize_sequence_dim, py::arg("sequence_dim"),
+        py::arg("ndim_leading"));
   m.def("move_dim_to_front", &tp::move_dim_to_front, py::arg("tensor"), py::arg("dim"));
   m.def("move_front_to_dim", &tp::move_front_to_dim, py::arg("tensor"), py::arg("dim"));
 }
 
 // The fused Linear's passes, each one call: MC2Linear's autograd nodes run the same functions.
 void bind_fused_linear(py::module& m) {
-  m.def("mc2_column_forward", [](const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
-                                 py::handle g, int64_t world_size, const tp::MC2Options& o) {
-    const auto group = group_arg(g);
-    tp::check_world_size_argument("AllGatherMatmulFunction", world_size, group);
-    return tp::mc2_column_forward(x, w, or_undefined(bias), group, o);
-  }, py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("group"), py::arg("world_size"),
-     py::arg("options") = tp::MC2Options());
+  m.def(
+      "mc2_column_forward",
+      [](const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, py::handle g,
+         int64_t world_size, const tp::MC2Options& o) {
+        const auto group = group_arg(g);
+        tp::check_world_size_argument("AllGatherMatmulFunction", world_size, group);
+        return tp::mc2_column_forward(x, w, or_undefined(bias), group, o);
+      },
+      py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("group"), py::arg("world_size"),
+      py::arg("options") = tp::MC2Options());
   m.def("mc2_column_backward", [](const at::Tensor& dy, const std::optional<at::Tensor>& d_gathered,
                                   const at::Tensor& gathered, const at::Tensor& w, py::handle g,
                                   const tp::MC2Options& o, bool need_x, bool need_w, bool need_b) {
     return grads_tuple(tp::mc2_column_backward(dy, or_undefined(d_gathered), gathered, w, group_arg(g), o,
                                                {need_x, need_w, need_b}));
   });
-  m.def("mc2_row_forward", [](const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
-                              py::handle g, int64_t world_size, const tp::MC2Options& o) {
-    const auto group = group_arg(g);
-    tp::check_world_size_argument("MatmulReduceScatterFunction", world_size, group);
-    return tp::mc2_row_forward(x, w, or_undefined(bias), group, o);
-  }, py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("group"), py::arg("world_size"),
-     py::arg("options") = tp::MC2Options());
+  m.def(
+      "mc2_row_forward",
+      [](const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, py::handle g,
+         int64_t world_size, const tp::MC2Options& o) {
+        const auto group = group_arg(g);
+        tp::check_world_size_argument("MatmulReduceScatterFunction", world_size, group);
+        return tp::mc2_row_forward(x, w, or_undefined(bias), group, o);
+      },
+      py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("group"), py::arg("world_size"),
+      py::arg("options") = tp::MC2Options());
   m.def("mc2_row_backward", [](const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w, py::handle g,
                                const tp::MC2Options& o, bool need_x, bool need_w, bool need_b) {
     return grads_tuple(tp::mc2_row_backward(dy, x, w, group_arg(g), o, {need_x, need_w, need_b}));
@@ -90,21 +103,28 @@ void bind_linear(py::module& m) {
   // The state and forward of an MC2Linear (the Python MC2Linear, a torch.nn.Linear, holds one).
   py::class_<tp::MC2Linear>(m, "MC2LinearState")
       .def(py::init(&tp::MC2Linear::standalone))
-      .def("configure_mc2", [](const tp::MC2Linear& l, const std::string& mode, py::handle g, int64_t world_size,
-                               int64_t sequence_dim, const tp::MC2Contract& contract, const tp::MC2Options& options) {
-        l.configure_mc2(tp::mc2_mode_from_string(mode), group_arg(g), world_size, sequence_dim, contract, options);
-      }, py::arg("mode"), py::arg("group"), py::arg("world_size"), py::arg("sequence_dim"), py::arg("contract"),
-         py::arg("options"))
-      .def("forward", [](const tp::MC2Linear& l, const at::Tensor& x, const at::Tensor& w,
-                         const std::optional<at::Tensor>& bias) { return l.forward(x, w, or_undefined(bias)); })
+      .def(
+          "configure_mc2",
+          [](const tp::MC2Linear& l, const std::string& mode, py::handle g, int64_t world_size,
+             int64_t sequence_dim, const tp::MC2Contract& contract, const tp::MC2Options& options) {
+            l.configure_mc2(tp::mc2_mode_from_string(mode), group_arg(g), world_size, sequence_dim, contract,
+                            options);
+          },
+          py::arg("mode"), py::arg("group"), py::arg("world_size"), py::arg("sequence_dim"),
+          py::arg("contract"), py::arg("options"))
+      .def("forward",
+           [](const tp::MC2Linear& l, const at::Tensor& x, const at::Tensor& w,
+              const std::optional<at::Tensor>& bias) { return l.forward(x, w, or_undefined(bias)); })
       .def_property_readonly("is_configured", &tp::MC2Linear::is_configured)
-      .def_property_readonly("mode", [](const tp::MC2Linear& l) -> py::object {
-        if (!l.is_configured()) return py::none();
-        return py::str(tp::to_string(l.mode()));
-      })
-      .def_property_readonly("world_size", [](const tp::MC2Linear& l) -> py::object {
-        return l.is_configured() ? py::cast(l.world_size()) : py::none();
-      })
+      .def_property_readonly("mode",
+                             [](const tp::MC2Linear& l) -> py::object {
+                               if (!l.is_configured()) return py::none();
+                               return py::str(tp::to_string(l.mode()));
+                             })
+      .def_property_readonly("world_size",
+                             [](const tp::MC2Linear& l) -> py::object {
+                               return l.is_configured() ? py::cast(l.world_size()) : py::none();
+                             })
       .def_property_readonly("sequence_dim", [](const tp::MC2Linear& l) -> py::object {
         return l.is_configured() ? py::cast(l.sequence_dim()) : py::none();
       });
@@ -116,18 +136,32 @@ void bind_styles(py::module& m) {
       .def_property_readonly("sequence_dim", &tp::MC2Style::sequence_dim)
       .def("prepare_input", &tp::MC2Style::prepare_input)
       .def("prepare_output", &tp::MC2Style::prepare_output);
-  py::class_<tp::MC2ColwiseParallel, tp::MC2Style, std::shared_ptr<tp::MC2ColwiseParallel>>(m, "MC2ColwiseParallel")
-      .def(py::init([](dtensor::Placement in, dtensor::Placement out, bool local, tp::MC2Contract c, tp::MC2Options o) {
-        return tp::MC2ColwiseParallel(
-            tp::MC2ColwiseParallelOptions().input_layouts(in).output_layouts(out).use_local_output(local).contract(c).mc2_options(o));
-      }), py::arg("input_layouts"), py::arg("output_layouts"), py::arg("use_local_output"), py::arg("contract"),
-         py::arg("mc2_options"));
-  py::class_<tp::MC2RowwiseParallel, tp::MC2Style, std::shared_ptr<tp::MC2RowwiseParallel>>(m, "MC2RowwiseParallel")
-      .def(py::init([](dtensor::Placement in, dtensor::Placement out, bool local, tp::MC2Contract c, tp::MC2Options o) {
-        return tp::MC2RowwiseParallel(
-            tp::MC2RowwiseParallelOptions().input_layouts(in).output_layouts(out).use_local_output(local).contract(c).mc2_options(o));
-      }), py::arg("input_layouts"), py::arg("output_layouts"), py::arg("use_local_output"), py::arg("contract"),
-         py::arg("mc2_options"));
+  py::class_<tp::MC2ColwiseParallel, tp::MC2Style, std::shared_ptr<tp::MC2ColwiseParallel>>(
+      m, "MC2ColwiseParallel")
+      .def(py::init([](dtensor::Placement in, dtensor::Placement out, bool local, tp::MC2Contract c,
+                       tp::MC2Options o) {
+             return tp::MC2ColwiseParallel(tp::MC2ColwiseParallelOptions()
+                                               .input_layouts(in)
+                                               .output_layouts(out)
+                                               .use_local_output(local)
+                                               .contract(c)
+                                               .mc2_options(o));
+           }),
+           py::arg("input_layouts"), py::arg("output_layouts"), py::arg("use_local_output"),
+           py::arg("contract"), py::arg("mc2_options"));
+  py::class_<tp::MC2RowwiseParallel, tp::MC2Style, std::shared_ptr<tp::MC2RowwiseParallel>>(
+      m, "MC2RowwiseParallel")
+      .def(py::init([](dtensor::Placement in, dtensor::Placement out, bool local, tp::MC2Contract c,
+                       tp::MC2Options o) {
+             return tp::MC2RowwiseParallel(tp::MC2RowwiseParallelOptions()
+                                               .input_layouts(in)
+                                               .output_layouts(out)
+                                               .use_local_output(local)
+                                               .contract(c)
+                                               .mc2_options(o));
+           }),
+           py::arg("input_layouts"), py::arg("output_layouts"), py::arg("use_local_output"),
+           py::arg("contract"), py::arg("mc2_options"));
 }
 
 }  // namespace

@@ -11,8 +11,8 @@ namespace {
 
 using Layouts = std::vector<std::optional<dtensor::Placement>>;
 
-tp::ModuleTarget target_arg(const std::string& kind, const std::string& type, std::vector<int64_t> weight_shape,
-                            const py::handle& weight_dtype) {
+tp::ModuleTarget target_arg(const std::string& kind, const std::string& type,
+                            std::vector<int64_t> weight_shape, const py::handle& weight_dtype) {
   return {module_kind_arg(kind), type, std::move(weight_shape),
           weight_dtype.is_none() ? at::kFloat : dtype_arg(weight_dtype)};
 }
@@ -20,7 +20,8 @@ tp::ModuleTarget target_arg(const std::string& kind, const std::string& type, st
 // Python positional arguments as tensors (anything else as undefined), and back.
 std::vector<at::Tensor> tensors_of(const py::sequence& values) {
   std::vector<at::Tensor> tensors;
-  for (const auto& v : values) tensors.push_back(THPVariable_Check(v.ptr()) ? v.cast<at::Tensor>() : at::Tensor());
+  for (const auto& v : values)
+    tensors.push_back(THPVariable_Check(v.ptr()) ? v.cast<at::Tensor>() : at::Tensor());
   return tensors;
 }
 
@@ -34,25 +35,32 @@ py::tuple merge(const py::sequence& values, const std::vector<at::Tensor>& tenso
 
 void bind_plan(py::module& m) {
   m.def("check_tp_mesh", &tp::check_tp_mesh, py::arg("where"), py::arg("mesh"));
-  m.def("match_plan", [](const std::vector<std::pair<std::string, std::string>>& plan,
-                         const std::vector<std::string>& module_paths, const std::string& root_name) {
-    // The handler turns the core's TORCH_WARN into Python warnings.
-    HANDLE_TH_ERRORS
-    std::vector<tp::PlanEntry> entries;
-    for (const auto& [key, style] : plan) entries.push_back({key, style});
-    std::vector<std::pair<size_t, std::string>> targets;
-    for (const auto& t : tp::match_plan(entries, module_paths, root_name)) targets.emplace_back(t.entry, t.fqn);
-    return targets;
-    END_HANDLE_TH_ERRORS_PYBIND
-  }, py::arg("plan"), py::arg("module_paths"), py::arg("root_name"),
-     "(entry index, module path) for every module each (key, style name) entry matches; warns for a key "
-     "matching nothing and for an empty plan.");
-  m.def("describe_target", [](const std::string& fqn, const std::string& style,
-                              const std::vector<std::tuple<std::string, py::object, std::vector<int64_t>>>& params) {
-    std::vector<tp::ParameterDescription> described;
-    for (const auto& [name, dtype, shape] : params) described.push_back({name, dtype_arg(dtype), shape});
-    return tp::describe_target(fqn, style, described);
-  }, py::arg("fqn"), py::arg("style"), py::arg("parameters"));
+  m.def(
+      "match_plan",
+      [](const std::vector<std::pair<std::string, std::string>>& plan,
+         const std::vector<std::string>& module_paths, const std::string& root_name) {
+        // The handler turns the core's TORCH_WARN into Python warnings.
+        HANDLE_TH_ERRORS
+        std::vector<tp::PlanEntry> entries;
+        for (const auto& [key, style] : plan) entries.push_back({key, style});
+        std::vector<std::pair<size_t, std::string>> targets;
+        for (const auto& t : tp::match_plan(entries, module_paths, root_name))
+          targets.emplace_back(t.entry, t.fqn);
+        return targets;
+        END_HANDLE_TH_ERRORS_PYBIND
+      },
+      py::arg("plan"), py::arg("module_paths"), py::arg("root_name"),
+      "(entry index, module path) for every module each (key, style name) entry matches; warns for a key "
+      "matching nothing and for an empty plan.");
+  m.def(
+      "describe_target",
+      [](const std::string& fqn, const std::string& style,
+         const std::vector<std::tuple<std::string, py::object, std::vector<int64_t>>>& params) {
+        std::vector<tp::ParameterDescription> described;
+        for (const auto& [name, dtype, shape] : params) described.push_back({name, dtype_arg(dtype), shape});
+        return tp::describe_target(fqn, style, described);
+      },
+      py::arg("fqn"), py::arg("style"), py::arg("parameters"));
   m.def("check_plan_agrees", &tp::check_plan_agrees, py::arg("lines"), py::arg("mesh"));
 }
 
@@ -60,76 +68,106 @@ void bind_parameters(py::module& m) {
   m.def("shard_parameter_in_place", &tp::shard_parameter_in_place, py::arg("param"), py::arg("mesh"),
         py::arg("placements"), py::arg("src_data_rank"));
   m.def("sum_gradient_over_mesh", &tp::sum_gradient_over_mesh, py::arg("param"), py::arg("mesh"));
-  m.def("check_unclaimed", &tp::check_unclaimed, py::arg("style"), py::arg("module_type"), py::arg("claimed_by"));
+  m.def("check_unclaimed", &tp::check_unclaimed, py::arg("style"), py::arg("module_type"),
+        py::arg("claimed_by"));
 }
 
 void bind_style_base(py::module& m) {
   py::class_<tp::ParallelStyle, std::shared_ptr<tp::ParallelStyle>>(m, "ParallelStyleCore")
       .def("name", &tp::ParallelStyle::name)
-      .def("check_kind", [](const tp::ParallelStyle& s, const std::string& kind, const std::string& type) {
-        s.check_kind(target_arg(kind, type, {}, py::none()), tp::ModuleTypeNames::torch_nn());
-      }, py::arg("kind"), py::arg("module_type"))
-      .def("check_target", [](const tp::ParallelStyle& s, const std::string& kind, const std::string& type,
-                              std::vector<int64_t> shape, const py::object& dtype, const dtensor::DeviceMesh& mesh) {
-        s.check_target(target_arg(kind, type, std::move(shape), dtype), mesh);
-      }, py::arg("kind"), py::arg("module_type"), py::arg("weight_shape"), py::arg("weight_dtype"), py::arg("mesh"))
-      .def("parameter_shardings", [](const tp::ParallelStyle& s, const std::string& kind,
-                                     const std::vector<std::string>& names) {
-        std::vector<std::tuple<std::string, dtensor::Placements, bool>> rows;
-        for (const auto& r : s.parameter_shardings(module_kind_arg(kind), names)) {
-          rows.emplace_back(r.name, r.placements, r.sums_gradient);
-        }
-        return rows;
-      }, py::arg("kind"), py::arg("parameters"), "(name, placements, sums_gradient) per parameter.");
+      .def(
+          "check_kind",
+          [](const tp::ParallelStyle& s, const std::string& kind, const std::string& type) {
+            s.check_kind(target_arg(kind, type, {}, py::none()), tp::ModuleTypeNames::torch_nn());
+          },
+          py::arg("kind"), py::arg("module_type"))
+      .def(
+          "check_target",
+          [](const tp::ParallelStyle& s, const std::string& kind, const std::string& type,
+             std::vector<int64_t> shape, const py::object& dtype, const dtensor::DeviceMesh& mesh) {
+            s.check_target(target_arg(kind, type, std::move(shape), dtype), mesh);
+          },
+          py::arg("kind"), py::arg("module_type"), py::arg("weight_shape"), py::arg("weight_dtype"),
+          py::arg("mesh"))
+      .def(
+          "parameter_shardings",
+          [](const tp::ParallelStyle& s, const std::string& kind, const std::vector<std::string>& names) {
+            std::vector<std::tuple<std::string, dtensor::Placements, bool>> rows;
+            for (const auto& r : s.parameter_shardings(module_kind_arg(kind), names)) {
+              rows.emplace_back(r.name, r.placements, r.sums_gradient);
+            }
+            return rows;
+          },
+          py::arg("kind"), py::arg("parameters"), "(name, placements, sums_gradient) per parameter.");
 }
 
 void bind_plain_styles(py::module& m) {
   using tp::ParallelStyle;
   py::class_<tp::ColwiseParallel, ParallelStyle, std::shared_ptr<tp::ColwiseParallel>>(m, "ColwiseParallel")
       .def(py::init([](dtensor::Placement in, dtensor::Placement out, bool local) {
-        return tp::ColwiseParallel(tp::ColwiseParallelOptions().input_layouts(in).output_layouts(out).use_local_output(local));
-      }), py::arg("input_layouts"), py::arg("output_layouts"), py::arg("use_local_output"))
-      .def("prepare_input", [](const tp::ColwiseParallel& s, const at::Tensor& x, const std::string& kind,
-                               const dtensor::DeviceMesh& mesh) { return s.prepare_input(x, module_kind_arg(kind), mesh); })
+             return tp::ColwiseParallel(
+                 tp::ColwiseParallelOptions().input_layouts(in).output_layouts(out).use_local_output(local));
+           }),
+           py::arg("input_layouts"), py::arg("output_layouts"), py::arg("use_local_output"))
+      .def("prepare_input",
+           [](const tp::ColwiseParallel& s, const at::Tensor& x, const std::string& kind,
+              const dtensor::DeviceMesh& mesh) { return s.prepare_input(x, module_kind_arg(kind), mesh); })
       .def("prepare_output", &tp::ColwiseParallel::prepare_output);
   py::class_<tp::RowwiseParallel, ParallelStyle, std::shared_ptr<tp::RowwiseParallel>>(m, "RowwiseParallel")
       .def(py::init([](dtensor::Placement in, dtensor::Placement out, bool local) {
-        return tp::RowwiseParallel(tp::RowwiseParallelOptions().input_layouts(in).output_layouts(out).use_local_output(local));
-      }), py::arg("input_layouts"), py::arg("output_layouts"), py::arg("use_local_output"))
+             return tp::RowwiseParallel(
+                 tp::RowwiseParallelOptions().input_layouts(in).output_layouts(out).use_local_output(local));
+           }),
+           py::arg("input_layouts"), py::arg("output_layouts"), py::arg("use_local_output"))
       .def("prepare_input", &tp::RowwiseParallel::prepare_input)
-      .def("forward_linear", [](const tp::RowwiseParallel& s, const at::Tensor& x, const at::Tensor& w,
-                                const std::optional<at::Tensor>& b, const dtensor::DeviceMesh& mesh) {
-        return s.forward_linear(x, w, b.value_or(at::Tensor()), mesh);
-      })
+      .def("forward_linear",
+           [](const tp::RowwiseParallel& s, const at::Tensor& x, const at::Tensor& w,
+              const std::optional<at::Tensor>& b, const dtensor::DeviceMesh& mesh) {
+             return s.forward_linear(x, w, b.value_or(at::Tensor()), mesh);
+           })
       .def("forward_embedding", &tp::RowwiseParallel::forward_embedding);
-  py::class_<tp::SequenceParallel, ParallelStyle, std::shared_ptr<tp::SequenceParallel>>(m, "SequenceParallel")
+  py::class_<tp::SequenceParallel, ParallelStyle, std::shared_ptr<tp::SequenceParallel>>(m,
+                                                                                         "SequenceParallel")
       .def(py::init([](int64_t seq, bool local) {
-        return tp::SequenceParallel(tp::SequenceParallelOptions().sequence_dim(seq).use_local_output(local));
-      }), py::arg("sequence_dim"), py::arg("use_local_output"))
-      .def("prepare_inputs", [](const tp::SequenceParallel& s, const py::sequence& args, const dtensor::DeviceMesh& mesh) {
-        return merge(args, s.prepare_inputs(tensors_of(args), mesh));
-      })
+             return tp::SequenceParallel(
+                 tp::SequenceParallelOptions().sequence_dim(seq).use_local_output(local));
+           }),
+           py::arg("sequence_dim"), py::arg("use_local_output"))
+      .def("prepare_inputs",
+           [](const tp::SequenceParallel& s, const py::sequence& args, const dtensor::DeviceMesh& mesh) {
+             return merge(args, s.prepare_inputs(tensors_of(args), mesh));
+           })
       .def("prepare_output", &tp::SequenceParallel::prepare_output);
 }
 
 void bind_prepare_styles(py::module& m) {
   using tp::ParallelStyle;
-  py::class_<tp::PrepareModuleInput, ParallelStyle, std::shared_ptr<tp::PrepareModuleInput>>(m, "PrepareModuleInput")
+  py::class_<tp::PrepareModuleInput, ParallelStyle, std::shared_ptr<tp::PrepareModuleInput>>(
+      m, "PrepareModuleInput")
       .def(py::init([](Layouts in, Layouts desired, bool local) {
-        return tp::PrepareModuleInput(
-            tp::PrepareModuleInputOptions().input_layouts(in).desired_input_layouts(desired).use_local_output(local));
-      }), py::arg("input_layouts"), py::arg("desired_input_layouts"), py::arg("use_local_output"))
-      .def("prepare_inputs", [](const tp::PrepareModuleInput& s, const py::sequence& args, const dtensor::DeviceMesh& mesh) {
-        return merge(args, s.prepare_inputs(tensors_of(args), mesh));
-      });
-  py::class_<tp::PrepareModuleOutput, ParallelStyle, std::shared_ptr<tp::PrepareModuleOutput>>(m, "PrepareModuleOutput")
+             return tp::PrepareModuleInput(tp::PrepareModuleInputOptions()
+                                               .input_layouts(in)
+                                               .desired_input_layouts(desired)
+                                               .use_local_output(local));
+           }),
+           py::arg("input_layouts"), py::arg("desired_input_layouts"), py::arg("use_local_output"))
+      .def("prepare_inputs",
+           [](const tp::PrepareModuleInput& s, const py::sequence& args, const dtensor::DeviceMesh& mesh) {
+             return merge(args, s.prepare_inputs(tensors_of(args), mesh));
+           });
+  py::class_<tp::PrepareModuleOutput, ParallelStyle, std::shared_ptr<tp::PrepareModuleOutput>>(
+      m, "PrepareModuleOutput")
       .def(py::init([](Layouts out, Layouts desired, bool local) {
-        return tp::PrepareModuleOutput(
-            tp::PrepareModuleOutputOptions().output_layouts(out).desired_output_layouts(desired).use_local_output(local));
-      }), py::arg("output_layouts"), py::arg("desired_output_layouts"), py::arg("use_local_output"))
-      .def("prepare_outputs", [](const tp::PrepareModuleOutput& s, const py::sequence& outs, const dtensor::DeviceMesh& mesh) {
-        return merge(outs, s.prepare_outputs(tensors_of(outs), mesh));
-      });
+             return tp::PrepareModuleOutput(tp::PrepareModuleOutputOptions()
+                                                .output_layouts(out)
+                                                .desired_output_layouts(desired)
+                                                .use_local_output(local));
+           }),
+           py::arg("output_layouts"), py::arg("desired_output_layouts"), py::arg("use_local_output"))
+      .def("prepare_outputs",
+           [](const tp::PrepareModuleOutput& s, const py::sequence& outs, const dtensor::DeviceMesh& mesh) {
+             return merge(outs, s.prepare_outputs(tensors_of(outs), mesh));
+           });
 }
 
 }  // namespace

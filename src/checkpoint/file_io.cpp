@@ -86,12 +86,11 @@ void File::pread_exact(void* dst, int64_t n, int64_t offset) const {
   auto* p = static_cast<char*>(dst);
   const int64_t begin = offset;
   while (n > 0) {
-    const ssize_t r =
-        ::pread(fd_, p, static_cast<size_t>(std::min<int64_t>(n, int64_t{1} << 30)), offset);
+    const ssize_t r = ::pread(fd_, p, static_cast<size_t>(std::min<int64_t>(n, int64_t{1} << 30)), offset);
     if (r < 0 && errno == EINTR) continue;
     TORCH_CHECK(r >= 0, fn_, ": cannot read ", path_, ": ", std::strerror(errno));
-    TORCH_CHECK(r > 0, fn_, ": ", path_, " is truncated: expected bytes [", begin, ", ",
-                offset + n, "), the file ends at ", offset);
+    TORCH_CHECK(r > 0, fn_, ": ", path_, " is truncated: expected bytes [", begin, ", ", offset + n,
+                "), the file ends at ", offset);
     p += r;
     n -= r;
     offset += r;
@@ -121,15 +120,14 @@ void sync_directory(const char* fn, const std::string& dir) {
 std::string read_text(const char* fn, const std::string& path) {
   auto file = File::open(fn, path);
   const int64_t size = file.size();
-  TORCH_CHECK(size <= (int64_t{1} << 30), fn, ": expected a small text file, got ", path, " of ",
-              size, " bytes");
+  TORCH_CHECK(size <= (int64_t{1} << 30), fn, ": expected a small text file, got ", path, " of ", size,
+              " bytes");
   std::string text(static_cast<size_t>(size), '\0');
   file.pread_exact(text.data(), size, 0);
   return text;
 }
 
-void write_text(const char* fn, const std::string& path, const std::string& text, bool durable,
-                bool atomic) {
+void write_text(const char* fn, const std::string& path, const std::string& text, bool durable, bool atomic) {
   const std::string target = atomic ? path + ".tmp" : path;
   {
     auto file = File::create(fn, target);
@@ -138,8 +136,8 @@ void write_text(const char* fn, const std::string& path, const std::string& text
     file.close();
   }
   if (!atomic) return;
-  TORCH_CHECK(::rename(target.c_str(), path.c_str()) == 0, fn, ": cannot rename ", target, " to ",
-              path, ": ", std::strerror(errno));
+  TORCH_CHECK(::rename(target.c_str(), path.c_str()) == 0, fn, ": cannot rename ", target, " to ", path, ": ",
+              std::strerror(errno));
   if (durable) {
     const auto parent = std::filesystem::path(path).parent_path();
     sync_directory(fn, parent.empty() ? "." : parent.string());

@@ -47,8 +47,7 @@ std::string read_text(const char* fn, const std::string& path);
 
 /// Writes `text` to `path` (fsynced when `durable`). With `atomic`, writes `path`.tmp and renames
 /// it over `path`, so readers see the old or the new content, never a part.
-void write_text(const char* fn, const std::string& path, const std::string& text, bool durable,
-                bool atomic);
+void write_text(const char* fn, const std::string& path, const std::string& text, bool durable, bool atomic);
 
 uint32_t crc32_update(uint32_t crc, const void* data, int64_t n);
 

@@ -35,9 +35,10 @@ ShardInfo parse_shard(const char* fn, const std::string& path, const std::string
   TORCH_CHECK(inside, fn, ": ", path, ": ", key, ": expected shards inside the global shape ",
               shape_str(global_shape), ", got offset ", shape_str(shard.region.offset), " shape ",
               shape_str(shard.region.shape));
-  TORCH_CHECK(offsets.size() == 2 && offsets[0] >= 0 && offsets[1] - offsets[0] == shard.region.numel() * element_size,
-              fn, ": ", path, ": ", key, ": expected data_offsets spanning ", shard.region.numel() * element_size,
-              " bytes for shape ", shape_str(shard.region.shape));
+  TORCH_CHECK(offsets.size() == 2 && offsets[0] >= 0 &&
+                  offsets[1] - offsets[0] == shard.region.numel() * element_size,
+              fn, ": ", path, ": ", key, ": expected data_offsets spanning ",
+              shard.region.numel() * element_size, " bytes for shape ", shape_str(shard.region.shape));
   shard.begin = offsets[0];
   shard.end = offsets[1];
   return shard;

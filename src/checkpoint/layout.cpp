@@ -26,8 +26,8 @@ int64_t Region::numel() const { return numel_of(shape); }
 Region local_region(const char* fn, const std::string& key, const Entry& entry) {
   Region r{std::vector<int64_t>(entry.global_shape.size(), 0), entry.global_shape};
   if (!entry.mesh) {
-    TORCH_CHECK(entry.placements.empty(), fn, ": ", key, ": expected no placements without a ",
-                "mesh, got ", dtensor::to_string(entry.placements));
+    TORCH_CHECK(entry.placements.empty(), fn, ": ", key, ": expected no placements without a ", "mesh, got ",
+                dtensor::to_string(entry.placements));
     return r;
   }
   const auto& mesh = *entry.mesh;
@@ -40,10 +40,8 @@ Region local_region(const char* fn, const std::string& key, const Entry& entry) 
                 " (a Partial value must be reduced before it is saved)");
   }
   if (entry.is_replicated()) return r;
-  r.offset = dtensor::local_offset(entry.global_shape, mesh.shape(), mesh.coordinate(),
-                                   entry.placements);
-  r.shape = dtensor::local_shape(entry.global_shape, mesh.shape(), mesh.coordinate(),
-                                 entry.placements);
+  r.offset = dtensor::local_offset(entry.global_shape, mesh.shape(), mesh.coordinate(), entry.placements);
+  r.shape = dtensor::local_shape(entry.global_shape, mesh.shape(), mesh.coordinate(), entry.placements);
   return r;
 }
 

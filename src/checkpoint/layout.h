@@ -19,9 +19,7 @@ int64_t numel_of(const std::vector<int64_t>& shape);
 struct Region {
   std::vector<int64_t> offset, shape;
   int64_t numel() const;
-  bool operator==(const Region& other) const {
-    return offset == other.offset && shape == other.shape;
-  }
+  bool operator==(const Region& other) const { return offset == other.offset && shape == other.shape; }
 };
 
 /// The region `entry` holds on this rank: the whole tensor if it is replicated, else the shard

@@ -32,9 +32,8 @@ std::string resolve(const char* fn, const std::string& dir) {
   if (fs::exists(p / "COMPLETE")) return p.string();
   if (fs::exists(p / "latest")) {
     const auto target = p / detail::read_latest(fn, dir).first;
-    TORCH_CHECK(fs::exists(target / "COMPLETE"), fn, ": expected a complete checkpoint at ",
-                target.string(), " (named by ", (p / "latest").string(),
-                "), got no COMPLETE marker there");
+    TORCH_CHECK(fs::exists(target / "COMPLETE"), fn, ": expected a complete checkpoint at ", target.string(),
+                " (named by ", (p / "latest").string(), "), got no COMPLETE marker there");
     return target.string();
   }
   TORCH_CHECK(fs::exists(p), fn, ": expected a checkpoint at ", dir, ", got no such directory");
@@ -47,25 +46,24 @@ std::string resolve(const char* fn, const std::string& dir) {
 std::vector<Region> check_state(const State& state, const detail::Index& index, const std::string& where,
                                 bool strict) {
   for (const auto& [key, entry] : state) {
-    TORCH_CHECK(index.find(key) != nullptr, kLoad, ": ", key, ": missing from the checkpoint ",
-                where, " (the state has this key, the checkpoint does not)");
+    TORCH_CHECK(index.find(key) != nullptr, kLoad, ": ", key, ": missing from the checkpoint ", where,
+                " (the state has this key, the checkpoint does not)");
   }
   if (strict) {
     for (const auto& [key, info] : index.tensors) {
-      TORCH_CHECK(state.contains(key), kLoad, ": ", key, ": unexpected key in the checkpoint ",
-                  where, " (the state has no such entry; LoadOptions().strict(false) ignores it)");
+      TORCH_CHECK(state.contains(key), kLoad, ": ", key, ": unexpected key in the checkpoint ", where,
+                  " (the state has no such entry; LoadOptions().strict(false) ignores it)");
     }
   }
   std::vector<Region> regions;
   for (const auto& [key, entry] : state) {
     const auto& info = *index.find(key);
     const auto dtype = detail::dtype_name(kLoad, entry.local.scalar_type(), key);
-    TORCH_CHECK(dtype == info.dtype, kLoad, ": ", key, ": expected dtype ", dtype,
-                " (this state), got ", info.dtype, " in the checkpoint ", where);
-    TORCH_CHECK(entry.global_shape == info.global_shape, kLoad, ": ", key,
-                ": expected global shape ", shape_str(entry.global_shape), " (this model), got ",
-                shape_str(info.global_shape), " in the checkpoint ", where,
-                "; is it from a model of another size?");
+    TORCH_CHECK(dtype == info.dtype, kLoad, ": ", key, ": expected dtype ", dtype, " (this state), got ",
+                info.dtype, " in the checkpoint ", where);
+    TORCH_CHECK(entry.global_shape == info.global_shape, kLoad, ": ", key, ": expected global shape ",
+                shape_str(entry.global_shape), " (this model), got ", shape_str(info.global_shape),
+                " in the checkpoint ", where, "; is it from a model of another size?");
     auto region = detail::local_region(kLoad, key, entry);
     TORCH_CHECK(region.shape == entry.local.sizes().vec(), kLoad, ": ", key,
                 ": expected a local tensor of shape ", shape_str(region.shape),
@@ -107,7 +105,8 @@ void export_full(const std::string& dir, const std::string& out_file) {
   for (const auto& item : index.tensors) {
     if (item.first.rfind("optim.", 0) == 0) continue;
     const auto dtype = detail::dtype_from_name(kFn, item.second.dtype, item.first);
-    const int64_t nbytes = detail::numel_of(item.second.global_shape) * static_cast<int64_t>(c10::elementSize(dtype));
+    const int64_t nbytes =
+        detail::numel_of(item.second.global_shape) * static_cast<int64_t>(c10::elementSize(dtype));
     records.push_back({item.first, item.second.dtype, item.second.global_shape, offset, offset + nbytes});
     exported.push_back(&item);
     offset += nbytes;
@@ -130,8 +129,8 @@ void export_full(const std::string& dir, const std::string& out_file) {
   }
   file.sync();
   file.close();
-  TORCH_CHECK(std::rename(tmp.c_str(), out_file.c_str()) == 0, kFn, ": cannot rename ", tmp, " to ",
-              out_file, ": ", std::strerror(errno));
+  TORCH_CHECK(std::rename(tmp.c_str(), out_file.c_str()) == 0, kFn, ": cannot rename ", tmp, " to ", out_file,
+              ": ", std::strerror(errno));
 }
 
 }  // namespace hyper_parallel::checkpoint

@@ -17,7 +17,8 @@ void raise_if_any_failed(const char* fn, const std::vector<std::string>& errors,
   }
 }
 
-void check_all(const char* fn, const comm::Group& group, const std::string& my_error, const std::string& phase) {
+void check_all(const char* fn, const comm::Group& group, const std::string& my_error,
+               const std::string& phase) {
   raise_if_any_failed(fn, comm::all_gather_strings(my_error, group), phase);
 }
 

@@ -17,6 +17,7 @@ std::string message_of(const std::exception& e);
 /// failed <phase>: <error>".
 void raise_if_any_failed(const char* fn, const std::vector<std::string>& errors, const std::string& phase);
 /// Gathers every rank's `my_error` over `group`, then raise_if_any_failed. Collective.
-void check_all(const char* fn, const comm::Group& group, const std::string& my_error, const std::string& phase);
+void check_all(const char* fn, const comm::Group& group, const std::string& my_error,
+               const std::string& phase);
 
 }  // namespace hyper_parallel::checkpoint::detail

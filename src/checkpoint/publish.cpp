@@ -21,10 +21,14 @@ namespace fs = std::filesystem;
 
 const char* name_of(Fault fault) {
   switch (fault) {
-    case Fault::kAfterShard: return "after_shard";
-    case Fault::kBeforeRename: return "before_rename";
-    case Fault::kBeforeLatest: return "before_latest";
-    case Fault::kNone: break;
+    case Fault::kAfterShard:
+      return "after_shard";
+    case Fault::kBeforeRename:
+      return "before_rename";
+    case Fault::kBeforeLatest:
+      return "before_latest";
+    case Fault::kNone:
+      break;
   }
   return "none";
 }
@@ -47,8 +51,8 @@ std::string rename_into_place(const char* fn, const fs::path& staging, const fs:
     return staging.string();
   }
   const int err = errno;
-  TORCH_CHECK(err == EINVAL || err == ENOSYS || err == EOPNOTSUPP, fn, ": cannot exchange ",
-              staging.string(), " with ", final_dir.string(), ": ", std::strerror(err));
+  TORCH_CHECK(err == EINVAL || err == ENOSYS || err == EOPNOTSUPP, fn, ": cannot exchange ", staging.string(),
+              " with ", final_dir.string(), ": ", std::strerror(err));
   // The filesystem cannot exchange: move the old copy away first.
   rename_or_throw(fn, final_dir.string(), old_name.string());
   rename_or_throw(fn, staging.string(), final_dir.string());
@@ -113,7 +117,8 @@ void publish(const char* fn, const std::string& root, const std::string& staging
   write_text(fn, (tmp / "COMPLETE").string(), name + "\n", durable, false);
   if (durable) sync_directory(fn, tmp.string());
   maybe_exit_for_fault(fn, fault, Fault::kBeforeRename, 0, 1);
-  const std::string replaced = rename_into_place(fn, tmp, root_path / name, root_path / ("." + name + ".old-" + nonce));
+  const std::string replaced =
+      rename_into_place(fn, tmp, root_path / name, root_path / ("." + name + ".old-" + nonce));
   if (durable) sync_directory(fn, root);
   maybe_exit_for_fault(fn, fault, Fault::kBeforeLatest, 0, 1);
   write_text(fn, (root_path / "latest").string(), name + "\n", durable, true);

@@ -11,7 +11,8 @@ namespace hyper_parallel::checkpoint::detail {
 
 const SafetensorsReader& Readers::get(const std::string& file) {
   auto& reader = readers_[file];
-  if (!reader) reader = std::make_unique<SafetensorsReader>(fn_, (std::filesystem::path(dir_) / file).string());
+  if (!reader)
+    reader = std::make_unique<SafetensorsReader>(fn_, (std::filesystem::path(dir_) / file).string());
   return *reader;
 }
 
@@ -22,8 +23,7 @@ namespace {
 // pread per run, so a rank reads only the slab it needs (e.g. a quarter of every row of a
 // tensor sharded along its last dim).
 void read_box(const SafetensorsReader& file, int64_t base, const std::vector<int64_t>& s,
-              const std::vector<int64_t>& b, const std::vector<int64_t>& e, int64_t element_size,
-              char* dst) {
+              const std::vector<int64_t>& b, const std::vector<int64_t>& e, int64_t element_size, char* dst) {
   const auto ndim = static_cast<int64_t>(s.size());
   if (ndim == 0) {
     file.read(dst, element_size, base);
@@ -61,8 +61,8 @@ decltype(auto) with_key(const std::string& key, Body&& body) {
 
 }  // namespace
 
-at::Tensor read_region(const char* fn, Readers& readers, const std::string& key,
-                       const TensorInfo& info, const Region& want) {
+at::Tensor read_region(const char* fn, Readers& readers, const std::string& key, const TensorInfo& info,
+                       const Region& want) {
   const auto dtype = dtype_from_name(fn, info.dtype, key);
   const auto element_size = static_cast<int64_t>(c10::elementSize(dtype));
   auto out = at::empty(want.shape, at::TensorOptions().dtype(dtype));
@@ -76,8 +76,8 @@ at::Tensor read_region(const char* fn, Readers& readers, const std::string& key,
     TORCH_CHECK(record->dtype == info.dtype && record->shape == shard.region.shape &&
                     file.data_start() + record->begin == shard.begin &&
                     file.data_start() + record->end == shard.end,
-                fn, ": ", key, ": ", file.path(), ": tensor '", shard.name, "' (", record->dtype,
-                " ", shape_str(record->shape), ") disagrees with index.json (", info.dtype, " ",
+                fn, ": ", key, ": ", file.path(), ": tensor '", shard.name, "' (", record->dtype, " ",
+                shape_str(record->shape), ") disagrees with index.json (", info.dtype, " ",
                 shape_str(shard.region.shape), " at bytes [", shard.begin, ", ", shard.end, "))");
     std::vector<int64_t> begin(box.offset.size());
     for (size_t d = 0; d < begin.size(); ++d) begin[d] = box.offset[d] - shard.region.offset[d];

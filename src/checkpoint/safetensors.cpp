@@ -22,7 +22,7 @@ struct DtypeName {
   const char* name;
 };
 constexpr DtypeName kDtypes[] = {
-    {at::kFloat, "F32"}, {at::kBFloat16, "BF16"}, {at::kHalf, "F16"}, {at::kDouble, "F64"},
+    {at::kFloat, "F32"}, {at::kBFloat16, "BF16"}, {at::kHalf, "F16"},  {at::kDouble, "F64"},
     {at::kLong, "I64"},  {at::kInt, "I32"},       {at::kShort, "I16"}, {at::kChar, "I8"},
     {at::kByte, "U8"},   {at::kBool, "BOOL"},
 };
@@ -62,8 +62,7 @@ std::string encode_header(const std::vector<TensorRecord>& tensors, const Metada
   return out + json;
 }
 
-SafetensorsReader::SafetensorsReader(const char* fn, const std::string& path)
-    : file_(File::open(fn, path)) {
+SafetensorsReader::SafetensorsReader(const char* fn, const std::string& path) : file_(File::open(fn, path)) {
   const int64_t size = file_.size();
   TORCH_CHECK(size >= 8, fn, ": ", path, " is truncated: ", size,
               " bytes, shorter than the 8-byte header length");
@@ -73,8 +72,8 @@ SafetensorsReader::SafetensorsReader(const char* fn, const std::string& path)
   for (int i = 7; i >= 0; --i) n = (n << 8) | len[i];
   TORCH_CHECK(n <= kMaxHeaderBytes, fn, ": ", path, ": expected a safetensors header length below ",
               kMaxHeaderBytes, ", got ", n, " (not a safetensors file?)");
-  TORCH_CHECK(static_cast<int64_t>(n) <= size - 8, fn, ": ", path, " is truncated: its header ",
-              "needs ", n, " bytes, the file has ", size - 8, " after the length");
+  TORCH_CHECK(static_cast<int64_t>(n) <= size - 8, fn, ": ", path, " is truncated: its header ", "needs ", n,
+              " bytes, the file has ", size - 8, " after the length");
   std::string text(n, '\0');
   file_.pread_exact(text.data(), static_cast<int64_t>(n), 8);
   data_start_ = 8 + static_cast<int64_t>(n);
@@ -94,10 +93,11 @@ SafetensorsReader::SafetensorsReader(const char* fn, const std::string& path)
       r.begin = offsets[0];
       r.end = offsets[1];
       const auto dtype = dtype_from_name(fn, r.dtype, path + ": tensor " + name);
-      const int64_t expected = c10::multiply_integers(r.shape) * static_cast<int64_t>(c10::elementSize(dtype));
-      TORCH_CHECK(r.end - r.begin == expected, fn, ": ", path, ": tensor ", name, ": expected ",
-                  expected, " bytes for ", r.dtype, " ", c10::IntArrayRef(r.shape), ", got data_offsets [",
-                  r.begin, ", ", r.end, ")");
+      const int64_t expected =
+          c10::multiply_integers(r.shape) * static_cast<int64_t>(c10::elementSize(dtype));
+      TORCH_CHECK(r.end - r.begin == expected, fn, ": ", path, ": tensor ", name, ": expected ", expected,
+                  " bytes for ", r.dtype, " ", c10::IntArrayRef(r.shape), ", got data_offsets [", r.begin,
+                  ", ", r.end, ")");
       data_end = std::max(data_end, r.end);
       by_name_.emplace(name, tensors_.size());
       tensors_.push_back(std::move(r));

@@ -27,11 +27,9 @@ constexpr const char* kFn = "checkpoint::save";
 
 // Phase 2: every rank writes and fsyncs its shards, then the shard descriptions of every rank
 // are gathered (rank 0 needs them for the index).
-std::vector<std::vector<std::string>> write_and_gather_shards(const detail::SavePlan& plan,
-                                                               const std::vector<at::Tensor>& data,
-                                                               const std::string& staging, int64_t step,
-                                                               bool durable, detail::Fault fault,
-                                                               const comm::Group& group, int64_t* bytes_written) {
+std::vector<std::vector<std::string>> write_and_gather_shards(
+    const detail::SavePlan& plan, const std::vector<at::Tensor>& data, const std::string& staging,
+    int64_t step, bool durable, detail::Fault fault, const comm::Group& group, int64_t* bytes_written) {
   const int64_t rank = group.rank();
   json shards = json::array();
   std::string error;
@@ -49,7 +47,8 @@ std::vector<std::vector<std::string>> write_and_gather_shards(const detail::Save
   detail::maybe_exit_for_fault(kFn, fault, detail::Fault::kAfterShard, rank, group.size());
   std::vector<std::vector<std::string>> shards_by_rank;
   std::vector<std::string> errors;
-  for (const auto& text : comm::all_gather_strings(json{{"error", error}, {"shards", shards}}.dump(), group)) {
+  for (const auto& text :
+       comm::all_gather_strings(json{{"error", error}, {"shards", shards}}.dump(), group)) {
     const auto parsed = json::parse(text);
     errors.push_back(parsed.at("error").get<std::string>());
     shards_by_rank.push_back(parsed.at("shards").get<std::vector<std::string>>());
@@ -80,8 +79,8 @@ SaveResult save(const std::string& root, const State& state, const SaveOptions& 
   detail::check_all(kFn, world, error, "creating " + staging);
 
   SaveResult result{step_dir(root, step), plan.total_bytes, 0};
-  const auto shards_by_rank = write_and_gather_shards(plan, detail::tensors_to_write(state, plan), staging, step,
-                                                      durable, fault, world, &result.bytes_written);
+  const auto shards_by_rank = write_and_gather_shards(plan, detail::tensors_to_write(state, plan), staging,
+                                                      step, durable, fault, world, &result.bytes_written);
   // Phase 3, rank 0: the index and the publication; the others wait in the last gather, so that
   // no rank returns before the checkpoint is published.
   error.clear();

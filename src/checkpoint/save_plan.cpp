@@ -60,8 +60,8 @@ void check_same_keys(const char* fn, const std::vector<json>& plans) {
     for (size_t i = 0; i < reference.size(); ++i) {
       for (int field = 0; field < 3; ++field) {  // key, dtype, global shape
         TORCH_CHECK(theirs[i][field] == reference[i][field], fn, ": expected every rank to save ",
-                    "the same keys, dtypes and global shapes in the same order, got ",
-                    theirs[i].dump(), " on rank ", r, " where rank 0 has ", reference[i].dump());
+                    "the same keys, dtypes and global shapes in the same order, got ", theirs[i].dump(),
+                    " on rank ", r, " where rank 0 has ", reference[i].dump());
       }
     }
   }

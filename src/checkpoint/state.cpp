@@ -38,8 +38,8 @@ void State::add(std::string key, Entry entry) {
   const auto region = detail::local_region("State::add", key, entry);
   TORCH_CHECK(region.shape == entry.local.sizes().vec(), "State::add: ", key,
               ": expected a local tensor of shape ", detail::shape_str(region.shape),
-              " (what its layout gives this rank of global shape ",
-              detail::shape_str(entry.global_shape), "), got ", entry.local.sizes());
+              " (what its layout gives this rank of global shape ", detail::shape_str(entry.global_shape),
+              "), got ", entry.local.sizes());
   index_.emplace(key, items_.size());
   items_.emplace_back(std::move(key), std::move(entry));
 }
@@ -133,8 +133,7 @@ void add_optimizer_state(State& state, torch::optim::AdamW& optimizer, torch::nn
     for (const auto& param : group.params()) {
       auto it = by_impl.find(param.unsafeGetTensorImpl());
       TORCH_CHECK(it != by_impl.end(), "add_optimizer_state: expected every parameter of the ",
-                  "optimizer to belong to the model, got one of shape ", param.sizes(),
-                  " that does not");
+                  "optimizer to belong to the model, got one of shape ", param.sizes(), " that does not");
       const NamedParameter& named = *it->second;
       // libtorch keys AdamW's state by the parameter's TensorImpl address, as AdamW::step does.
       const std::string impl_key = c10::guts::to_string(param.unsafeGetTensorImpl());

@@ -29,11 +29,13 @@ std::vector<ShardInfo> write_rank_file(const char* fn, const std::string& path, 
   for (size_t j = 0; j < data.size(); ++j) {
     const size_t i = plan.mine[j];
     const int64_t nbytes = data[j].numel() * static_cast<int64_t>(data[j].element_size());
-    records.push_back({plan.keys[i].first, plan.keys[i].second.dtype, plan.regions[i].shape, offset, offset + nbytes});
+    records.push_back(
+        {plan.keys[i].first, plan.keys[i].second.dtype, plan.regions[i].shape, offset, offset + nbytes});
     offset += nbytes;
   }
-  const std::string header = encode_header(
-      records, {{"format", "hyper_parallel.checkpoint"}, {"rank", std::to_string(rank)}, {"step", std::to_string(step)}});
+  const std::string header = encode_header(records, {{"format", "hyper_parallel.checkpoint"},
+                                                     {"rank", std::to_string(rank)},
+                                                     {"step", std::to_string(step)}});
   auto file = File::create(fn, path);
   file.write_all(header.data(), static_cast<int64_t>(header.size()));
   const auto start = static_cast<int64_t>(header.size());

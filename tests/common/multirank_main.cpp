@@ -14,7 +14,8 @@ class FailurePrinter : public ::testing::EmptyTestEventListener {
     if (!result.failed()) return;
     // (gtest holds its lock here: no UnitTest queries.)
     std::cerr << (result.file_name() ? result.file_name() : "?") << ":" << result.line_number()
-              << ": Failure\n" << result.message() << "\n";
+              << ": Failure\n"
+              << result.message() << "\n";
   }
 };
 

@@ -12,35 +12,39 @@ namespace hp_test {
 /// Tolerances by dtype (relative, absolute) for comparing against a float64 reference.
 inline std::pair<double, double> tolerance(at::ScalarType t) {
   switch (t) {
-    case at::kDouble: return {1e-12, 1e-12};
-    case at::kFloat: return {1e-5, 1e-5};
-    case at::kBFloat16: return {2e-2, 2e-2};
-    case at::kHalf: return {2e-3, 2e-3};
-    default: return {0, 0};
+    case at::kDouble:
+      return {1e-12, 1e-12};
+    case at::kFloat:
+      return {1e-5, 1e-5};
+    case at::kBFloat16:
+      return {2e-2, 2e-2};
+    case at::kHalf:
+      return {2e-3, 2e-3};
+    default:
+      return {0, 0};
   }
 }
 
 /// EXPECTs `actual` (any dtype) to equal `expected` within the dtype's tolerance.
-inline void expect_close(const at::Tensor& actual, const at::Tensor& expected,
-                         const std::string& what = "") {
+inline void expect_close(const at::Tensor& actual, const at::Tensor& expected, const std::string& what = "") {
   ASSERT_EQ(actual.sizes(), expected.sizes()) << what;
   auto [rtol, atol] = tolerance(actual.scalar_type());
   auto a = actual.to(at::kDouble), e = expected.to(at::kDouble);
   const bool ok = at::allclose(a, e, rtol, atol);
-  EXPECT_TRUE(ok) << what << ": max abs diff " << (a - e).abs().max().item<double>()
-                  << " (rtol " << rtol << ", atol " << atol << ")";
+  EXPECT_TRUE(ok) << what << ": max abs diff " << (a - e).abs().max().item<double>() << " (rtol " << rtol
+                  << ", atol " << atol << ")";
 }
 
 /// EXPECTs the statement to throw a c10::Error whose message contains `substring`.
-#define HP_EXPECT_THROW_MSG(statement, substring)                                       \
-  do {                                                                                  \
-    try {                                                                               \
-      statement;                                                                        \
-      ADD_FAILURE() << "expected an exception containing '" << (substring) << "'";      \
-    } catch (const c10::Error& e) {                                                     \
-      EXPECT_NE(std::string(e.what()).find(substring), std::string::npos)               \
-          << "message was: " << e.what_without_backtrace();                            \
-    }                                                                                   \
+#define HP_EXPECT_THROW_MSG(statement, substring)                                  \
+  do {                                                                             \
+    try {                                                                          \
+      statement;                                                                   \
+      ADD_FAILURE() << "expected an exception containing '" << (substring) << "'"; \
+    } catch (const c10::Error& e) {                                                \
+      EXPECT_NE(std::string(e.what()).find(substring), std::string::npos)          \
+          << "message was: " << e.what_without_backtrace();                        \
+    }                                                                              \
   } while (0)
 
 inline int64_t world_size() { return hyper_parallel::comm::world_size(); }

@@ -122,8 +122,7 @@ class Launch {
       ++count;
     }
     if (count == 0) return false;
-    const auto left =
-        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
     const int rc = ::poll(fds, count, static_cast<int>(std::max<long long>(left.count(), 0)));
     if (rc < 0 && errno != EINTR) return false;
     for (nfds_t i = 0; i < count && rc > 0; ++i) {
@@ -150,8 +149,7 @@ class Launch {
 Result run_hp_run(const std::vector<std::string>& args) { return Launch(args).wait(); }
 
 // hp-run --nproc-per-node N <flags...> -- sh -c SCRIPT
-std::vector<std::string> sh_job(int nproc, const std::string& script,
-                                std::vector<std::string> flags = {}) {
+std::vector<std::string> sh_job(int nproc, const std::string& script, std::vector<std::string> flags = {}) {
   std::vector<std::string> args{"--nproc-per-node", std::to_string(nproc)};
   args.insert(args.end(), flags.begin(), flags.end());
   args.insert(args.end(), {"--", "/bin/sh", "-c", script});
@@ -174,8 +172,7 @@ bool has_line(const std::string& text, const std::string& line) {
 
 std::string describe(const Result& r) {
   return "exit " + std::to_string(r.exit_code) + " signal " + std::to_string(r.term_signal) +
-         "\n--- stdout ---\n" + r.out.substr(0, 4000) + "\n--- stderr ---\n" +
-         r.err.substr(0, 4000);
+         "\n--- stdout ---\n" + r.out.substr(0, 4000) + "\n--- stderr ---\n" + r.err.substr(0, 4000);
 }
 
 const std::string kPrintEnv =
@@ -213,8 +210,8 @@ TEST(HpRun, ThreeRanksShareOnePickedPort) {
   const std::string port = std::to_string(ports[0]);
   for (int rank = 0; rank < 3; ++rank) {
     const std::string r_ = std::to_string(rank);
-    EXPECT_TRUE(has_line(
-        r.out, "[rank " + r_ + "] r=" + r_ + " l=" + r_ + " w=3 lw=3 g=0 a=127.0.0.1 p=" + port))
+    EXPECT_TRUE(
+        has_line(r.out, "[rank " + r_ + "] r=" + r_ + " l=" + r_ + " w=3 lw=3 g=0 a=127.0.0.1 p=" + port))
         << "rank " << rank << "\n"
         << describe(r);
   }
@@ -224,8 +221,7 @@ TEST(HpRun, ThreeRanksShareOnePickedPort) {
 TEST(HpRun, SecondNodeGetsGlobalRanks) {
   // Also exercises the --flag=value form.
   const Result r = run_hp_run(
-      sh_job(2, kPrintEnv,
-             {"--nnodes=2", "--node-rank=1", "--master-addr=10.1.2.3", "--master-port=29600"}));
+      sh_job(2, kPrintEnv, {"--nnodes=2", "--node-rank=1", "--master-addr=10.1.2.3", "--master-port=29600"}));
   ASSERT_EQ(r.exit_code, 0) << describe(r);
   EXPECT_TRUE(has_line(r.out, "[rank 2] r=2 l=0 w=4 lw=2 g=1 a=10.1.2.3 p=29600")) << describe(r);
   EXPECT_TRUE(has_line(r.out, "[rank 3] r=3 l=1 w=4 lw=2 g=1 a=10.1.2.3 p=29600")) << describe(r);
@@ -245,9 +241,8 @@ TEST(HpRun, KeepsStdoutAndStderrApartAndFlushesPartialLines) {
 
 TEST(HpRun, LargeOutputArrivesComplete) {
   // 20000 short lines from rank 0, one 200 kB line from rank 1.
-  const Result r = run_hp_run(sh_job(
-      2,
-      "if [ $RANK = 0 ]; then seq 1 20000; else head -c 200000 /dev/zero | tr '\\0' x; echo; fi"));
+  const Result r = run_hp_run(
+      sh_job(2, "if [ $RANK = 0 ]; then seq 1 20000; else head -c 200000 /dev/zero | tr '\\0' x; echo; fi"));
   ASSERT_EQ(r.exit_code, 0) << describe(r);
   std::vector<std::string> rank0;
   std::size_t long_lines = 0;
@@ -275,8 +270,7 @@ TEST(HpRun, ForwardsTheFailingRanksExitCode) {
 TEST(HpRun, CrashingRankTearsDownTheJob) {
   const Result r = run_hp_run(sh_job(3, "if [ $RANK = 1 ]; then kill -SEGV $$; fi; sleep 60"));
   EXPECT_EQ(r.exit_code, 128 + SIGSEGV) << describe(r);
-  EXPECT_NE(r.err.find("hp-run: rank 1 was killed by signal SIGSEGV (11)"), std::string::npos)
-      << describe(r);
+  EXPECT_NE(r.err.find("hp-run: rank 1 was killed by signal SIGSEGV (11)"), std::string::npos) << describe(r);
   EXPECT_LT(r.seconds, 15.0);
 }
 
@@ -285,16 +279,15 @@ TEST(HpRun, RankIgnoringSigtermIsKilledAfterGrace) {
   // file), so SIGTERM cannot stop rank 1 and only SIGKILL can.
   const std::string ready = ::testing::TempDir() + "hp_run_trapped_" + std::to_string(::getpid());
   std::remove(ready.c_str());
-  const Result r = run_hp_run(sh_job(
-      2,
-      "if [ $RANK = 0 ]; then while [ ! -e '" + ready +
-          "' ]; do sleep 0.05; done; exit 1; fi; trap '' TERM; touch '" + ready + "'; sleep 60",
-      {"--grace", "1"}));
+  const Result r = run_hp_run(sh_job(2,
+                                     "if [ $RANK = 0 ]; then while [ ! -e '" + ready +
+                                         "' ]; do sleep 0.05; done; exit 1; fi; trap '' TERM; touch '" +
+                                         ready + "'; sleep 60",
+                                     {"--grace", "1"}));
   std::remove(ready.c_str());
   EXPECT_EQ(r.exit_code, 1) << describe(r);
   EXPECT_NE(r.err.find("hp-run: rank 0 exited with code 1"), std::string::npos) << describe(r);
-  EXPECT_NE(r.err.find("rank(s) 1 still running 1 s after SIGTERM; sending SIGKILL"),
-            std::string::npos)
+  EXPECT_NE(r.err.find("rank(s) 1 still running 1 s after SIGTERM; sending SIGKILL"), std::string::npos)
       << describe(r);
   EXPECT_GE(r.seconds, 1.0);  // the grace period was honoured
   EXPECT_LT(r.seconds, 10.0);
@@ -305,8 +298,8 @@ TEST(HpRun, KillReachesTheRanksOwnSubprocesses) {
   std::remove(marker.c_str());
   // Rank 1's background subshell would create the marker after 2 s if it
   // survived the teardown that rank 0's failure triggers.
-  const Result r = run_hp_run(sh_job(
-      2, "if [ $RANK = 0 ]; then sleep 0.3; exit 1; fi; (sleep 2; touch '" + marker + "') & wait"));
+  const Result r = run_hp_run(
+      sh_job(2, "if [ $RANK = 0 ]; then sleep 0.3; exit 1; fi; (sleep 2; touch '" + marker + "') & wait"));
   EXPECT_EQ(r.exit_code, 1) << describe(r);
   std::this_thread::sleep_for(3s);
   EXPECT_NE(::access(marker.c_str(), F_OK), 0) << "a rank's subprocess outlived the job";
@@ -326,8 +319,7 @@ TEST(HpRun, TimeoutKillsAllRanks) {
   const std::string marker = ::testing::TempDir() + "hp_run_timeout_" + std::to_string(::getpid());
   const Result r = run_hp_run(sh_job(2, leaves_marker_if_alive(marker), {"--timeout", "1"}));
   EXPECT_EQ(r.exit_code, 124) << describe(r);
-  EXPECT_NE(r.err.find("hp-run: timeout after 1 s; killing all ranks"), std::string::npos)
-      << describe(r);
+  EXPECT_NE(r.err.find("hp-run: timeout after 1 s; killing all ranks"), std::string::npos) << describe(r);
   EXPECT_LT(r.seconds, 8.0);
   std::this_thread::sleep_for(4s);
   EXPECT_FALSE(any_marker(marker)) << "a rank outlived the timeout";
@@ -336,8 +328,7 @@ TEST(HpRun, TimeoutKillsAllRanks) {
 TEST(HpRun, MissingProgramIsAFailingRank) {
   const Result r = run_hp_run({"--nproc-per-node", "2", "--", "/nonexistent/hp_run_test_prog"});
   EXPECT_EQ(r.exit_code, 127) << describe(r);
-  EXPECT_NE(r.err.find("cannot run '/nonexistent/hp_run_test_prog'"), std::string::npos)
-      << describe(r);
+  EXPECT_NE(r.err.find("cannot run '/nonexistent/hp_run_test_prog'"), std::string::npos) << describe(r);
 }
 
 // --- signals to the launcher ------------------------------------------------
@@ -346,11 +337,10 @@ class HpRunSignal : public ::testing::TestWithParam<int> {};
 
 TEST_P(HpRunSignal, IsForwardedToAllRanks) {
   const int sig = GetParam();
-  const std::string marker = ::testing::TempDir() + "hp_run_signal_" + std::to_string(sig) + "_" +
-                             std::to_string(::getpid());
+  const std::string marker =
+      ::testing::TempDir() + "hp_run_signal_" + std::to_string(sig) + "_" + std::to_string(::getpid());
   Launch launch(sh_job(2, "echo ready; " + leaves_marker_if_alive(marker), {"--grace", "1"}));
-  ASSERT_TRUE(launch.wait_for_stdout("[rank 1] ready", 10s) &&
-              launch.wait_for_stdout("[rank 0] ready", 10s));
+  ASSERT_TRUE(launch.wait_for_stdout("[rank 1] ready", 10s) && launch.wait_for_stdout("[rank 0] ready", 10s));
   ASSERT_EQ(::kill(launch.pid(), sig), 0);
   const Result r = launch.wait();
   EXPECT_EQ(r.exit_code, 128 + sig) << describe(r);
@@ -361,9 +351,7 @@ TEST_P(HpRunSignal, IsForwardedToAllRanks) {
 }
 
 INSTANTIATE_TEST_SUITE_P(IntAndTerm, HpRunSignal, ::testing::Values(SIGINT, SIGTERM),
-                         [](const auto& info) {
-                           return info.param == SIGINT ? "SIGINT" : "SIGTERM";
-                         });
+                         [](const auto& info) { return info.param == SIGINT ? "SIGINT" : "SIGTERM"; });
 
 // --- ports ------------------------------------------------------------------
 
@@ -415,9 +403,8 @@ TEST_P(HpRunBadFlags, ExitsWithUsageError) {
 INSTANTIATE_TEST_SUITE_P(
     Cases, HpRunBadFlags,
     ::testing::Values(
-        BadFlags{"UnknownFlag",
-                 {"--nproc-per-node", "2", "--foo", "1", "--", "true"},
-                 "unknown flag '--foo'"},
+        BadFlags{
+            "UnknownFlag", {"--nproc-per-node", "2", "--foo", "1", "--", "true"}, "unknown flag '--foo'"},
         BadFlags{"UnknownFlagWithEquals",
                  {"--nproc-per-node", "2", "--foo=1", "--", "true"},
                  "unknown flag '--foo'"},
@@ -439,8 +426,8 @@ INSTANTIATE_TEST_SUITE_P(
                  "--nnodes: missing value"},
         BadFlags{"NprocMissing", {"--", "true"}, "--nproc-per-node is required"},
         BadFlags{"NodeRankTooLarge",
-                 {"--nproc-per-node", "2", "--nnodes", "2", "--node-rank", "2", "--master-port",
-                  "29500", "--", "true"},
+                 {"--nproc-per-node", "2", "--nnodes", "2", "--node-rank", "2", "--master-port", "29500",
+                  "--", "true"},
                  "--node-rank: expected a value in [0, 2) for --nnodes 2, got 2"},
         BadFlags{"NodeRankNegative",
                  {"--nproc-per-node", "2", "--node-rank", "-1", "--", "true"},
@@ -455,8 +442,7 @@ INSTANTIATE_TEST_SUITE_P(
                  {"--nproc-per-node", "2", "--nnodes", "2", "--", "true"},
                  "--master-port 0 (pick a free port) only works with --nnodes 1; give every "
                  "node the same port"},
-        BadFlags{
-            "NoSeparator", {"--nproc-per-node", "2"}, "expected '--' followed by a program to run"},
+        BadFlags{"NoSeparator", {"--nproc-per-node", "2"}, "expected '--' followed by a program to run"},
         BadFlags{"NothingAfterSeparator",
                  {"--nproc-per-node", "2", "--"},
                  "expected '--' followed by a program to run"},
@@ -466,9 +452,9 @@ INSTANTIATE_TEST_SUITE_P(
         BadFlags{"TimeoutNotANumber",
                  {"--nproc-per-node", "2", "--timeout", "soon", "--", "true"},
                  "--timeout: expected a non-negative integer (seconds), got 'soon'"},
-        BadFlags{
-            "GraceNegative", {"--nproc-per-node", "2", "--grace", "-1", "--", "true"},
-            "--grace: expected a non-negative integer (seconds), got '-1'"}),
+        BadFlags{"GraceNegative",
+                 {"--nproc-per-node", "2", "--grace", "-1", "--", "true"},
+                 "--grace: expected a non-negative integer (seconds), got '-1'"}),
     [](const auto& info) { return info.param.name; });
 
 }  // namespace

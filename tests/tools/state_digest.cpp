@@ -87,7 +87,8 @@ at::Tensor values(at::ScalarType dtype, std::vector<int64_t> shape, int64_t salt
 
 void digest_collectives(const comm::Group& world) {
   const int64_t p = world.size();
-  const std::vector<at::ScalarType> dtypes{at::kFloat, at::kDouble, at::kBFloat16, at::kHalf, at::kLong, at::kInt};
+  const std::vector<at::ScalarType> dtypes{at::kFloat, at::kDouble, at::kBFloat16,
+                                           at::kHalf,  at::kLong,   at::kInt};
   for (const auto dtype : dtypes) {
     Section section(std::string("collectives/") + c10::toString(dtype));
     for (const int64_t n : {int64_t{0}, int64_t{1}, int64_t{7}, 3 * p + 1, int64_t{1000}}) {
@@ -116,7 +117,8 @@ void digest_fused_ops(const comm::Group& world) {
           return std::string(op) + ".m" + std::to_string(m) + ".chunks" + std::to_string(chunks);
         };
         const auto w = values(dtype, {n, k}, 17 * m + chunks);
-        const auto [y, gathered] = tp::all_gather_matmul(values(dtype, {m, k}, m + chunks), w, world, options);
+        const auto [y, gathered] =
+            tp::all_gather_matmul(values(dtype, {m, k}, m + chunks), w, world, options);
         section.add(item("all_gather_matmul.y"), y);
         section.add(item("all_gather_matmul.gathered"), gathered);
         section.add(item("matmul_reduce_scatter"),
@@ -170,8 +172,9 @@ int main() {
       const auto base = llama3::TrainOptions().dtype(dtype);
       digest_training("plain_tp/" + dtype, base);
       digest_training("mc2_ffn/" + dtype, llama3::TrainOptions(base).enable_mc2(true));
-      digest_training("mc2_all_loss_parallel/" + dtype,
-                      llama3::TrainOptions(base).enable_mc2(true).mc2_scope("all").enable_loss_parallel(true));
+      digest_training(
+          "mc2_all_loss_parallel/" + dtype,
+          llama3::TrainOptions(base).enable_mc2(true).mc2_scope("all").enable_loss_parallel(true));
     }
     comm::destroy_process_group();
     return 0;

@@ -80,7 +80,8 @@ void Launcher::poll_once() {
   for (std::size_t i = 1; i < fds.size(); ++i) {
     if (fds[i].revents == 0) continue;
     Rank& rank = *owners[i - 1].first;
-    read_stream(rank.prefix, *owners[i - 1].second, [&](std::string_view line) { rank.report.observe_line(line); });
+    read_stream(rank.prefix, *owners[i - 1].second,
+                [&](std::string_view line) { rank.report.observe_line(line); });
   }
 }
 
@@ -96,7 +97,8 @@ void Launcher::close_remaining_streams() {
 
 bool Launcher::done(Clock::time_point now) const {
   if (running_ > 0) return false;
-  const bool output_open = std::any_of(ranks_.begin(), ranks_.end(), [](const Rank& r) { return r.output_open(); });
+  const bool output_open =
+      std::any_of(ranks_.begin(), ranks_.end(), [](const Rank& r) { return r.output_open(); });
   return !output_open || (drain_deadline_ && now >= *drain_deadline_);
 }
 
@@ -136,7 +138,8 @@ void Launcher::reap_children() {
   int status = 0;
   pid_t pid;
   while ((pid = ::waitpid(-1, &status, WNOHANG)) > 0) {
-    const auto it = std::find_if(ranks_.begin(), ranks_.end(), [pid](const Rank& rank) { return rank.pid == pid; });
+    const auto it =
+        std::find_if(ranks_.begin(), ranks_.end(), [pid](const Rank& rank) { return rank.pid == pid; });
     if (it != ranks_.end() && it->running) on_rank_exit(*it, status);
   }
 }

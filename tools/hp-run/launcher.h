@@ -36,7 +36,8 @@ class Launcher {
 
   /// `deadline`: when the timeout expires (nullopt: never). `extra_env` is added to every rank's
   /// environment.
-  Launcher(const Options& opts, SignalPipe& signals, std::optional<Clock::time_point> deadline, Env extra_env);
+  Launcher(const Options& opts, SignalPipe& signals, std::optional<Clock::time_point> deadline,
+           Env extra_env);
   ~Launcher();
   Launcher(const Launcher&) = delete;
   Launcher& operator=(const Launcher&) = delete;

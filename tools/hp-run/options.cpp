@@ -70,8 +70,7 @@ Options parse_args(int argc, char** argv) {
   CLI::App app(kDescription, "hp-run");
   app.footer(kFooter);
   app.allow_extras();  // reported below in hp-run's own words
-  app.add_option("--nproc-per-node", opts.nproc_per_node,
-                 "processes (ranks) to start on this node")
+  app.add_option("--nproc-per-node", opts.nproc_per_node, "processes (ranks) to start on this node")
       ->required()
       ->check(integer_in(1, kIntMax, "a positive integer"));
   app.add_option("--nnodes", opts.nnodes, "number of nodes in the job")

@@ -13,7 +13,8 @@ namespace {
 void emit_lines(const std::string& prefix, OutputStream& stream, bool at_eof, const LineObserver& observe) {
   std::string out;
   std::size_t start = 0;
-  for (std::size_t newline; (newline = stream.pending.find('\n', start)) != std::string::npos; start = newline + 1) {
+  for (std::size_t newline; (newline = stream.pending.find('\n', start)) != std::string::npos;
+       start = newline + 1) {
     if (observe) observe(std::string_view(stream.pending.data() + start, newline - start));
     out += prefix;
     out.append(stream.pending, start, newline + 1 - start);

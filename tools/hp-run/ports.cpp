@@ -38,8 +38,9 @@ int pick_free_port(const std::string& address) {
     if (::bind(fd, ai->ai_addr, ai->ai_addrlen) == 0 &&
         ::getsockname(fd, reinterpret_cast<sockaddr*>(&bound), &length) == 0) {
       ::close(fd);
-      const in_port_t port = bound.ss_family == AF_INET6 ? reinterpret_cast<const sockaddr_in6*>(&bound)->sin6_port
-                                                         : reinterpret_cast<const sockaddr_in*>(&bound)->sin_port;
+      const in_port_t port = bound.ss_family == AF_INET6
+                                 ? reinterpret_cast<const sockaddr_in6*>(&bound)->sin6_port
+                                 : reinterpret_cast<const sockaddr_in*>(&bound)->sin_port;
       return ntohs(port);
     }
     last_error = errno_text(errno);

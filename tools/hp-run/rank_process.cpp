@@ -79,7 +79,8 @@ ExecArgs build_exec_args(const Options& opts, const Rank& rank,
 
 }  // namespace
 
-void spawn(const Options& opts, Rank& rank, const std::vector<std::pair<std::string, std::string>>& extra_env) {
+void spawn(const Options& opts, Rank& rank,
+           const std::vector<std::pair<std::string, std::string>>& extra_env) {
   ExecArgs exec = build_exec_args(opts, rank, extra_env);
   int out[2];
   int err[2];
@@ -118,7 +119,8 @@ void spawn(const Options& opts, Rank& rank, const std::vector<std::pair<std::str
 
 std::string describe_exit(int global_rank, int wait_status) {
   const std::string who = "rank " + std::to_string(global_rank);
-  if (WIFSIGNALED(wait_status)) return who + " was killed by signal " + describe_signal(WTERMSIG(wait_status));
+  if (WIFSIGNALED(wait_status))
+    return who + " was killed by signal " + describe_signal(WTERMSIG(wait_status));
   return who + " exited with code " + std::to_string(WEXITSTATUS(wait_status));
 }
 

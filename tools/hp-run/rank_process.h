@@ -28,7 +28,8 @@ struct Rank {
 
 /// Starts `rank` running opts.command with `extra_env` added to the rank's environment (after
 /// the rendezvous variables). Throws std::runtime_error if a pipe or fork fails.
-void spawn(const Options& opts, Rank& rank, const std::vector<std::pair<std::string, std::string>>& extra_env);
+void spawn(const Options& opts, Rank& rank,
+           const std::vector<std::pair<std::string, std::string>>& extra_env);
 
 /// "rank 1 was killed by signal SIGKILL (9)" / "rank 1 exited with code 3".
 std::string describe_exit(int global_rank, int wait_status);

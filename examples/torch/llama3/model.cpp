@@ -74,7 +74,9 @@ ModelArgs ModelArgs::from_preset(const std::string& name) {
   if (name == "tiny") return tiny();
   if (name == "llama3_8b") return llama3_8b();
   if (name == "llama3_8b_1layer") return llama3_8b(1);
-  TORCH_CHECK(false, "ModelArgs::from_preset: expected 'debug', 'tiny', 'small', 'bench', 'llama3_8b' or 'llama3_8b_1layer', got '",
+  TORCH_CHECK(false,
+              "ModelArgs::from_preset: expected 'debug', 'tiny', 'small', 'bench', 'llama3_8b' or "
+              "'llama3_8b_1layer', got '",
               name, "'");
 }
 
@@ -94,8 +96,8 @@ at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tens
 }  // namespace
 
 AttentionImpl::AttentionImpl(const ModelArgs& args_) : args(args_) {
-  TORCH_CHECK(args.dim % args.n_heads == 0, "Attention: expected dim divisible by n_heads, got ",
-              args.dim, " and ", args.n_heads);
+  TORCH_CHECK(args.dim % args.n_heads == 0, "Attention: expected dim divisible by n_heads, got ", args.dim,
+              " and ", args.n_heads);
   TORCH_CHECK(args.n_heads % args.n_kv_heads == 0,
               "Attention: expected n_heads divisible by n_kv_heads, got ", args.n_heads, " and ",
               args.n_kv_heads);
@@ -121,8 +123,8 @@ at::Tensor AttentionImpl::forward(const at::Tensor& input) {
   // only some of its tokens (a projection may gather them).
   auto q = wq(x), k = wk(x), v = wv(x);
   const int64_t b = q.size(0), s = q.size(1), hd = args.head_dim();
-  TORCH_CHECK(s <= args.max_seq_len, "Attention: expected seq_len <= max_seq_len ",
-              args.max_seq_len, ", got ", s);
+  TORCH_CHECK(s <= args.max_seq_len, "Attention: expected seq_len <= max_seq_len ", args.max_seq_len,
+              ", got ", s);
   q = q.view({b, s, -1, hd});
   k = k.view({b, s, -1, hd});
   v = v.view({b, s, -1, hd});

@@ -50,8 +50,7 @@ struct ModelArgs {
   static ModelArgs from_preset(const std::string& name);
 };
 
-class AttentionImpl : public torch::nn::Cloneable<AttentionImpl>,
-                      public hyper_parallel::nn::HookableModule {
+class AttentionImpl : public torch::nn::Cloneable<AttentionImpl>, public hyper_parallel::nn::HookableModule {
  public:
   explicit AttentionImpl(const ModelArgs& args);
   void reset() override;

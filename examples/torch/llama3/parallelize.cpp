@@ -30,10 +30,11 @@ void check_options(const ModelArgs& a, int64_t tp_size, const ParallelizeOptions
   const int64_t seq_len = options.seq_len().value_or(a.max_seq_len);
   TORCH_CHECK(!sp || seq_len % tp_size == 0, "parallelize_llama3: expected seq_len (", seq_len,
               ") divisible by the TP size (", tp_size, ") with sequence parallelism");
-  TORCH_CHECK(!options.enable_mc2() || sp, "parallelize_llama3: enable_mc2 requires enable_sequence_parallel (MC2 "
+  TORCH_CHECK(!options.enable_mc2() || sp,
+              "parallelize_llama3: enable_mc2 requires enable_sequence_parallel (MC2 "
               "fuses the sequence all-gather / reduce-scatter into the matmuls)");
-  TORCH_CHECK(options.enable_mc2() || options.mc2_scope() == MC2Scope::kFfn, "parallelize_llama3: mc2_scope '",
-              to_string(options.mc2_scope()), "' needs enable_mc2");
+  TORCH_CHECK(options.enable_mc2() || options.mc2_scope() == MC2Scope::kFfn,
+              "parallelize_llama3: mc2_scope '", to_string(options.mc2_scope()), "' needs enable_mc2");
 }
 
 using StylePtr = std::shared_ptr<tp::ParallelStyle>;
@@ -47,9 +48,12 @@ struct Styles {
     const bool sp = o.enable_sequence_parallel(), loss_parallel = o.enable_loss_parallel();
     const auto residual = sp ? Shard(1) : Replicate();
     colwise = std::make_shared<tp::ColwiseParallel>();
-    rowwise_out = std::make_shared<tp::RowwiseParallel>(tp::RowwiseParallelOptions().output_layouts(residual));
-    const auto mc2_column = tp::MC2ColwiseParallelOptions().input_layouts(Shard(1)).contract(o.mc2_contract()).mc2_options(
-        o.mc2_options());
+    rowwise_out =
+        std::make_shared<tp::RowwiseParallel>(tp::RowwiseParallelOptions().output_layouts(residual));
+    const auto mc2_column = tp::MC2ColwiseParallelOptions()
+                                .input_layouts(Shard(1))
+                                .contract(o.mc2_contract())
+                                .mc2_options(o.mc2_options());
     mc2_colwise = std::make_shared<tp::MC2ColwiseParallel>(mc2_column);
     mc2_rowwise = std::make_shared<tp::MC2RowwiseParallel>(tp::MC2RowwiseParallelOptions()
                                                                .input_layouts(Shard(-1))

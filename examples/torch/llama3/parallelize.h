@@ -44,10 +44,10 @@ struct ParallelizeOptions {
   /// The layers MC2 fuses (only with enable_mc2): default the feed-forward.
   TORCH_ARG(MC2Scope, mc2_scope) = MC2Scope::kFfn;
   /// The MC2 limits (default: the original kernels'; relaxed() for e.g. float32 debugging).
-  TORCH_ARG(hyper_parallel::tensor_parallel::MC2Contract, mc2_contract) =
-      hyper_parallel::tensor_parallel::MC2Contract::strict();
-  TORCH_ARG(hyper_parallel::tensor_parallel::MC2Options, mc2_options) =
-      hyper_parallel::tensor_parallel::MC2Options();
+  TORCH_ARG(hyper_parallel::tensor_parallel::MC2Contract,
+            mc2_contract) = hyper_parallel::tensor_parallel::MC2Contract::strict();
+  TORCH_ARG(hyper_parallel::tensor_parallel::MC2Options,
+            mc2_options) = hyper_parallel::tensor_parallel::MC2Options();
   /// The sequence length trained on (checked against the TP size); default: max_seq_len.
   TORCH_ARG(std::optional<int64_t>, seq_len) = std::nullopt;
 };

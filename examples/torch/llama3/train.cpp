@@ -27,9 +27,10 @@ std::optional<llama3::TrainOptions> parse_flags(int argc, char** argv) {
   std::string checkpoint_dir;
   int64_t checkpoint_every = o.checkpoint_every();
 
-  CLI::App app("Trains Llama 3 with tensor (+ sequence) parallelism on synthetic data; run it "
-               "under hp-run, one rank per TP shard.",
-               "llama3_train");
+  CLI::App app(
+      "Trains Llama 3 with tensor (+ sequence) parallelism on synthetic data; run it "
+      "under hp-run, one rank per TP shard.",
+      "llama3_train");
   app.add_option("--preset", preset, "model size")
       ->capture_default_str()
       ->check(CLI::IsMember({"debug", "tiny", "small", "bench", "llama3_8b", "llama3_8b_1layer"}));
@@ -53,18 +54,20 @@ std::optional<llama3::TrainOptions> parse_flags(int argc, char** argv) {
       ->needs(mc2_flag);
   app.add_flag("--relaxed-mc2-contract", relaxed, "allow fp32 and any size under MC2 (debugging)")
       ->needs(mc2_flag);
-  app.add_option("--mc2-scope", mc2_scope, "layers MC2 fuses: ffn, or all (also attention and, with "
+  app.add_option("--mc2-scope", mc2_scope,
+                 "layers MC2 fuses: ffn, or all (also attention and, with "
                  "--loss-parallel, the output projection)")
       ->capture_default_str()
       ->check(CLI::IsMember({"ffn", "all"}))
       ->needs(mc2_flag);
-  auto* dir_flag = app.add_option("--checkpoint-dir", checkpoint_dir,
-                                  "checkpoint root: step-N/ directories and 'latest'");
+  auto* dir_flag =
+      app.add_option("--checkpoint-dir", checkpoint_dir, "checkpoint root: step-N/ directories and 'latest'");
   app.add_option("--checkpoint-every", checkpoint_every, "save every N steps and at the last step (0: never)")
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber)
       ->needs(dir_flag);
-  app.add_flag("--resume", resume, "continue from the latest checkpoint in --checkpoint-dir (saved at any "
+  app.add_flag("--resume", resume,
+               "continue from the latest checkpoint in --checkpoint-dir (saved at any "
                "TP degree) up to --steps")
       ->needs(dir_flag);
   try {

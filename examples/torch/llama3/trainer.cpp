@@ -48,7 +48,9 @@ Run make_run(const TrainOptions& options) {
   TORCH_CHECK(!options.checkpoint_dir().empty() || (options.checkpoint_every() == 0 && !options.resume()),
               "llama3::train: expected a checkpoint_dir with checkpoint_every or resume");
   const auto args = options.model_args().value_or(ModelArgs::from_preset(options.preset()));
-  return {options, args, options.seq_len().value_or(args.max_seq_len),
+  return {options,
+          args,
+          options.seq_len().value_or(args.max_seq_len),
           options.dtype() == "bf16" ? at::kBFloat16 : at::kFloat,
           hp::dtensor::init_device_mesh("cpu", {hp::comm::world_size()}, {"tp"}),
           options.log() && hp::comm::global_rank() == 0};
@@ -63,15 +65,16 @@ Transformer build_model(const Run& run) {
   if (o.reference()) return model;
   const auto contract = o.relaxed_mc2_contract() ? hp::tensor_parallel::MC2Contract::relaxed()
                                                  : hp::tensor_parallel::MC2Contract::strict();
-  parallelize_llama3(*model, run.mesh,
-                     ParallelizeOptions()
-                         .enable_sequence_parallel(o.enable_sequence_parallel())
-                         .enable_loss_parallel(o.enable_loss_parallel())
-                         .enable_mc2(o.enable_mc2())
-                         .mc2_scope(mc2_scope_from_string(o.mc2_scope()))
-                         .mc2_contract(contract)
-                         .mc2_options(hp::tensor_parallel::MC2Options().chunks_per_rank(o.mc2_chunks_per_rank()))
-                         .seq_len(run.seq_len));
+  parallelize_llama3(
+      *model, run.mesh,
+      ParallelizeOptions()
+          .enable_sequence_parallel(o.enable_sequence_parallel())
+          .enable_loss_parallel(o.enable_loss_parallel())
+          .enable_mc2(o.enable_mc2())
+          .mc2_scope(mc2_scope_from_string(o.mc2_scope()))
+          .mc2_contract(contract)
+          .mc2_options(hp::tensor_parallel::MC2Options().chunks_per_rank(o.mc2_chunks_per_rank()))
+          .seq_len(run.seq_len));
   return model;
 }
 
@@ -79,11 +82,13 @@ void print_banner(const Run& run) {
   const auto& o = run.options;
   const int64_t tp_size = o.reference() ? 1 : run.mesh.size(0);
   const std::string mc2 = o.enable_mc2() && !o.reference() ? "on (" + o.mc2_scope() + ")" : "off";
-  std::printf("llama3 %s: %lld layers, dim %lld, TP %lld, SP %s, MC2 %s, loss parallel %s, %s, batch %lld x seq %lld\n",
-              o.model_args() ? "custom" : o.preset().c_str(), static_cast<long long>(run.args.n_layers),
-              static_cast<long long>(run.args.dim), static_cast<long long>(tp_size),
-              o.enable_sequence_parallel() ? "on" : "off", mc2.c_str(), o.enable_loss_parallel() ? "on" : "off",
-              o.dtype().c_str(), static_cast<long long>(o.batch_size()), static_cast<long long>(run.seq_len));
+  std::printf(
+      "llama3 %s: %lld layers, dim %lld, TP %lld, SP %s, MC2 %s, loss parallel %s, %s, batch %lld x seq "
+      "%lld\n",
+      o.model_args() ? "custom" : o.preset().c_str(), static_cast<long long>(run.args.n_layers),
+      static_cast<long long>(run.args.dim), static_cast<long long>(tp_size),
+      o.enable_sequence_parallel() ? "on" : "off", mc2.c_str(), o.enable_loss_parallel() ? "on" : "off",
+      o.dtype().c_str(), static_cast<long long>(o.batch_size()), static_cast<long long>(run.seq_len));
   std::fflush(stdout);
 }
 
@@ -122,12 +127,14 @@ StepResult train_step(const Run& run, TransformerImpl& model, torch::optim::Adam
   const double grad_norm = hp::tensor_parallel::clip_grad_norm_(model, o.max_norm());
   optimizer.step();
   const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-  return {step, loss.item<double>(), grad_norm, ms, 1000.0 * static_cast<double>(o.batch_size() * run.seq_len) / ms};
+  return {step, loss.item<double>(), grad_norm, ms,
+          1000.0 * static_cast<double>(o.batch_size() * run.seq_len) / ms};
 }
 
 void save_checkpoint(const Run& run, const hp::checkpoint::State& state, int64_t step) {
   const auto s0 = std::chrono::steady_clock::now();
-  const auto saved = hp::checkpoint::save(run.options.checkpoint_dir(), state, hp::checkpoint::SaveOptions().step(step));
+  const auto saved =
+      hp::checkpoint::save(run.options.checkpoint_dir(), state, hp::checkpoint::SaveOptions().step(step));
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - s0).count();
   if (run.log) {
     const double mb = static_cast<double>(saved.total_bytes) / 1e6;

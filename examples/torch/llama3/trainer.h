@@ -21,7 +21,7 @@ struct TrainOptions {
   TORCH_ARG(int64_t, steps) = 20;
   TORCH_ARG(int64_t, batch_size) = 4;
   TORCH_ARG(std::optional<int64_t>, seq_len) = std::nullopt;  // default: the preset's max_seq_len
-  TORCH_ARG(std::string, dtype) = "fp32";                      // "fp32" or "bf16"
+  TORCH_ARG(std::string, dtype) = "fp32";                     // "fp32" or "bf16"
   TORCH_ARG(double, lr) = 1e-3;
   TORCH_ARG(double, weight_decay) = 0.1;
   TORCH_ARG(double, max_norm) = 1.0;

@@ -14,13 +14,12 @@ class FunctionalBackward final : public torch::autograd::Node {
     std::vector<int64_t> sizes;
     at::TensorOptions options;
   };
-  FunctionalBackward(BackwardFn fn, std::string name, std::vector<OutputMeta> outputs,
-                     bool materialize)
-      : fn_(std::move(fn)), name_(std::move(name)), outputs_(std::move(outputs)),
-        materialize_(materialize) {}
+  FunctionalBackward(BackwardFn fn, std::string name, std::vector<OutputMeta> outputs, bool materialize)
+      : fn_(std::move(fn)), name_(std::move(name)), outputs_(std::move(outputs)), materialize_(materialize) {}
 
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
-    TORCH_CHECK(fn_ != nullptr, name_, ": expected a graph not yet freed, got one released by an "
+    TORCH_CHECK(fn_ != nullptr, name_,
+                ": expected a graph not yet freed, got one released by an "
                 "earlier backward (call backward(retain_graph=true) to backward twice)");
     for (size_t i = 0; materialize_ && i < grads.size(); ++i) {
       if (!grads[i].defined()) grads[i] = at::zeros(outputs_[i].sizes, outputs_[i].options);
@@ -48,8 +47,7 @@ std::vector<at::Tensor> attach_backward(const std::vector<at::Tensor>& inputs,
   std::vector<FunctionalBackward::OutputMeta> metas;
   for (auto& out : outputs) metas.push_back({out.sizes().vec(), out.options()});
   std::shared_ptr<FunctionalBackward> node(
-      new FunctionalBackward(std::move(backward), std::move(name), std::move(metas),
-                             materialize_grads),
+      new FunctionalBackward(std::move(backward), std::move(name), std::move(metas), materialize_grads),
       torch::autograd::deleteNode);
   node->set_next_edges(torch::autograd::collect_next_edges(inputs));
   for (auto& out : outputs) {
@@ -61,8 +59,7 @@ std::vector<at::Tensor> attach_backward(const std::vector<at::Tensor>& inputs,
 }
 
 at::Tensor attach_backward(const at::Tensor& input, at::Tensor output,
-                           std::function<at::Tensor(const at::Tensor&)> backward,
-                           std::string name) {
+                           std::function<at::Tensor(const at::Tensor&)> backward, std::string name) {
   return attach_backward(
       std::vector<at::Tensor>{input}, std::vector<at::Tensor>{std::move(output)},
       [fn = std::move(backward)](std::vector<at::Tensor> grads) {

@@ -23,7 +23,6 @@ std::vector<at::Tensor> attach_backward(const std::vector<at::Tensor>& inputs,
 
 /// Single-input, single-output convenience.
 at::Tensor attach_backward(const at::Tensor& input, at::Tensor output,
-                           std::function<at::Tensor(const at::Tensor&)> backward,
-                           std::string name);
+                           std::function<at::Tensor(const at::Tensor&)> backward, std::string name);
 
 }  // namespace hyper_parallel::detail

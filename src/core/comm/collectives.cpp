@@ -22,8 +22,12 @@ namespace {
 void check_dtype(const char* fn, const at::Tensor& t) {
   TORCH_CHECK(t.defined(), "hyper_parallel::comm::", fn, ": expected a defined tensor, got undefined");
   switch (t.scalar_type()) {
-    case at::kFloat: case at::kDouble: case at::kBFloat16: case at::kHalf:
-    case at::kLong: case at::kInt:
+    case at::kFloat:
+    case at::kDouble:
+    case at::kBFloat16:
+    case at::kHalf:
+    case at::kLong:
+    case at::kInt:
       return;
     default:
       TORCH_CHECK(false, "hyper_parallel::comm::", fn,
@@ -33,16 +37,16 @@ void check_dtype(const char* fn, const at::Tensor& t) {
 }
 
 int64_t normalize_dim(const char* fn, int64_t dim, int64_t ndim) {
-  TORCH_CHECK(ndim >= 1, "hyper_parallel::comm::", fn, ": expected a tensor with at least 1 dim, got a scalar");
-  TORCH_CHECK(dim >= -ndim && dim < ndim, "hyper_parallel::comm::", fn,
-              ": expected dim in [", -ndim, ", ", ndim, "), got ", dim);
+  TORCH_CHECK(ndim >= 1, "hyper_parallel::comm::", fn,
+              ": expected a tensor with at least 1 dim, got a scalar");
+  TORCH_CHECK(dim >= -ndim && dim < ndim, "hyper_parallel::comm::", fn, ": expected dim in [", -ndim, ", ",
+              ndim, "), got ", dim);
   return dim < 0 ? dim + ndim : dim;
 }
 
 void check_reduce_op(const char* fn, ReduceOp op, const at::Tensor& t) {
-  TORCH_CHECK(op != ReduceOp::kAvg || at::isFloatingType(t.scalar_type()), "hyper_parallel::comm::",
-              fn, ": ReduceOp avg does not support integer dtype ", t.scalar_type(),
-              "; use sum and divide");
+  TORCH_CHECK(op != ReduceOp::kAvg || at::isFloatingType(t.scalar_type()), "hyper_parallel::comm::", fn,
+              ": ReduceOp avg does not support integer dtype ", t.scalar_type(), "; use sum and divide");
 }
 
 std::vector<int64_t> offsets_of(const std::vector<int64_t>& sizes) {
@@ -80,8 +84,8 @@ BlockLayout flat_layout(const std::vector<int64_t>& sizes, int64_t row_elems, in
 // rank's elements travel once, in 16 bits, to their owner, which sums in float32); others the
 // ring, where each rank adds its own elements to the partial sum that arrives, chunk by chunk,
 // and forwards it at once.
-at::Tensor flat_reduce_scatter(const at::Tensor& x, const std::vector<int64_t>& sizes,
-                               int64_t row_elems, const Group& group) {
+at::Tensor flat_reduce_scatter(const at::Tensor& x, const std::vector<int64_t>& sizes, int64_t row_elems,
+                               const Group& group) {
   const auto dtype = x.scalar_type();
   const bool direct = reduces_directly(dtype);
   const auto acc = accumulate_type(dtype);
@@ -90,18 +94,19 @@ at::Tensor flat_reduce_scatter(const at::Tensor& x, const std::vector<int64_t>& 
   const auto layout = flat_layout(sizes, row_elems, chunks_for(max_rows * row_elems * wire_bytes));
   const auto flat = x.view({-1, 1});
   if (direct) {
-    return direct_reduce_scatter(layout, 1, x.options(), group,
-                                 [&](int64_t block, int64_t chunk) { return layout.chunk(flat, block, chunk); })
+    return direct_reduce_scatter(
+               layout, 1, x.options(), group,
+               [&](int64_t block, int64_t chunk) { return layout.chunk(flat, block, chunk); })
         .view({-1});
   }
-  return ring_reduce_scatter(
-             layout, 1, x.options(), group,
-             [&](int64_t block, int64_t chunk, const std::function<at::Tensor()>& arrived) {
-               auto mine = layout.chunk(flat, block, chunk);
-               auto sum = arrived();
-               if (!sum.defined()) return mine.to(acc).contiguous();  // no copy if already acc
-               return sum.add_(mine);
-             })
+  return ring_reduce_scatter(layout, 1, x.options(), group,
+                             [&](int64_t block, int64_t chunk, const std::function<at::Tensor()>& arrived) {
+                               auto mine = layout.chunk(flat, block, chunk);
+                               auto sum = arrived();
+                               if (!sum.defined())
+                                 return mine.to(acc).contiguous();  // no copy if already acc
+                               return sum.add_(mine);
+                             })
       .view({-1});
 }
 
@@ -127,12 +132,12 @@ std::vector<int64_t> split_sizes_or_chunks(const char* fn, c10::IntArrayRef size
               ": expected one size per rank (", parts, "), got ", sizes.size());
   int64_t total = 0;
   for (size_t i = 0; i < sizes.size(); ++i) {
-    TORCH_CHECK(sizes[i] >= 0, "hyper_parallel::comm::", fn, ": expected sizes[", i,
-                "] >= 0, got ", sizes[i]);
+    TORCH_CHECK(sizes[i] >= 0, "hyper_parallel::comm::", fn, ": expected sizes[", i, "] >= 0, got ",
+                sizes[i]);
     total += sizes[i];
   }
-  TORCH_CHECK(total == extent, "hyper_parallel::comm::", fn, ": expected sizes summing to ",
-              extent, ", got ", sizes, " (sum ", total, ")");
+  TORCH_CHECK(total == extent, "hyper_parallel::comm::", fn, ": expected sizes summing to ", extent, ", got ",
+              sizes, " (sum ", total, ")");
   return sizes.vec();
 }
 
@@ -140,13 +145,11 @@ std::vector<int64_t> split_sizes_or_chunks(const char* fn, c10::IntArrayRef size
 
 const char* to_string(ReduceOp op) { return op == ReduceOp::kSum ? "sum" : "avg"; }
 
-at::Tensor all_gather(const at::Tensor& input, int64_t dim, const Group& group,
-                      c10::IntArrayRef sizes) {
+at::Tensor all_gather(const at::Tensor& input, int64_t dim, const Group& group, c10::IntArrayRef sizes) {
   check_dtype("all_gather", input);
   dim = normalize_dim("all_gather", dim, input.dim());
   const int64_t p = group.size();
-  std::vector<int64_t> rank_sizes = sizes.empty() ? std::vector<int64_t>(p, input.size(dim))
-                                                  : sizes.vec();
+  std::vector<int64_t> rank_sizes = sizes.empty() ? std::vector<int64_t>(p, input.size(dim)) : sizes.vec();
   TORCH_CHECK(static_cast<int64_t>(rank_sizes.size()) == p,
               "hyper_parallel::comm::all_gather: expected one size per rank (", p, "), got ",
               rank_sizes.size());
@@ -154,7 +157,8 @@ at::Tensor all_gather(const at::Tensor& input, int64_t dim, const Group& group,
               "hyper_parallel::comm::all_gather: expected sizes[", group.rank(),
               "] to equal this rank's extent ", input.size(dim), ", got ", rank_sizes[group.rank()]);
   OpScope op(group,
-             {CollectiveKind::kAllGather, input.scalar_type(),
+             {CollectiveKind::kAllGather,
+              input.scalar_type(),
               {std::accumulate(rank_sizes.begin(), rank_sizes.end(), int64_t{0}),
                elements_per_slice(input, dim), hash_of(rank_sizes), dim},
               {"gathered_extent", "slice_elements", "sizes_hash", "dim"}},
@@ -163,8 +167,9 @@ at::Tensor all_gather(const at::Tensor& input, int64_t dim, const Group& group,
   auto out_sizes = local.sizes().vec();
   out_sizes[0] = std::accumulate(rank_sizes.begin(), rank_sizes.end(), int64_t{0});
   auto buffer = at::empty(out_sizes, input.options().memory_format(at::MemoryFormat::Contiguous));
-  const int64_t row_elems = local.size(0) == 0 ? c10::multiply_integers(out_sizes.begin() + 1, out_sizes.end())
-                                               : local.numel() / local.size(0);
+  const int64_t row_elems = local.size(0) == 0
+                                ? c10::multiply_integers(out_sizes.begin() + 1, out_sizes.end())
+                                : local.numel() / local.size(0);
   const int64_t max_rows = *std::max_element(rank_sizes.begin(), rank_sizes.end());
   const auto layout = flat_layout(rank_sizes, row_elems,
                                   p == 2 ? 1 : chunks_for(max_rows * row_elems * input.element_size()));
@@ -180,7 +185,8 @@ at::Tensor reduce_scatter(const at::Tensor& input, int64_t dim, ReduceOp op, con
   check_reduce_op("reduce_scatter", op, input);
   auto rank_sizes = split_sizes_or_chunks("reduce_scatter", sizes, input.size(dim), p);
   OpScope scope(group,
-                {CollectiveKind::kReduceScatter, input.scalar_type(),
+                {CollectiveKind::kReduceScatter,
+                 input.scalar_type(),
                  {input.size(dim), elements_per_slice(input, dim), hash_of(rank_sizes),
                   dim * 2 + static_cast<int64_t>(op == ReduceOp::kAvg)},
                  {"extent", "slice_elements", "sizes_hash", "dim_and_op"}},
@@ -199,7 +205,8 @@ at::Tensor all_reduce(const at::Tensor& input, ReduceOp op, const Group& group) 
   check_reduce_op("all_reduce", op, input);
   const int64_t p = group.size();
   OpScope scope(group,
-                {CollectiveKind::kAllReduce, input.scalar_type(),
+                {CollectiveKind::kAllReduce,
+                 input.scalar_type(),
                  {input.numel(), static_cast<int64_t>(op == ReduceOp::kAvg)},
                  {"numel", "avg"}},
                 describe(input, group));
@@ -210,35 +217,38 @@ at::Tensor all_reduce(const at::Tensor& input, ReduceOp op, const Group& group) 
   auto buffer = at::empty({flat.numel()}, input.options());
   const int64_t max_elems = *std::max_element(sizes.begin(), sizes.end());
   const auto layout = flat_layout(sizes, 1, p == 2 ? 1 : chunks_for(max_elems * input.element_size()));
-  ring_all_gather(reduced.to(input.scalar_type()).contiguous().view({-1, 1}), buffer.view({-1, 1}),
-                  layout, group);
+  ring_all_gather(reduced.to(input.scalar_type()).contiguous().view({-1, 1}), buffer.view({-1, 1}), layout,
+                  group);
   return buffer.view(input.sizes());
 }
 
-at::Tensor all_to_all(const at::Tensor& input, int64_t split_dim, int64_t concat_dim,
-                      const Group& group, c10::IntArrayRef split_sizes,
-                      c10::IntArrayRef recv_concat_sizes) {
+at::Tensor all_to_all(const at::Tensor& input, int64_t split_dim, int64_t concat_dim, const Group& group,
+                      c10::IntArrayRef split_sizes, c10::IntArrayRef recv_concat_sizes) {
   check_dtype("all_to_all", input);
   split_dim = normalize_dim("all_to_all", split_dim, input.dim());
   concat_dim = normalize_dim("all_to_all", concat_dim, input.dim());
   const int64_t p = group.size(), r = group.rank();
-  TORCH_CHECK(split_dim != concat_dim, "hyper_parallel::comm::all_to_all: expected split_dim != "
-              "concat_dim, got both ", split_dim);
+  TORCH_CHECK(split_dim != concat_dim,
+              "hyper_parallel::comm::all_to_all: expected split_dim != "
+              "concat_dim, got both ",
+              split_dim);
   TORCH_CHECK(p <= OpTags::kMaxSteps, "hyper_parallel::comm::all_to_all: expected a group of at most ",
               OpTags::kMaxSteps, " ranks, got ", p);
   auto splits = split_sizes_or_chunks("all_to_all", split_sizes, input.size(split_dim), p);
-  std::vector<int64_t> recv_sizes = recv_concat_sizes.empty()
-                                        ? std::vector<int64_t>(p, input.size(concat_dim))
-                                        : recv_concat_sizes.vec();
+  std::vector<int64_t> recv_sizes =
+      recv_concat_sizes.empty() ? std::vector<int64_t>(p, input.size(concat_dim)) : recv_concat_sizes.vec();
   TORCH_CHECK(static_cast<int64_t>(recv_sizes.size()) == p,
-              "hyper_parallel::comm::all_to_all: expected one receive size per rank (", p,
-              "), got ", recv_sizes.size());
-  TORCH_CHECK(recv_sizes[r] == input.size(concat_dim), "hyper_parallel::comm::all_to_all: expected "
-              "recv_concat_sizes[", r, "] to equal this rank's extent ", input.size(concat_dim),
-              ", got ", recv_sizes[r]);
+              "hyper_parallel::comm::all_to_all: expected one receive size per rank (", p, "), got ",
+              recv_sizes.size());
+  TORCH_CHECK(recv_sizes[r] == input.size(concat_dim),
+              "hyper_parallel::comm::all_to_all: expected "
+              "recv_concat_sizes[",
+              r, "] to equal this rank's extent ", input.size(concat_dim), ", got ", recv_sizes[r]);
   OpScope op(group,
-             {CollectiveKind::kAllToAll, input.scalar_type(),
-              {input.size(split_dim), elements_per_slice(input, concat_dim) / std::max<int64_t>(input.size(split_dim), 1),
+             {CollectiveKind::kAllToAll,
+              input.scalar_type(),
+              {input.size(split_dim),
+               elements_per_slice(input, concat_dim) / std::max<int64_t>(input.size(split_dim), 1),
                split_dim * 64 + concat_dim, hash_of(splits) ^ hash_of(recv_sizes)},
               {"split_extent", "slice_elements", "dims", "sizes_hash"}},
              describe(input, group));
@@ -269,10 +279,9 @@ at::Tensor all_to_all(const at::Tensor& input, int64_t split_dim, int64_t concat
 at::Tensor broadcast(const at::Tensor& input, int64_t src, const Group& group) {
   check_dtype("broadcast", input);
   const int64_t p = group.size(), r = group.rank();
-  TORCH_CHECK(src >= 0 && src < p, "hyper_parallel::comm::broadcast: expected src in [0, ", p,
-              "), got ", src);
-  OpScope op(group,
-             {CollectiveKind::kBroadcast, input.scalar_type(), {input.numel(), src}, {"numel", "src"}},
+  TORCH_CHECK(src >= 0 && src < p, "hyper_parallel::comm::broadcast: expected src in [0, ", p, "), got ",
+              src);
+  OpScope op(group, {CollectiveKind::kBroadcast, input.scalar_type(), {input.numel(), src}, {"numel", "src"}},
              describe(input, group));
   auto buffer = input.contiguous().clone();
   const auto tags = reserve_tags(group);
@@ -308,7 +317,8 @@ void barrier(const Group& group) {
 std::vector<std::string> all_gather_strings(const std::string& value, const Group& group) {
   // Bytes travel in int32 words: the collectives move no uint8.
   const int64_t p = group.size();
-  auto lengths = all_gather(at::full({1}, static_cast<int64_t>(value.size()), at::kLong), 0, group).contiguous();
+  auto lengths =
+      all_gather(at::full({1}, static_cast<int64_t>(value.size()), at::kLong), 0, group).contiguous();
   const auto* length = lengths.data_ptr<int64_t>();
   std::vector<int64_t> words(static_cast<size_t>(p));
   for (int64_t r = 0; r < p; ++r) words[r] = std::max<int64_t>(1, (length[r] + 3) / 4);

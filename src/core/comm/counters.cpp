@@ -31,7 +31,8 @@ void record_collective(CollectiveKind kind, std::string_view detail) {
   std::lock_guard<std::mutex> lock(c.mutex);
   const std::string region = c.regions.empty() ? "default" : c.regions.back();
   auto it = c.by_region.find(region);
-  if (it == c.by_region.end()) it = c.by_region.emplace(region, std::array<int64_t, kNumCollectiveKinds>{}).first;
+  if (it == c.by_region.end())
+    it = c.by_region.emplace(region, std::array<int64_t, kNumCollectiveKinds>{}).first;
   it->second[static_cast<int>(kind)] += 1;
   if (c.debug) std::cerr << "[hp comm] " << region << ": " << to_string(kind) << " " << detail << "\n";
 }

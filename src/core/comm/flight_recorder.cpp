@@ -20,11 +20,16 @@ thread_local int64_t t_step = -1, t_chunk = -1;
 
 const char* state_name(OpRecord::State s) {
   switch (s) {
-    case OpRecord::State::kAgreeing: return "agreeing on shapes";
-    case OpRecord::State::kRunning: return "running";
-    case OpRecord::State::kWaiting: return "waiting";
-    case OpRecord::State::kDone: return "done";
-    case OpRecord::State::kFailed: return "failed";
+    case OpRecord::State::kAgreeing:
+      return "agreeing on shapes";
+    case OpRecord::State::kRunning:
+      return "running";
+    case OpRecord::State::kWaiting:
+      return "waiting";
+    case OpRecord::State::kDone:
+      return "done";
+    case OpRecord::State::kFailed:
+      return "failed";
   }
   return "?";
 }
@@ -106,8 +111,8 @@ std::string FlightRecorder::dump() const {
   const size_t count = std::min(next_, kCapacity);
   for (size_t i = next_ - count; i < next_; ++i) {
     const auto& r = records_[i % kCapacity];
-    out << "  #" << r->id << " " << r->kind << " seq " << r->seq << " on " << r->group << ": "
-        << r->shape << " — " << state_name(r->state);
+    out << "  #" << r->id << " " << r->kind << " seq " << r->seq << " on " << r->group << ": " << r->shape
+        << " — " << state_name(r->state);
     if (r->peer >= 0) out << " while waiting on rank " << r->peer << " (" << r->waiting << ")";
     const int64_t end = r->end_us ? r->end_us : trace::detail::now_us();
     out << ", " << (end - r->start_us) / 1000 << " ms\n";
@@ -124,8 +129,8 @@ std::string FlightRecorder::waiting_on_line(int64_t rank) const {
     // A failed op keeps the peer it was waiting for when the wait failed.
     const bool waited = r->state == OpRecord::State::kWaiting || r->state == OpRecord::State::kFailed;
     if (waited && r->peer >= 0) {
-      return "hp-waiting-on: rank " + std::to_string(rank) + " peer " + std::to_string(r->peer) +
-             " op " + r->kind + " seq " + std::to_string(r->seq) + " group " + r->group;
+      return "hp-waiting-on: rank " + std::to_string(rank) + " peer " + std::to_string(r->peer) + " op " +
+             r->kind + " seq " + std::to_string(r->seq) + " group " + r->group;
     }
   }
   return "hp-waiting-on: rank " + std::to_string(rank) + " none";

@@ -26,8 +26,8 @@ struct OpRecord {
   std::string group;  // e.g. "world"
   std::string shape;  // e.g. "BFloat16 m=512 k=1024 n=1408 chunks=2"
   State state = State::kAgreeing;
-  int64_t peer = -1;     // global rank waited for, while kWaiting
-  std::string waiting;   // what is awaited, e.g. "receive of chunk 1 of step 0"
+  int64_t peer = -1;    // global rank waited for, while kWaiting
+  std::string waiting;  // what is awaited, e.g. "receive of chunk 1 of step 0"
   int64_t start_us = 0, end_us = 0;
 };
 
@@ -37,8 +37,7 @@ class FlightRecorder {
   static FlightRecorder& get();
 
   /// Starts recording an op on the calling thread; it is the thread's current op until end().
-  std::shared_ptr<OpRecord> begin(std::string kind, int64_t seq, std::string group,
-                                  std::string shape);
+  std::shared_ptr<OpRecord> begin(std::string kind, int64_t seq, std::string group, std::string shape);
   void end(const std::shared_ptr<OpRecord>& record, bool ok);
   /// The calling thread's current op (nullptr outside one), and setting it back after a nested
   /// op ends.

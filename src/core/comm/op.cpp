@@ -41,8 +41,16 @@ std::string describe(const std::array<int64_t, kFields>& f, const std::array<con
 }
 
 std::array<int64_t, kFields> fields_of(const OpSignature& sig, int64_t seq, int64_t group_size) {
-  return {kSignatureMagic, static_cast<int64_t>(sig.kind), seq, static_cast<int64_t>(sig.dtype),
-          sig.dims[0], sig.dims[1], sig.dims[2], sig.dims[3], sig.chunks, group_size};
+  return {kSignatureMagic,
+          static_cast<int64_t>(sig.kind),
+          seq,
+          static_cast<int64_t>(sig.dtype),
+          sig.dims[0],
+          sig.dims[1],
+          sig.dims[2],
+          sig.dims[3],
+          sig.chunks,
+          group_size};
 }
 
 // Every rank sends its signature to every other rank and receives theirs; all ranks then hold
@@ -76,8 +84,8 @@ void agree(const Group& group, const OpSignature& sig, int64_t seq) {
   for (int64_t q = 0; q < p; ++q) {
     auto a = all[q].accessor<int64_t, 1>();
     for (int i = 0; i < kFields; ++i) fields[q][i] = a[i];
-    TORCH_INTERNAL_ASSERT(fields[q][kMagic] == kSignatureMagic,
-                          "agreement: rank ", q, " of ", group.name(), " sent a malformed signature");
+    TORCH_INTERNAL_ASSERT(fields[q][kMagic] == kSignatureMagic, "agreement: rank ", q, " of ", group.name(),
+                          " sent a malformed signature");
     max_seq = std::max(max_seq, fields[q][kSeq]);
     same = same && fields[q] == mine;
   }
@@ -89,8 +97,8 @@ void agree(const Group& group, const OpSignature& sig, int64_t seq) {
     ranks << (q ? "; " : "") << "rank " << q << " (global " << group.global_ranks()[q] << "): call "
           << fields[q][kSeq] << ", " << describe(fields[q], sig.names);
   }
-  TORCH_CHECK(false, "hyper_parallel::comm: ranks of ", group.name(), " disagree on ",
-              to_string(sig.kind), " (this rank's call ", seq, "): ", ranks.str(),
+  TORCH_CHECK(false, "hyper_parallel::comm: ranks of ", group.name(), " disagree on ", to_string(sig.kind),
+              " (this rank's call ", seq, "): ", ranks.str(),
               ". No data was sent. Every rank must call the same collectives in the same order with "
               "matching shapes, dtypes and chunk counts");
 }
@@ -99,14 +107,22 @@ void agree(const Group& group, const OpSignature& sig, int64_t seq) {
 
 const char* to_string(CollectiveKind kind) {
   switch (kind) {
-    case CollectiveKind::kAllGather: return "all_gather";
-    case CollectiveKind::kReduceScatter: return "reduce_scatter";
-    case CollectiveKind::kAllReduce: return "all_reduce";
-    case CollectiveKind::kAllToAll: return "all_to_all";
-    case CollectiveKind::kBroadcast: return "broadcast";
-    case CollectiveKind::kBarrier: return "barrier";
-    case CollectiveKind::kAllGatherMatmul: return "all_gather_matmul";
-    case CollectiveKind::kMatmulReduceScatter: return "matmul_reduce_scatter";
+    case CollectiveKind::kAllGather:
+      return "all_gather";
+    case CollectiveKind::kReduceScatter:
+      return "reduce_scatter";
+    case CollectiveKind::kAllReduce:
+      return "all_reduce";
+    case CollectiveKind::kAllToAll:
+      return "all_to_all";
+    case CollectiveKind::kBroadcast:
+      return "broadcast";
+    case CollectiveKind::kBarrier:
+      return "barrier";
+    case CollectiveKind::kAllGatherMatmul:
+      return "all_gather_matmul";
+    case CollectiveKind::kMatmulReduceScatter:
+      return "matmul_reduce_scatter";
   }
   return "unknown";
 }
@@ -121,8 +137,7 @@ bool agreement_checks_enabled() {
 
 std::string flight_recorder_dump() { return detail::FlightRecorder::get().dump(); }
 
-OpScope::OpScope(const Group& group, const OpSignature& signature, const std::string& detail,
-                 bool counted)
+OpScope::OpScope(const Group& group, const OpSignature& signature, const std::string& detail, bool counted)
     : span_(to_string(signature.kind), detail), uncaught_(std::uncaught_exceptions()) {
   const int64_t seq = group.impl().next_seq.fetch_add(1);
   auto& recorder = detail::FlightRecorder::get();

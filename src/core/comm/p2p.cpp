@@ -66,8 +66,8 @@ class TransferWork final : public detail::WorkImpl {
           op ? op->kind + " (call " + std::to_string(op->seq) + " on " + op->group + ", " + op->shape + ")"
              : std::string("a transfer");
       recorder.report(global_rank(), "a transfer failed");
-      TORCH_CHECK(false, "hyper_parallel::comm: ", context, ": ", what_,
-                  chunk.empty() ? "" : ", " + chunk, " failed: ", e.what());
+      TORCH_CHECK(false, "hyper_parallel::comm: ", context, ": ", what_, chunk.empty() ? "" : ", " + chunk,
+                  " failed: ", e.what());
     }
     recorder.clear_waiting();
   }
@@ -91,19 +91,18 @@ at::Tensor as_wire_tensor(const at::Tensor& t) {
 
 void check_transfer(const char* fn, const at::Tensor& t, int64_t peer, const Group& group) {
   TORCH_CHECK(t.defined(), "hyper_parallel::comm::", fn, ": expected a defined tensor, got undefined");
-  TORCH_CHECK(t.is_contiguous(), "hyper_parallel::comm::", fn,
-              ": expected a contiguous tensor, got strides ", t.strides());
-  TORCH_CHECK(peer >= 0 && peer < group.size(), "hyper_parallel::comm::", fn,
-              ": expected peer rank in [0, ", group.size(), ") of ", group.name(), ", got ", peer);
-  TORCH_CHECK(peer != group.rank(), "hyper_parallel::comm::", fn,
-              ": expected a peer other than this rank (", peer, ")");
+  TORCH_CHECK(t.is_contiguous(), "hyper_parallel::comm::", fn, ": expected a contiguous tensor, got strides ",
+              t.strides());
+  TORCH_CHECK(peer >= 0 && peer < group.size(), "hyper_parallel::comm::", fn, ": expected peer rank in [0, ",
+              group.size(), ") of ", group.name(), ", got ", peer);
+  TORCH_CHECK(peer != group.rank(), "hyper_parallel::comm::", fn, ": expected a peer other than this rank (",
+              peer, ")");
 }
 
 }  // namespace
 
 int OpTags::step(int64_t step) const {
-  TORCH_INTERNAL_ASSERT(step >= 0 && step < kMaxSteps, "OpTags::step: step ", step,
-                        " out of range");
+  TORCH_INTERNAL_ASSERT(step >= 0 && step < kMaxSteps, "OpTags::step: step ", step, " out of range");
   return static_cast<int>(base_ + step);
 }
 
@@ -134,8 +133,8 @@ Work post_transfer(bool is_send, const at::Tensor& tensor, int64_t peer, const G
                          nullptr);
   }
   const int64_t peer_global = group.global_ranks()[peer];
-  const auto what = (is_send ? "send to rank " : "receive from rank ") + std::to_string(peer) +
-                    " of " + group.name() + " (global rank " + std::to_string(peer_global) + ")";
+  const auto what = (is_send ? "send to rank " : "receive from rank ") + std::to_string(peer) + " of " +
+                    group.name() + " (global rank " + std::to_string(peer_global) + ")";
   if (post_us >= 0) {
     TraceWaiters::get().submit(transfer, (is_send ? "send to " : "recv from ") + std::to_string(peer),
                                trace::detail::current_op(), post_us, bytes);

@@ -48,8 +48,8 @@ int64_t parse_int(const std::string& text, const char* what) {
   char* end = nullptr;
   long long v = std::strtoll(text.c_str(), &end, 10);
   TORCH_CHECK(end != text.c_str() && *end == '\0',
-              "hyper_parallel::comm::init_process_group: expected an integer for ", what, ", got '",
-              text, "'");
+              "hyper_parallel::comm::init_process_group: expected an integer for ", what, ", got '", text,
+              "'");
   return v;
 }
 
@@ -69,8 +69,8 @@ std::string local_address_towards(const std::string& host, int64_t port) {
   hints.ai_socktype = SOCK_DGRAM;
   addrinfo* res = nullptr;
   int rc = getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &res);
-  TORCH_CHECK(rc == 0, "hyper_parallel::comm::init_process_group: cannot resolve MASTER_ADDR '",
-              host, "': ", gai_strerror(rc));
+  TORCH_CHECK(rc == 0, "hyper_parallel::comm::init_process_group: cannot resolve MASTER_ADDR '", host,
+              "': ", gai_strerror(rc));
   int fd = socket(AF_INET, SOCK_DGRAM, 0);
   std::string result = "127.0.0.1";
   if (fd >= 0 && connect(fd, res->ai_addr, res->ai_addrlen) == 0) {
@@ -89,8 +89,7 @@ std::string local_address_towards(const std::string& host, int64_t port) {
 std::chrono::milliseconds default_timeout() {
   if (auto v = env("HP_TIMEOUT_S")) {
     int64_t s = parse_int(*v, "HP_TIMEOUT_S");
-    TORCH_CHECK(s > 0, "hyper_parallel::comm::init_process_group: expected HP_TIMEOUT_S > 0, got ",
-                s);
+    TORCH_CHECK(s > 0, "hyper_parallel::comm::init_process_group: expected HP_TIMEOUT_S > 0, got ", s);
     return std::chrono::seconds(s);
   }
   return std::chrono::seconds(300);
@@ -125,22 +124,19 @@ void init_process_group(const InitOptions& options) {
               "hyper_parallel::comm::init_process_group: already initialised; call "
               "destroy_process_group() first");
 
-  auto rank = options.rank() ? options.rank()
-                             : int_from_env({"RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"});
-  auto size = options.world_size()
-                  ? options.world_size()
-                  : int_from_env({"WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS"});
+  auto rank =
+      options.rank() ? options.rank() : int_from_env({"RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"});
+  auto size = options.world_size() ? options.world_size()
+                                   : int_from_env({"WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS"});
   TORCH_CHECK(rank.has_value(),
               "hyper_parallel::comm::init_process_group: expected the rank in RANK (or "
               "OMPI_COMM_WORLD_RANK / SLURM_PROCID), got none; launch with hp-run");
   TORCH_CHECK(size.has_value(),
               "hyper_parallel::comm::init_process_group: expected the world size in WORLD_SIZE "
               "(or OMPI_COMM_WORLD_SIZE / SLURM_NTASKS), got none; launch with hp-run");
-  TORCH_CHECK(*size >= 1, "hyper_parallel::comm::init_process_group: expected world size >= 1, got ",
-              *size);
-  TORCH_CHECK(*rank >= 0 && *rank < *size,
-              "hyper_parallel::comm::init_process_group: expected rank in [0, ", *size, "), got ",
-              *rank);
+  TORCH_CHECK(*size >= 1, "hyper_parallel::comm::init_process_group: expected world size >= 1, got ", *size);
+  TORCH_CHECK(*rank >= 0 && *rank < *size, "hyper_parallel::comm::init_process_group: expected rank in [0, ",
+              *size, "), got ", *rank);
   auto addr = options.master_addr() ? options.master_addr() : env("MASTER_ADDR");
   TORCH_CHECK(addr.has_value(),
               "hyper_parallel::comm::init_process_group: expected MASTER_ADDR to be set, got none");
@@ -153,8 +149,7 @@ void init_process_group(const InitOptions& options) {
     port = parse_int(*text, "MASTER_PORT");
   }
   TORCH_CHECK(*port > 0 && *port < 65536,
-              "hyper_parallel::comm::init_process_group: expected MASTER_PORT in [1, 65535], got ",
-              *port);
+              "hyper_parallel::comm::init_process_group: expected MASTER_PORT in [1, 65535], got ", *port);
   auto timeout = options.timeout().value_or(default_timeout());
 
   c10d::TCPStoreOptions store_options;
@@ -166,8 +161,7 @@ void init_process_group(const InitOptions& options) {
 
   auto iface = options.interface() ? options.interface() : env("HP_SOCKET_IFNAME");
   w.device = iface ? c10d::ProcessGroupGloo::createDeviceForInterface(*iface)
-                   : c10d::ProcessGroupGloo::createDeviceForHostname(
-                         local_address_towards(*addr, *port));
+                   : c10d::ProcessGroupGloo::createDeviceForHostname(local_address_towards(*addr, *port));
 
   auto gloo_options = c10d::ProcessGroupGloo::Options::create(timeout);
   gloo_options->devices.push_back(w.device);
@@ -192,7 +186,8 @@ void init_process_group_from(c10::intrusive_ptr<c10d::ProcessGroup> world_backen
   TORCH_CHECK(w.group == nullptr,
               "hyper_parallel::comm::init_process_group_from: already initialised; call "
               "destroy_process_group() first");
-  TORCH_CHECK_VALUE(world_backend, "hyper_parallel::comm::init_process_group_from: expected a "
+  TORCH_CHECK_VALUE(world_backend,
+                    "hyper_parallel::comm::init_process_group_from: expected a "
                     "process group, got None");
   TORCH_CHECK_VALUE(store, "hyper_parallel::comm::init_process_group_from: expected a store, got None");
   const int64_t rank = world_backend->getRank(), size = world_backend->getSize();
@@ -230,9 +225,7 @@ Group world() {
 }
 
 int64_t global_rank() { return require_world("global_rank").rank; }
-int64_t world_size() {
-  return static_cast<int64_t>(require_world("world_size").global_ranks.size());
-}
+int64_t world_size() { return static_cast<int64_t>(require_world("world_size").global_ranks.size()); }
 
 void destroy_process_group() {
   trace::flush();
@@ -278,11 +271,10 @@ Group new_group(const std::vector<int64_t>& ranks) {
   const int64_t size = static_cast<int64_t>(world_impl.global_ranks.size());
   TORCH_CHECK(!ranks.empty(), "hyper_parallel::comm::new_group: expected at least one rank, got none");
   for (size_t i = 0; i < ranks.size(); ++i) {
-    TORCH_CHECK(ranks[i] >= 0 && ranks[i] < size, "hyper_parallel::comm::new_group: expected ranks[",
-                i, "] in [0, ", size, "), got ", ranks[i]);
+    TORCH_CHECK(ranks[i] >= 0 && ranks[i] < size, "hyper_parallel::comm::new_group: expected ranks[", i,
+                "] in [0, ", size, "), got ", ranks[i]);
     TORCH_CHECK(std::count(ranks.begin(), ranks.end(), ranks[i]) == 1,
-                "hyper_parallel::comm::new_group: expected distinct ranks, got ",
-                c10::IntArrayRef(ranks));
+                "hyper_parallel::comm::new_group: expected distinct ranks, got ", c10::IntArrayRef(ranks));
   }
   std::lock_guard<std::mutex> lock(w.mutex);
   const int64_t id = ++w.groups_created;

@@ -27,8 +27,7 @@ BlockLayout::BlockLayout(std::vector<int64_t> block_rows, int64_t chunks)
   chunks_ = std::min<int64_t>(chunks, OpTags::kMaxSteps / blocks);
   block_offset_.assign(blocks + 1, 0);
   for (int64_t b = 0; b < blocks; ++b) {
-    TORCH_CHECK(block_rows_[b] >= 0, "BlockLayout: expected block_rows[", b, "] >= 0, got ",
-                block_rows_[b]);
+    TORCH_CHECK(block_rows_[b] >= 0, "BlockLayout: expected block_rows[", b, "] >= 0, got ", block_rows_[b]);
     block_offset_[b + 1] = block_offset_[b] + block_rows_[b];
   }
 }
@@ -50,8 +49,7 @@ at::Tensor BlockLayout::chunk(const at::Tensor& buffer, int64_t block, int64_t c
                        chunk_rows(block, chunk));
 }
 
-at::Tensor BlockLayout::chunk_of_block(const at::Tensor& block_rows, int64_t block,
-                                       int64_t chunk) const {
+at::Tensor BlockLayout::chunk_of_block(const at::Tensor& block_rows, int64_t block, int64_t chunk) const {
   return block_rows.narrow(0, chunk_offset_in_block(block, chunk), chunk_rows(block, chunk));
 }
 
@@ -75,8 +73,8 @@ struct Ring {
 };
 
 void check_layout(const char* fn, const BlockLayout& layout, const Group& group) {
-  TORCH_CHECK(layout.blocks() == group.size(), fn, ": expected one block per rank of ", group.name(),
-              " (", group.size(), "), got ", layout.blocks());
+  TORCH_CHECK(layout.blocks() == group.size(), fn, ": expected one block per rank of ", group.name(), " (",
+              group.size(), "), got ", layout.blocks());
 }
 
 }  // namespace
@@ -86,8 +84,8 @@ void ring_all_gather(const at::Tensor& own, const at::Tensor& gathered, const Bl
   check_layout("ring_all_gather", layout, group);
   const int64_t p = group.size(), r = group.rank(), chunks = layout.chunks();
   TORCH_CHECK(gathered.is_contiguous() && gathered.size(0) == layout.total_rows(),
-              "ring_all_gather: expected a contiguous buffer of ", layout.total_rows(),
-              " rows, got ", gathered.sizes());
+              "ring_all_gather: expected a contiguous buffer of ", layout.total_rows(), " rows, got ",
+              gathered.sizes());
   TORCH_CHECK(own.is_contiguous() && own.size(0) == layout.block_rows(r),
               "ring_all_gather: expected this rank's block of ", layout.block_rows(r),
               " contiguous rows, got ", own.sizes());
@@ -132,9 +130,8 @@ void ring_all_gather(const at::Tensor& own, const at::Tensor& gathered, const Bl
   for (auto& w : sends) w.wait();
 }
 
-at::Tensor ring_reduce_scatter(const BlockLayout& layout, int64_t width,
-                               const at::TensorOptions& input, const Group& group,
-                               const ReduceChunkFn& reduce) {
+at::Tensor ring_reduce_scatter(const BlockLayout& layout, int64_t width, const at::TensorOptions& input,
+                               const Group& group, const ReduceChunkFn& reduce) {
   check_layout("ring_reduce_scatter", layout, group);
   const int64_t p = group.size(), r = group.rank(), chunks = layout.chunks();
   const auto acc = input.dtype(accumulate_type(c10::typeMetaToScalarType(input.dtype())));
@@ -160,8 +157,8 @@ at::Tensor ring_reduce_scatter(const BlockLayout& layout, int64_t width,
     const int64_t block = (r - s - 1 + 2 * p) % p;
     incoming.push_back(at::empty({layout.block_rows(block), width}, acc));
     for (int64_t j = 0; j < chunks; ++j) {
-      recvs.push_back(irecv(layout.chunk_of_block(incoming.back(), block, j), ring.prev, group,
-                            ring.tag(s - 1, j)));
+      recvs.push_back(
+          irecv(layout.chunk_of_block(incoming.back(), block, j), ring.prev, group, ring.tag(s - 1, j)));
     }
   }
   std::vector<Work> sends;
@@ -191,13 +188,10 @@ at::Tensor ring_reduce_scatter(const BlockLayout& layout, int64_t width,
   return incoming.back();
 }
 
-bool reduces_directly(at::ScalarType dtype) {
-  return dtype == at::kBFloat16 || dtype == at::kHalf;
-}
+bool reduces_directly(at::ScalarType dtype) { return dtype == at::kBFloat16 || dtype == at::kHalf; }
 
-at::Tensor direct_reduce_scatter(const BlockLayout& layout, int64_t width,
-                                 const at::TensorOptions& input, const Group& group,
-                                 const PartialChunkFn& partial) {
+at::Tensor direct_reduce_scatter(const BlockLayout& layout, int64_t width, const at::TensorOptions& input,
+                                 const Group& group, const PartialChunkFn& partial) {
   check_layout("direct_reduce_scatter", layout, group);
   const int64_t p = group.size(), r = group.rank(), chunks = layout.chunks();
   const auto wire = c10::typeMetaToScalarType(input.dtype());
@@ -205,9 +199,10 @@ at::Tensor direct_reduce_scatter(const BlockLayout& layout, int64_t width,
   auto result = at::empty({layout.block_rows(r), width}, acc);
   auto own_partial = [&](int64_t j) {
     auto part = partial(r, j);
-    TORCH_INTERNAL_ASSERT(part.defined() && part.sizes() == c10::IntArrayRef({layout.chunk_rows(r, j), width}),
-                          "direct_reduce_scatter: the callback returned ", part.sizes(), " for a chunk of [",
-                          layout.chunk_rows(r, j), ", ", width, "]");
+    TORCH_INTERNAL_ASSERT(
+        part.defined() && part.sizes() == c10::IntArrayRef({layout.chunk_rows(r, j), width}),
+        "direct_reduce_scatter: the callback returned ", part.sizes(), " for a chunk of [",
+        layout.chunk_rows(r, j), ", ", width, "]");
     return part;
   };
   if (p == 1) {
@@ -232,8 +227,9 @@ at::Tensor direct_reduce_scatter(const BlockLayout& layout, int64_t width,
     const int64_t dst = (r + 1 + s) % p;
     for (int64_t j = 0; j < chunks; ++j) {
       auto part = partial(dst, j);
-      TORCH_INTERNAL_ASSERT(part.defined() && part.sizes() == c10::IntArrayRef({layout.chunk_rows(dst, j), width}),
-                            "direct_reduce_scatter: the callback returned ", part.sizes());
+      TORCH_INTERNAL_ASSERT(
+          part.defined() && part.sizes() == c10::IntArrayRef({layout.chunk_rows(dst, j), width}),
+          "direct_reduce_scatter: the callback returned ", part.sizes());
       part = part.to(wire).contiguous();
       sends.push_back(isend(part, dst, group, tags.tag(s, j)));
       outgoing.push_back(std::move(part));

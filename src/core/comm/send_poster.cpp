@@ -9,8 +9,8 @@ SendPoster& SendPoster::get() {
   return *poster;
 }
 
-void SendPoster::submit(c10::intrusive_ptr<c10d::ProcessGroup> backend, at::Tensor tensor, int dst,
-                        int tag, std::shared_ptr<Transfer> transfer) {
+void SendPoster::submit(c10::intrusive_ptr<c10d::ProcessGroup> backend, at::Tensor tensor, int dst, int tag,
+                        std::shared_ptr<Transfer> transfer) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     jobs_.push_back({std::move(backend), std::move(tensor), dst, tag, std::move(transfer)});

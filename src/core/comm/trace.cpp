@@ -88,8 +88,8 @@ OpSpan::OpSpan(std::string name, std::string detail) : name_(std::move(name)), d
 OpSpan::~OpSpan() {
   if (start_us_ < 0) return;
   if (outermost_) t_current_op = -1;
-  record({name_, outermost_ ? "op" : "nested_op", start_us_, detail::now_us() - start_us_,
-          thread_id(), id_, 0, detail_});
+  record({name_, outermost_ ? "op" : "nested_op", start_us_, detail::now_us() - start_us_, thread_id(), id_,
+          0, detail_});
 }
 
 void flush() {
@@ -104,22 +104,34 @@ void flush() {
   }
   nlohmann::json out;
   auto& list = out["traceEvents"] = nlohmann::json::array();
-  list.push_back({{"name", "process_name"}, {"ph", "M"}, {"pid", s.rank}, {"tid", 0},
+  list.push_back({{"name", "process_name"},
+                  {"ph", "M"},
+                  {"pid", s.rank},
+                  {"tid", 0},
                   {"args", {{"name", "rank " + std::to_string(s.rank)}}}});
   std::vector<int64_t> named;
   for (const auto& e : events) {
     if (std::find(named.begin(), named.end(), e.tid) == named.end()) {
       named.push_back(e.tid);
-      const std::string thread = e.tid >= 1000 ? "transfers " + std::to_string(e.tid - 1000)
-                                               : "compute " + std::to_string(e.tid);
-      list.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", s.rank}, {"tid", e.tid},
+      const std::string thread =
+          e.tid >= 1000 ? "transfers " + std::to_string(e.tid - 1000) : "compute " + std::to_string(e.tid);
+      list.push_back({{"name", "thread_name"},
+                      {"ph", "M"},
+                      {"pid", s.rank},
+                      {"tid", e.tid},
                       {"args", {{"name", thread}}}});
     }
     nlohmann::json args = {{"op", e.op}};
     if (e.bytes > 0) args["bytes"] = e.bytes;
     if (!e.detail.empty()) args["detail"] = e.detail;
-    list.push_back({{"name", e.name}, {"cat", e.category}, {"ph", "X"}, {"ts", e.ts_us},
-                    {"dur", e.dur_us}, {"pid", s.rank}, {"tid", e.tid}, {"args", args}});
+    list.push_back({{"name", e.name},
+                    {"cat", e.category},
+                    {"ph", "X"},
+                    {"ts", e.ts_us},
+                    {"dur", e.dur_us},
+                    {"pid", s.rank},
+                    {"tid", e.tid},
+                    {"args", args}});
   }
   out["otherData"] = {{"rank", s.rank}, {"dropped_events", dropped}};
   std::filesystem::create_directories(s.dir);
@@ -150,8 +162,8 @@ int64_t now_us() {
 
 int64_t current_op() { return t_current_op; }
 
-void record_transfer(const std::string& name, int64_t op, int64_t post_us, int64_t end_us,
-                     int64_t bytes, int64_t lane) {
+void record_transfer(const std::string& name, int64_t op, int64_t post_us, int64_t end_us, int64_t bytes,
+                     int64_t lane) {
   record({name, "transfer", post_us, end_us - post_us, 1000 + lane, op, bytes, {}});
 }
 

@@ -11,8 +11,8 @@ TraceWaiters& TraceWaiters::get() {
   return *pool;
 }
 
-void TraceWaiters::submit(std::shared_ptr<Transfer> transfer, std::string name, int64_t op,
-                          int64_t post_us, int64_t bytes) {
+void TraceWaiters::submit(std::shared_ptr<Transfer> transfer, std::string name, int64_t op, int64_t post_us,
+                          int64_t bytes) {
   std::lock_guard<std::mutex> lock(mutex_);
   jobs_.push_back({std::move(transfer), std::move(name), op, post_us, bytes});
   if (idle_ == 0) {

@@ -41,8 +41,7 @@ DeviceMesh::DeviceMesh(std::string device_type, std::vector<int64_t> shape, std:
   TORCH_CHECK(static_cast<int64_t>(ranks.size()) == numel, "DeviceMesh: expected ", numel,
               " ranks for mesh shape ", c10::IntArrayRef(shape), ", got ", ranks.size());
   TORCH_CHECK(dim_names.empty() || dim_names.size() == shape.size(),
-              "DeviceMesh: expected one name per mesh dim (", shape.size(), "), got ",
-              dim_names.size());
+              "DeviceMesh: expected one name per mesh dim (", shape.size(), "), got ", dim_names.size());
   for (size_t i = 0; i < dim_names.size(); ++i) {
     for (size_t j = 0; j < i; ++j) {
       TORCH_CHECK(dim_names[i] != dim_names[j], "DeviceMesh: expected distinct dim names, got '",
@@ -80,7 +79,9 @@ DeviceMesh::DeviceMesh(std::string device_type, std::vector<int64_t> shape, std:
       for (int64_t k = 0; k < impl->shape[d]; ++k) line.push_back(impl->ranks[start + k * strides[d]]);
       std::vector<int64_t> everyone(world);
       std::iota(everyone.begin(), everyone.end(), 0);
-      comm::Group g = line == everyone ? comm::world() : make_group ? make_group(line) : comm::new_group(line);
+      comm::Group g = line == everyone ? comm::world()
+                      : make_group     ? make_group(line)
+                                       : comm::new_group(line);
       if (g.is_member()) impl->groups[d] = g;
     }
   }
@@ -96,8 +97,8 @@ const std::vector<int64_t>& DeviceMesh::ranks() const { return impl_->ranks; }
 
 int64_t DeviceMesh::normalize_mesh_dim(const char* fn, int64_t mesh_dim) const {
   const int64_t n = ndim();
-  TORCH_CHECK(mesh_dim >= -n && mesh_dim < n, "DeviceMesh::", fn, ": expected mesh dim in [", -n,
-              ", ", n, "), got ", mesh_dim);
+  TORCH_CHECK(mesh_dim >= -n && mesh_dim < n, "DeviceMesh::", fn, ": expected mesh dim in [", -n, ", ", n,
+              "), got ", mesh_dim);
   return mesh_dim < 0 ? mesh_dim + n : mesh_dim;
 }
 
@@ -111,15 +112,15 @@ int64_t DeviceMesh::dim_index(const std::string& name) const {
   if (it == names.end()) {
     std::ostringstream known;
     for (size_t i = 0; i < names.size(); ++i) known << (i ? ", " : "") << "'" << names[i] << "'";
-    TORCH_CHECK(false, "DeviceMesh::dim_index: expected one of the mesh dim names [", known.str(),
-                "], got '", name, "'");
+    TORCH_CHECK(false, "DeviceMesh::dim_index: expected one of the mesh dim names [", known.str(), "], got '",
+                name, "'");
   }
   return it - names.begin();
 }
 
 const std::vector<int64_t>& DeviceMesh::coordinate() const {
-  TORCH_CHECK(!impl_->coordinate.empty(), "DeviceMesh::coordinate: expected a rank of ", str(),
-              " (ranks ", c10::IntArrayRef(impl_->ranks), "), got rank ", comm::global_rank());
+  TORCH_CHECK(!impl_->coordinate.empty(), "DeviceMesh::coordinate: expected a rank of ", str(), " (ranks ",
+              c10::IntArrayRef(impl_->ranks), "), got rank ", comm::global_rank());
   return impl_->coordinate;
 }
 
@@ -130,8 +131,8 @@ comm::Group DeviceMesh::get_group(int64_t mesh_dim) const {
 }
 
 comm::Group DeviceMesh::get_group() const {
-  TORCH_CHECK_VALUE(ndim() == 1, "DeviceMesh::get_group: expected mesh_dim for the ", ndim(), "-d mesh ", str(),
-                    " (a name or an index), got none");
+  TORCH_CHECK_VALUE(ndim() == 1, "DeviceMesh::get_group: expected mesh_dim for the ", ndim(), "-d mesh ",
+                    str(), " (a name or an index), got none");
   return get_group(0);
 }
 
@@ -172,8 +173,10 @@ std::string DeviceMesh::str() const {
 }
 
 DeviceMesh init_device_mesh(const std::string& device_type, const std::vector<int64_t>& mesh_shape,
-                            const std::vector<std::string>& mesh_dim_names, const DeviceMesh::GroupFactory& make_group) {
-  TORCH_CHECK(comm::is_initialized(), "init_device_mesh: process group is not initialised; call "
+                            const std::vector<std::string>& mesh_dim_names,
+                            const DeviceMesh::GroupFactory& make_group) {
+  TORCH_CHECK(comm::is_initialized(),
+              "init_device_mesh: process group is not initialised; call "
               "init_process_group() first");
   const int64_t world = comm::world_size();
   const int64_t numel =

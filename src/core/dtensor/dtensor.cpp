@@ -33,15 +33,13 @@ Placements for_gradient(const Placements& placements) {
   return out;
 }
 
-void check_placements(const char* fn, const DeviceMesh& mesh, const Placements& placements,
-                      int64_t ndim) {
+void check_placements(const char* fn, const DeviceMesh& mesh, const Placements& placements, int64_t ndim) {
   TORCH_CHECK(static_cast<int64_t>(placements.size()) == mesh.ndim(), fn,
-              ": expected one placement per mesh dim (", mesh.ndim(), "), got ",
-              to_string(placements));
+              ": expected one placement per mesh dim (", mesh.ndim(), "), got ", to_string(placements));
   for (const auto& p : placements) {
     if (p.is_shard()) {
-      TORCH_CHECK(p.dim() >= -ndim && p.dim() < ndim, fn, ": expected Shard dim in [", -ndim, ", ",
-                  ndim, ") for a ", ndim, "-d tensor, got ", p.str());
+      TORCH_CHECK(p.dim() >= -ndim && p.dim() < ndim, fn, ": expected Shard dim in [", -ndim, ", ", ndim,
+                  ") for a ", ndim, "-d tensor, got ", p.str());
     }
   }
 }
@@ -58,8 +56,8 @@ int64_t shard_extent(const DeviceMesh& mesh, std::vector<int64_t> coord, int64_t
 }
 
 // Extents along d of every rank of mesh dim i's group (they differ only in coordinate i).
-std::vector<int64_t> group_extents(const DeviceMesh& mesh, int64_t global,
-                                   const Placements& placements, int64_t d, int64_t i) {
+std::vector<int64_t> group_extents(const DeviceMesh& mesh, int64_t global, const Placements& placements,
+                                   int64_t d, int64_t i) {
   std::vector<int64_t> sizes;
   auto coord = mesh.coordinate();
   for (int64_t k = 0; k < mesh.size(i); ++k) {
@@ -140,8 +138,8 @@ at::Tensor redistribute_local(const at::Tensor& local, const DeviceMesh& mesh,
     } else if (c.is_shard() && t.is_shard()) {
       const int64_t d = c.dim(), e = t.dim();
       auto recv_sizes = group_extents(mesh, global_shape[d], cur, d, i);
-      x = comm::all_to_all(x, /*split_dim=*/e, /*concat_dim=*/d, group,
-                           comm::chunk_sizes(x.size(e), n), recv_sizes);
+      x = comm::all_to_all(x, /*split_dim=*/e, /*concat_dim=*/d, group, comm::chunk_sizes(x.size(e), n),
+                           recv_sizes);
     } else {
       TORCH_INTERNAL_ASSERT(false, "redistribute: unhandled ", c.str(), " -> ", t.str());
     }
@@ -150,16 +148,15 @@ at::Tensor redistribute_local(const at::Tensor& local, const DeviceMesh& mesh,
   return x;
 }
 
-DTensor::DTensor(at::Tensor local, DeviceMesh mesh, Placements placements,
-                 std::vector<int64_t> shape)
+DTensor::DTensor(at::Tensor local, DeviceMesh mesh, Placements placements, std::vector<int64_t> shape)
     : local_(std::move(local)),
       mesh_(std::move(mesh)),
       placements_(std::move(placements)),
       shape_(std::move(shape)),
       grad_slot_(std::make_shared<GradSlot>()) {}
 
-DTensor DTensor::from_local(const at::Tensor& local, const DeviceMesh& mesh,
-                            const Placements& placements, const FromLocalOptions& options) {
+DTensor DTensor::from_local(const at::Tensor& local, const DeviceMesh& mesh, const Placements& placements,
+                            const FromLocalOptions& options) {
   TORCH_CHECK(local.defined(), "DTensor::from_local: expected a defined tensor, got undefined");
   const int64_t ndim = local.dim();
   check_placements("DTensor::from_local", mesh, placements, ndim);
@@ -167,12 +164,12 @@ DTensor DTensor::from_local(const at::Tensor& local, const DeviceMesh& mesh,
   std::vector<int64_t> shape;
   if (options.shape()) {
     shape = *options.shape();
-    TORCH_CHECK(static_cast<int64_t>(shape.size()) == ndim, "DTensor::from_local: expected a shape of ",
-                ndim, " dims, got ", c10::IntArrayRef(shape));
+    TORCH_CHECK(static_cast<int64_t>(shape.size()) == ndim, "DTensor::from_local: expected a shape of ", ndim,
+                " dims, got ", c10::IntArrayRef(shape));
     auto expected = local_shape(shape, mesh.shape(), mesh.coordinate(), pl);
     TORCH_CHECK(local.sizes() == c10::IntArrayRef(expected), "DTensor::from_local: expected local shape ",
-                c10::IntArrayRef(expected), " for global shape ", c10::IntArrayRef(shape),
-                " and placements ", to_string(pl), ", got ", local.sizes());
+                c10::IntArrayRef(expected), " for global shape ", c10::IntArrayRef(shape), " and placements ",
+                to_string(pl), ", got ", local.sizes());
   } else if (options.run_check()) {
     // Exchange every rank's local extents along each mesh dim (innermost first) to recover the
     // global shape exactly, and check that replicated extents agree.
@@ -184,9 +181,9 @@ DTensor DTensor::from_local(const at::Tensor& local, const DeviceMesh& mesh,
         for (int64_t d = 0; d < ndim; ++d) {
           if (pl[i].is_shard(d)) continue;
           TORCH_CHECK(all[k][d].item<int64_t>() == sizes[d].item<int64_t>(),
-                      "DTensor::from_local: expected equal extents along dim ", d,
-                      " over mesh dim ", i, " (not sharded there), got ", all[k][d].item<int64_t>(),
-                      " on mesh coordinate ", k, " and ", sizes[d].item<int64_t>(), " here");
+                      "DTensor::from_local: expected equal extents along dim ", d, " over mesh dim ", i,
+                      " (not sharded there), got ", all[k][d].item<int64_t>(), " on mesh coordinate ", k,
+                      " and ", sizes[d].item<int64_t>(), " here");
         }
       }
       if (pl[i].is_shard()) sizes[pl[i].dim()] = all.select(1, pl[i].dim()).sum();
@@ -217,7 +214,8 @@ at::Tensor DTensor::to_local(const Placements& grad_placements) const {
   auto pl = normalized(grad_placements, dim());
   TORCH_CHECK(!grad_slot_->placements || *grad_slot_->placements == pl,
               "DTensor::to_local: expected the same grad_placements as an earlier to_local of this "
-              "DTensor (", to_string(*grad_slot_->placements), "), got ", to_string(pl));
+              "DTensor (",
+              to_string(*grad_slot_->placements), "), got ", to_string(pl));
   grad_slot_->placements = pl;
   return local_;
 }
@@ -279,10 +277,9 @@ at::Tensor DTensor::to_local_tagged() const {
       it = it->second.impl.expired() ? reg.entries.erase(it) : std::next(it);
     }
   }
-  reg.entries.insert_or_assign(
-      local_.unsafeGetTensorImpl(),
-      TagEntry{c10::weak_intrusive_ptr<c10::TensorImpl>(local_.getIntrusivePtr()), mesh_,
-               placements_, shape_, grad_slot_});
+  reg.entries.insert_or_assign(local_.unsafeGetTensorImpl(),
+                               TagEntry{c10::weak_intrusive_ptr<c10::TensorImpl>(local_.getIntrusivePtr()),
+                                        mesh_, placements_, shape_, grad_slot_});
   return local_;
 }
 
@@ -309,8 +306,8 @@ std::string DTensor::str() const {
   return s.str();
 }
 
-DTensor distribute_tensor(const at::Tensor& tensor, const DeviceMesh& mesh,
-                          const Placements& placements, std::optional<int64_t> src_data_rank) {
+DTensor distribute_tensor(const at::Tensor& tensor, const DeviceMesh& mesh, const Placements& placements,
+                          std::optional<int64_t> src_data_rank) {
   TORCH_CHECK(tensor.defined(), "distribute_tensor: expected a defined tensor, got undefined");
   const int64_t ndim = tensor.dim();
   check_placements("distribute_tensor", mesh, placements, ndim);
@@ -331,8 +328,8 @@ DTensor distribute_tensor(const at::Tensor& tensor, const DeviceMesh& mesh,
       for (int64_t i = 0; i < mesh.ndim(); ++i) {
         TORCH_CHECK(*src_data_rank >= 0 && *src_data_rank < mesh.size(i),
                     "distribute_tensor: expected src_data_rank (the source's coordinate on every "
-                    "mesh dim) in [0, ", mesh.size(i), ") for mesh dim ", i, " of ", mesh.str(),
-                    ", got ", *src_data_rank);
+                    "mesh dim) in [0, ",
+                    mesh.size(i), ") for mesh dim ", i, " of ", mesh.str(), ", got ", *src_data_rank);
       }
       const auto& coord = mesh.coordinate();
       for (int64_t i = 0; i < mesh.ndim(); ++i) {

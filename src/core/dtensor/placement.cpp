@@ -18,16 +18,19 @@ comm::ReduceOp Placement::reduce_op() const {
 
 Placement Placement::normalized(int64_t ndim) const {
   if (!is_shard()) return *this;
-  TORCH_CHECK(dim_ >= -ndim && dim_ < ndim, "Placement::normalized: expected Shard dim in [", -ndim,
-              ", ", ndim, ") for a ", ndim, "-d tensor, got ", str());
+  TORCH_CHECK(dim_ >= -ndim && dim_ < ndim, "Placement::normalized: expected Shard dim in [", -ndim, ", ",
+              ndim, ") for a ", ndim, "-d tensor, got ", str());
   return shard(dim_ < 0 ? dim_ + ndim : dim_);
 }
 
 std::string Placement::str() const {
   switch (kind_) {
-    case Kind::kShard: return "Shard(" + std::to_string(dim_) + ")";
-    case Kind::kReplicate: return "Replicate()";
-    case Kind::kPartial: return std::string("Partial(") + comm::to_string(op_) + ")";
+    case Kind::kShard:
+      return "Shard(" + std::to_string(dim_) + ")";
+    case Kind::kReplicate:
+      return "Replicate()";
+    case Kind::kPartial:
+      return std::string("Partial(") + comm::to_string(op_) + ")";
   }
   return "?";
 }
@@ -54,8 +57,8 @@ void check_layout(const char* fn, const std::vector<int64_t>& global_shape,
                   const Placements& placements) {
   TORCH_CHECK(placements.size() == mesh_shape.size(), fn, ": expected one placement per mesh dim (",
               mesh_shape.size(), "), got ", placements.size());
-  TORCH_CHECK(coordinate.size() == mesh_shape.size(), fn, ": expected a coordinate of ",
-              mesh_shape.size(), " entries, got ", coordinate.size());
+  TORCH_CHECK(coordinate.size() == mesh_shape.size(), fn, ": expected a coordinate of ", mesh_shape.size(),
+              " entries, got ", coordinate.size());
   for (const auto& p : placements) {
     if (p.is_shard()) p.normalized(static_cast<int64_t>(global_shape.size()));
   }
@@ -65,8 +68,7 @@ void check_layout(const char* fn, const std::vector<int64_t>& global_shape,
 
 std::vector<int64_t> local_shape(const std::vector<int64_t>& global_shape,
                                  const std::vector<int64_t>& mesh_shape,
-                                 const std::vector<int64_t>& coordinate,
-                                 const Placements& placements) {
+                                 const std::vector<int64_t>& coordinate, const Placements& placements) {
   check_layout("local_shape", global_shape, mesh_shape, coordinate, placements);
   auto shape = global_shape;
   const auto ndim = static_cast<int64_t>(global_shape.size());
@@ -80,8 +82,7 @@ std::vector<int64_t> local_shape(const std::vector<int64_t>& global_shape,
 
 std::vector<int64_t> local_offset(const std::vector<int64_t>& global_shape,
                                   const std::vector<int64_t>& mesh_shape,
-                                  const std::vector<int64_t>& coordinate,
-                                  const Placements& placements) {
+                                  const std::vector<int64_t>& coordinate, const Placements& placements) {
   check_layout("local_offset", global_shape, mesh_shape, coordinate, placements);
   auto shape = global_shape;
   std::vector<int64_t> offset(global_shape.size(), 0);

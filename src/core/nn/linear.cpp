@@ -9,15 +9,14 @@ namespace hyper_parallel::nn {
 
 LinearImpl::LinearImpl(const LinearOptions& options_) : options(options_) {
   TORCH_CHECK(options.in_features() >= 1 && options.out_features() >= 1,
-              "nn::Linear: expected positive in_features and out_features, got ",
-              options.in_features(), " and ", options.out_features());
+              "nn::Linear: expected positive in_features and out_features, got ", options.in_features(),
+              " and ", options.out_features());
   reset();
 }
 
 void LinearImpl::reset() {
   weight = register_parameter("weight", at::empty({options.out_features(), options.in_features()}));
-  bias = options.bias() ? register_parameter("bias", at::empty({options.out_features()}))
-                        : at::Tensor();
+  bias = options.bias() ? register_parameter("bias", at::empty({options.out_features()})) : at::Tensor();
   const double bound = 1.0 / std::sqrt(static_cast<double>(options.in_features()));
   torch::nn::init::uniform_(weight, -bound, bound);
   if (bias.defined()) torch::nn::init::uniform_(bias, -bound, bound);

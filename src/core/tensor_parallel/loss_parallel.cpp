@@ -17,8 +17,8 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& local_logits, const at
   const auto shard = detail::vocab_shard(targets, vocab_size, mesh);
   const int64_t n = shard.size;
   TORCH_CHECK(local_logits.dim() >= 1 && local_logits.size(-1) == n,
-              "vocab_parallel_cross_entropy: expected local logits [..., ", n, "] (chunk ", mesh.get_local_rank(0),
-              " of vocab ", vocab_size, "), got ", local_logits.sizes());
+              "vocab_parallel_cross_entropy: expected local logits [..., ", n, "] (chunk ",
+              mesh.get_local_rank(0), " of vocab ", vocab_size, "), got ", local_logits.sizes());
   TORCH_CHECK(targets.sizes() == local_logits.sizes().slice(0, local_logits.dim() - 1),
               "vocab_parallel_cross_entropy: expected targets of shape ",
               local_logits.sizes().slice(0, local_logits.dim() - 1), ", got ", targets.sizes());
@@ -31,13 +31,12 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& local_logits, const at
     auto logits = local_logits.to(at::kFloat);
     // Global max over the vocabulary (for a stable exp): gather each rank's max, take the max.
     auto local_max = n > 0 ? std::get<0>(logits.max(-1)) : at::full(targets.sizes(), -INFINITY);
-    auto global_max = std::get<0>(
-        comm::all_gather(local_max.unsqueeze(-1).contiguous(), -1, group).max(-1));
+    auto global_max = std::get<0>(comm::all_gather(local_max.unsqueeze(-1).contiguous(), -1, group).max(-1));
     auto shifted = logits - global_max.unsqueeze(-1);
     auto exp = shifted.exp();
     auto sum_exp = comm::all_reduce(exp.sum(-1), comm::ReduceOp::kSum, group);
-    auto picked = n > 0 ? shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
-                        : at::zeros(targets.sizes());
+    auto picked =
+        n > 0 ? shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1) : at::zeros(targets.sizes());
     picked = comm::all_reduce(picked.masked_fill(target_mask, 0), comm::ReduceOp::kSum, group);
     loss = (sum_exp.log() - picked).mean();
     softmax_local = exp / sum_exp.unsqueeze(-1);
@@ -45,8 +44,7 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& local_logits, const at
   // d loss / d logits = (softmax - onehot(target)) / N, each rank on its vocabulary chunk.
   return hyper_parallel::detail::attach_backward(
       local_logits, loss,
-      [softmax_local, target_mask, local_target, dtype = local_logits.scalar_type()](
-          const at::Tensor& grad) {
+      [softmax_local, target_mask, local_target, dtype = local_logits.scalar_type()](const at::Tensor& grad) {
         auto g = softmax_local.clone();
         if (g.size(-1) > 0) {
           auto onehot = at::zeros_like(g).scatter_(-1, local_target.unsqueeze(-1), 1.0);

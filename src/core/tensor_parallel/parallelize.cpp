@@ -47,7 +47,8 @@ void apply_all(const std::vector<Target>& targets, const dtensor::DeviceMesh& me
       t.style->apply(*t.module, mesh, src_data_rank);
     } catch (c10::Error& e) {
       // Name the module; the error keeps its type (and so its Python exception class).
-      e.add_context("while applying " + t.style->name() + " to " + (t.fqn.empty() ? "the root module" : t.fqn));
+      e.add_context("while applying " + t.style->name() + " to " +
+                    (t.fqn.empty() ? "the root module" : t.fqn));
       throw;
     }
   }
@@ -56,8 +57,8 @@ void apply_all(const std::vector<Target>& targets, const dtensor::DeviceMesh& me
 }  // namespace
 
 void check_tp_mesh(const char* where, const dtensor::DeviceMesh& mesh) {
-  TORCH_CHECK_VALUE(mesh.ndim() == 1, where, ": expected a 1-d TP mesh, got a ", mesh.ndim(),
-                    "-d mesh ", mesh.str(), "; slice it by name, e.g. mesh[\"tp\"]");
+  TORCH_CHECK_VALUE(mesh.ndim() == 1, where, ": expected a 1-d TP mesh, got a ", mesh.ndim(), "-d mesh ",
+                    mesh.str(), "; slice it by name, e.g. mesh[\"tp\"]");
 }
 
 void parallelize_module(torch::nn::Module& module, const dtensor::DeviceMesh& mesh,
@@ -81,7 +82,8 @@ void parallelize_module(torch::nn::Module& module, const dtensor::DeviceMesh& me
   for (const auto& m : modules) paths.push_back(m.first);
   std::vector<Target> targets;
   for (const auto& t : match_plan(entries, paths, module.name())) {
-    const auto it = std::find_if(modules.begin(), modules.end(), [&](const auto& m) { return m.first == t.fqn; });
+    const auto it =
+        std::find_if(modules.begin(), modules.end(), [&](const auto& m) { return m.first == t.fqn; });
     targets.push_back({t.fqn, it->second, plan[t.entry].second.get()});
   }
   if (plan.empty()) return;

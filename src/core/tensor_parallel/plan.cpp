@@ -44,8 +44,10 @@ size_t first_difference(const std::vector<std::vector<std::string>>& per_rank) {
 std::vector<std::string> plan_key_tokens(const std::string& key) {
   auto tokens = split_on_dots(key);
   for (const auto& t : tokens) {
-    TORCH_CHECK_VALUE(!t.empty(), "parallelize_module: expected plan key tokens separated by single "
-                      "dots, got '", key, "'");
+    TORCH_CHECK_VALUE(!t.empty(),
+                      "parallelize_module: expected plan key tokens separated by single "
+                      "dots, got '",
+                      key, "'");
   }
   return tokens;
 }

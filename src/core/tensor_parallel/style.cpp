@@ -44,7 +44,8 @@ class LinearKernel final : public nn::ForwardKernel {
   Fn fn_;
 };
 
-void check_linear_or_embedding(const std::string& style, const ModuleTarget& target, const ModuleTypeNames& names) {
+void check_linear_or_embedding(const std::string& style, const ModuleTarget& target,
+                               const ModuleTypeNames& names) {
   TORCH_CHECK_TYPE(target.kind == ModuleKind::kLinear || target.kind == ModuleKind::kEmbedding, style,
                    ": expected ", names.linear, " or ", names.embedding, ", got ", target.type,
                    "; only those are supported");
@@ -85,13 +86,14 @@ void ColwiseParallel::check_kind(const ModuleTarget& target, const ModuleTypeNam
   check_linear_or_embedding(name(), target, names);
 }
 
-std::vector<ParameterSharding> ColwiseParallel::parameter_shardings(ModuleKind kind,
-                                                                    const std::vector<std::string>& parameters) const {
+std::vector<ParameterSharding> ColwiseParallel::parameter_shardings(
+    ModuleKind kind, const std::vector<std::string>& parameters) const {
   if (kind == ModuleKind::kEmbedding) return detail::shard_each(parameters, {{"weight", {Shard(1)}}});
   return detail::shard_each(parameters, {{"weight", {Shard(0)}}, {"bias", {Shard(0)}}});
 }
 
-at::Tensor ColwiseParallel::prepare_input(const at::Tensor& input, ModuleKind kind, const DeviceMesh& mesh) const {
+at::Tensor ColwiseParallel::prepare_input(const at::Tensor& input, ModuleKind kind,
+                                          const DeviceMesh& mesh) const {
   // A Linear's gradient out of the column-sharded matmul is Partial.
   if (kind == ModuleKind::kLinear) return detail::replicate_for_column(input, mesh, options_.input_layouts());
   return detail::prepare(input, mesh, options_.input_layouts(), Replicate(), true);
@@ -130,13 +132,13 @@ void RowwiseParallel::check_target(const ModuleTarget& target, const DeviceMesh&
   }
 }
 
-std::vector<ParameterSharding> RowwiseParallel::parameter_shardings(ModuleKind kind,
-                                                                    const std::vector<std::string>& parameters) const {
+std::vector<ParameterSharding> RowwiseParallel::parameter_shardings(
+    ModuleKind kind, const std::vector<std::string>& parameters) const {
   if (kind == ModuleKind::kEmbedding) return detail::shard_each(parameters, {{"weight", {Shard(0)}}});
   // The bias is added once, after the reduction; a Shard output leaves each rank the bias
   // gradient of its own rows only.
-  return detail::shard_each(parameters, {{"weight", {Shard(1)}},
-                                         {"bias", {Replicate()}, options_.output_layouts().is_shard()}});
+  return detail::shard_each(
+      parameters, {{"weight", {Shard(1)}}, {"bias", {Replicate()}, options_.output_layouts().is_shard()}});
 }
 
 at::Tensor RowwiseParallel::prepare_input(const at::Tensor& input, const DeviceMesh& mesh) const {
@@ -146,11 +148,12 @@ at::Tensor RowwiseParallel::prepare_input(const at::Tensor& input, const DeviceM
 
 at::Tensor RowwiseParallel::forward_linear(const at::Tensor& input, const at::Tensor& weight,
                                            const at::Tensor& bias, const DeviceMesh& mesh) const {
-  return detail::rowwise_linear(input, weight, bias, mesh, options_.output_layouts(), options_.use_local_output());
+  return detail::rowwise_linear(input, weight, bias, mesh, options_.output_layouts(),
+                                options_.use_local_output());
 }
 
-at::Tensor RowwiseParallel::forward_embedding(const at::Tensor& ids, const at::Tensor& weight, int64_t vocab_size,
-                                              const DeviceMesh& mesh) const {
+at::Tensor RowwiseParallel::forward_embedding(const at::Tensor& ids, const at::Tensor& weight,
+                                              int64_t vocab_size, const DeviceMesh& mesh) const {
   return detail::rowwise_embedding(ids, weight, vocab_size, mesh, options_.output_layouts(),
                                    options_.use_local_output());
 }
@@ -163,7 +166,8 @@ void RowwiseParallel::apply_to(torch::nn::Module& module, const DeviceMesh& mesh
   auto self = std::make_shared<RowwiseParallel>(*this);  // the hooks outlive a temporary style
   if (embedding) {
     hm.set_forward_kernel(std::make_shared<LinearKernel>(
-        "RowwiseEmbedding", [self, mesh, vocab](const at::Tensor& ids, const at::Tensor& w, const at::Tensor&) {
+        "RowwiseEmbedding",
+        [self, mesh, vocab](const at::Tensor& ids, const at::Tensor& w, const at::Tensor&) {
           return self->forward_embedding(ids, w, vocab, mesh);
         }));
     return;
@@ -177,19 +181,21 @@ void RowwiseParallel::apply_to(torch::nn::Module& module, const DeviceMesh& mesh
 
 // ---- SequenceParallel ---------------------------------------------------------------------
 
-std::vector<ParameterSharding> SequenceParallel::parameter_shardings(ModuleKind,
-                                                                     const std::vector<std::string>& parameters) const {
+std::vector<ParameterSharding> SequenceParallel::parameter_shardings(
+    ModuleKind, const std::vector<std::string>& parameters) const {
   std::vector<ParameterSharding> table;
   for (const auto& p : parameters) table.push_back({p, {Replicate()}, /*sums_gradient=*/true});
   return table;
 }
 
-std::vector<at::Tensor> SequenceParallel::prepare_inputs(std::vector<at::Tensor> inputs, const DeviceMesh& mesh) const {
+std::vector<at::Tensor> SequenceParallel::prepare_inputs(std::vector<at::Tensor> inputs,
+                                                         const DeviceMesh& mesh) const {
   const int64_t seq_dim = options_.sequence_dim();
   for (auto& x : inputs) {
     if (!x.defined() || !at::isFloatingType(x.scalar_type())) continue;
-    TORCH_CHECK_VALUE(seq_dim >= -x.dim() && seq_dim < x.dim(), "SequenceParallel: expected sequence_dim in [",
-                      -x.dim(), ", ", x.dim(), ") for a ", x.dim(), "-d input, got ", seq_dim);
+    TORCH_CHECK_VALUE(seq_dim >= -x.dim() && seq_dim < x.dim(),
+                      "SequenceParallel: expected sequence_dim in [", -x.dim(), ", ", x.dim(), ") for a ",
+                      x.dim(), "-d input, got ", seq_dim);
     x = detail::prepare(x, mesh, Shard(seq_dim), Shard(seq_dim), true);
   }
   return inputs;
@@ -204,7 +210,8 @@ void SequenceParallel::apply_to(torch::nn::Module& module, const DeviceMesh& mes
                                 std::optional<int64_t> src_data_rank) const {
   auto& hm = detail::sharding_target(*this, module, mesh, src_data_rank);
   auto self = std::make_shared<SequenceParallel>(*this);  // the hooks outlive a temporary style
-  hm.add_input_hook([self, mesh](std::vector<at::Tensor> inputs) { return self->prepare_inputs(std::move(inputs), mesh); });
+  hm.add_input_hook(
+      [self, mesh](std::vector<at::Tensor> inputs) { return self->prepare_inputs(std::move(inputs), mesh); });
   on_first_output(hm, [self, mesh](const at::Tensor& y) { return self->prepare_output(y, mesh); });
 }
 
@@ -217,8 +224,9 @@ PrepareModuleInput::PrepareModuleInput(PrepareModuleInputOptions options) : opti
 
 std::vector<at::Tensor> PrepareModuleInput::prepare_inputs(std::vector<at::Tensor> inputs,
                                                            const DeviceMesh& mesh) const {
-  return detail::convert_all("PrepareModuleInput", "inputs", std::move(inputs), mesh, options_.input_layouts(),
-                             options_.desired_input_layouts(), options_.use_local_output());
+  return detail::convert_all("PrepareModuleInput", "inputs", std::move(inputs), mesh,
+                             options_.input_layouts(), options_.desired_input_layouts(),
+                             options_.use_local_output());
 }
 
 void PrepareModuleInput::apply_to(torch::nn::Module& module, const DeviceMesh& mesh,
@@ -236,16 +244,18 @@ PrepareModuleOutput::PrepareModuleOutput(PrepareModuleOutputOptions options) : o
 
 std::vector<at::Tensor> PrepareModuleOutput::prepare_outputs(std::vector<at::Tensor> outputs,
                                                              const DeviceMesh& mesh) const {
-  return detail::convert_all("PrepareModuleOutput", "outputs", std::move(outputs), mesh, options_.output_layouts(),
-                             options_.desired_output_layouts(), options_.use_local_output());
+  return detail::convert_all("PrepareModuleOutput", "outputs", std::move(outputs), mesh,
+                             options_.output_layouts(), options_.desired_output_layouts(),
+                             options_.use_local_output());
 }
 
 void PrepareModuleOutput::apply_to(torch::nn::Module& module, const DeviceMesh& mesh,
                                    std::optional<int64_t>) const {
   auto self = std::make_shared<PrepareModuleOutput>(*this);  // the hook outlives a temporary style
-  detail::hookable("PrepareModuleOutput", module).add_output_hook([self, mesh](std::vector<at::Tensor> outputs) {
-    return self->prepare_outputs(std::move(outputs), mesh);
-  });
+  detail::hookable("PrepareModuleOutput", module)
+      .add_output_hook([self, mesh](std::vector<at::Tensor> outputs) {
+        return self->prepare_outputs(std::move(outputs), mesh);
+      });
 }
 
 }  // namespace hyper_parallel::tensor_parallel

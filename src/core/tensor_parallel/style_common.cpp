@@ -5,7 +5,6 @@
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
 
-
 namespace hyper_parallel::tensor_parallel {
 
 using dtensor::DeviceMesh;
@@ -33,8 +32,8 @@ ModuleTarget target_of(nn::HookableModule& hm, torch::nn::Module& module) {
   return target;
 }
 
-nn::HookableModule& sharding_target(const ParallelStyle& style, torch::nn::Module& module, const DeviceMesh& mesh,
-                                    std::optional<int64_t> src_data_rank) {
+nn::HookableModule& sharding_target(const ParallelStyle& style, torch::nn::Module& module,
+                                    const DeviceMesh& mesh, std::optional<int64_t> src_data_rank) {
   const auto name = style.name();
   auto& hm = hookable(name.c_str(), module);
   const auto target = target_of(hm, module);
@@ -64,7 +63,8 @@ std::vector<ParameterSharding> shard_each(const std::vector<std::string>& parame
                                           std::vector<ParameterSharding> table) {
   std::vector<ParameterSharding> rows;
   for (auto& row : table) {
-    if (std::find(parameters.begin(), parameters.end(), row.name) != parameters.end()) rows.push_back(std::move(row));
+    if (std::find(parameters.begin(), parameters.end(), row.name) != parameters.end())
+      rows.push_back(std::move(row));
   }
   return rows;
 }
@@ -112,8 +112,8 @@ at::Tensor sequence_sharded_input(const char* style, const at::Tensor& local, co
   if (d.placements() != Placements{layout}) d = d.redistribute({layout});
   const int64_t seq = d.placements()[0].dim(), p = mesh.size(0);
   TORCH_CHECK_VALUE(d.shape()[seq] % p == 0, style, ": expected the sequence length (dim ", seq,
-                    " of the global activation ", c10::IntArrayRef(d.shape()),
-                    ") divisible by world_size ", p, ", got ", d.shape()[seq]);
+                    " of the global activation ", c10::IntArrayRef(d.shape()), ") divisible by world_size ",
+                    p, ", got ", d.shape()[seq]);
   return d.to_local();
 }
 

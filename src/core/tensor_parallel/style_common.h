@@ -42,9 +42,8 @@ std::vector<ParameterSharding> shard_each(const std::vector<std::string>& parame
 dtensor::DTensor as_dtensor(const at::Tensor& local, const dtensor::DeviceMesh& mesh,
                             const dtensor::Placement& layout);
 /// `local` (read as `from` unless tagged) redistributed to `to`; tagged unless use_local_output.
-at::Tensor prepare(const at::Tensor& local, const dtensor::DeviceMesh& mesh,
-                   const dtensor::Placement& from, const dtensor::Placement& to,
-                   bool use_local_output);
+at::Tensor prepare(const at::Tensor& local, const dtensor::DeviceMesh& mesh, const dtensor::Placement& from,
+                   const dtensor::Placement& to, bool use_local_output);
 /// A column-parallel Linear's input: made Replicate (gathered if sharded), its gradient declared
 /// Partial (so the gather's backward is a reduce-scatter).
 at::Tensor replicate_for_column(const at::Tensor& local, const dtensor::DeviceMesh& mesh,
@@ -61,8 +60,8 @@ at::Tensor rowwise_embedding(const at::Tensor& ids, const at::Tensor& weight, in
                              bool use_local_output);
 /// An MC2 column layer's input: kept sequence-sharded (the fused op gathers); every rank must
 /// hold the same number of tokens, which the global shape (exact for tagged inputs) tells.
-at::Tensor sequence_sharded_input(const char* style, const at::Tensor& local,
-                                  const dtensor::DeviceMesh& mesh, const dtensor::Placement& layout);
+at::Tensor sequence_sharded_input(const char* style, const at::Tensor& local, const dtensor::DeviceMesh& mesh,
+                                  const dtensor::Placement& layout);
 
 /// PrepareModuleInput / PrepareModuleOutput's construction check: lists of the same length,
 /// unset at the same positions (c10::ValueError otherwise).

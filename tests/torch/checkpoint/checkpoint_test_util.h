@@ -37,8 +37,7 @@ std::string expect_error(Statement&& statement, const std::vector<std::string>& 
     }
     return message;
   }
-  ADD_FAILURE() << "expected a c10::Error containing '" << (substrings.empty() ? "" : substrings[0])
-                << "'";
+  ADD_FAILURE() << "expected a c10::Error containing '" << (substrings.empty() ? "" : substrings[0]) << "'";
   return "";
 }
 
@@ -116,10 +115,9 @@ inline std::map<std::string, at::Tensor> read_safetensors(const std::string& pat
     }
     const auto offsets = v.at("data_offsets").get<std::vector<int64_t>>();
     auto t = at::empty(v.at("shape").get<std::vector<int64_t>>(), dtype_of(v.at("dtype")));
-    const auto bytes = read_bytes(path, 8 + static_cast<int64_t>(n) + offsets[0],
-                                  8 + static_cast<int64_t>(n) + offsets[1]);
-    EXPECT_EQ(static_cast<int64_t>(bytes.size()), t.numel() * static_cast<int64_t>(t.element_size()))
-        << name;
+    const auto bytes =
+        read_bytes(path, 8 + static_cast<int64_t>(n) + offsets[0], 8 + static_cast<int64_t>(n) + offsets[1]);
+    EXPECT_EQ(static_cast<int64_t>(bytes.size()), t.numel() * static_cast<int64_t>(t.element_size())) << name;
     std::memcpy(t.data_ptr(), bytes.data(), bytes.size());
     out.emplace(name, t);
   }

@@ -109,8 +109,10 @@ std::map<std::string, at::Tensor> full_tensors(const ckpt::State& state) {
 // This rank's part of `full` under e's layout.
 at::Tensor local_part(const at::Tensor& full, const ckpt::Entry& e) {
   if (e.is_replicated()) return full;
-  const auto offset = hp::dtensor::local_offset(e.global_shape, e.mesh->shape(), e.mesh->coordinate(), e.placements);
-  const auto shape = hp::dtensor::local_shape(e.global_shape, e.mesh->shape(), e.mesh->coordinate(), e.placements);
+  const auto offset =
+      hp::dtensor::local_offset(e.global_shape, e.mesh->shape(), e.mesh->coordinate(), e.placements);
+  const auto shape =
+      hp::dtensor::local_shape(e.global_shape, e.mesh->shape(), e.mesh->coordinate(), e.placements);
   auto t = full;
   for (size_t d = 0; d < shape.size(); ++d) t = t.narrow(static_cast<int64_t>(d), offset[d], shape[d]);
   return t;
@@ -126,7 +128,8 @@ void expect_quarter_reads(const std::string& root, const ckpt::State& state) {
     one.add(key, e);
     ckpt::reset_io_stats();
     ckpt::load(root, one, ckpt::LoadOptions().strict(false));
-    const double share = static_cast<double>(ckpt::io_stats().bytes_read) / static_cast<double>(global_bytes(e));
+    const double share =
+        static_cast<double>(ckpt::io_stats().bytes_read) / static_cast<double>(global_bytes(e));
     EXPECT_LT(share, 0.35) << key;
     EXPECT_GT(share, 0.2) << key;
     ++checked;
@@ -227,8 +230,8 @@ TEST(Checkpoint, SaveWritesShardsIndexMarkerAndLatest) {
   }
   Trainee fresh(meshes.tp(p), 2);
   ckpt::load(root, fresh.state);
-  EXPECT_TRUE(at::equal(fresh.state.at("tok_embeddings.weight").local,
-                        t.state.at("tok_embeddings.weight").local));
+  EXPECT_TRUE(
+      at::equal(fresh.state.at("tok_embeddings.weight").local, t.state.at("tok_embeddings.weight").local));
 }
 
 TEST(Checkpoint, CorruptOrMismatchedCheckpointsFailWithoutTouchingTheModel) {

@@ -76,8 +76,8 @@ TEST(Resume, EqualsTheUninterruptedRun) {
   // Both runs saved step 10 with the same layout: parameters and AdamW state, byte for byte.
   if (rank() == 0) expect_same_checkpoint(dir / "straight/step-10", dir / "resumed/step-10");
 
-  const auto reference = llama3::train(
-      llama3::TrainOptions(base).checkpoint_dir(dir / "reshard").resume(true).reference(true));
+  const auto reference =
+      llama3::train(llama3::TrainOptions(base).checkpoint_dir(dir / "reshard").resume(true).reference(true));
   ASSERT_EQ(reference.size(), 5u);
   for (size_t i = 0; i < reference.size(); ++i) {
     EXPECT_NEAR(reference[i].loss, straight[5 + i].loss, kLossRtol * std::abs(straight[5 + i].loss))

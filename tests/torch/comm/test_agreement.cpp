@@ -64,7 +64,8 @@ TEST_F(Agreement, DifferentHiddenSizesInReduceScatterAndAllReduce) {
   expect_disagreement("reduce_scatter", [&] {
     hp::comm::reduce_scatter(at::ones({4 * p, r == 0 ? 16 : 8}), 0, ReduceOp::kSum, world);
   });
-  expect_disagreement("all_reduce", [&] { hp::comm::all_reduce(at::ones({r == 0 ? 10 : 12}), ReduceOp::kSum, world); });
+  expect_disagreement("all_reduce",
+                      [&] { hp::comm::all_reduce(at::ones({r == 0 ? 10 : 12}), ReduceOp::kSum, world); });
 }
 
 TEST_F(Agreement, DifferentDtypes) {
@@ -80,13 +81,16 @@ TEST_F(Agreement, FusedOpsWithDifferentShapesOrChunkCounts) {
     tp::all_gather_matmul(at::ones({4 + r, 32}, at::kBFloat16), w, world);
   });
   expect_disagreement("all_gather_matmul", [&] {
-    tp::all_gather_matmul(at::ones({4, r == 0 ? 32 : 16}, at::kBFloat16), at::ones({16, r == 0 ? 32 : 16}, at::kBFloat16), world);
+    tp::all_gather_matmul(at::ones({4, r == 0 ? 32 : 16}, at::kBFloat16),
+                          at::ones({16, r == 0 ? 32 : 16}, at::kBFloat16), world);
   });
   expect_disagreement("all_gather_matmul", [&] {
-    tp::all_gather_matmul(at::ones({4, 32}, at::kBFloat16), w, world, tp::MC2Options().chunks_per_rank(1 + r));
+    tp::all_gather_matmul(at::ones({4, 32}, at::kBFloat16), w, world,
+                          tp::MC2Options().chunks_per_rank(1 + r));
   });
   expect_disagreement("matmul_reduce_scatter", [&] {
-    tp::matmul_reduce_scatter(at::ones({2 * p, 32}, at::kBFloat16), at::ones({r == 0 ? 16 : 24, 32}, at::kBFloat16), world);
+    tp::matmul_reduce_scatter(at::ones({2 * p, 32}, at::kBFloat16),
+                              at::ones({r == 0 ? 16 : 24, 32}, at::kBFloat16), world);
   });
 }
 
@@ -145,11 +149,14 @@ TEST_F(Agreement, ParallelizeModuleNamesTheModuleAndTheRanks) {
     message = e.what_without_backtrace();
   }
   EXPECT_NE(message.find("parallelize_module: ranks of world disagree on what they parallelize"),
-            std::string::npos) << message;
+            std::string::npos)
+      << message;
   EXPECT_NE(message.find("rank 0 (global 0) has w1: ColwiseParallel weight Float[128, 64]"),
-            std::string::npos) << message;
+            std::string::npos)
+      << message;
   EXPECT_NE(message.find("rank 1 (global 1) has w1: ColwiseParallel weight Float[256, 64]"),
-            std::string::npos) << message;
+            std::string::npos)
+      << message;
   // Nothing was sharded.
   EXPECT_EQ(model->named_parameters()["w1.weight"].size(1), 64);
   EXPECT_EQ(model->named_parameters()["w1.weight"].size(0), r == 1 ? 256 : 128);
@@ -157,7 +164,15 @@ TEST_F(Agreement, ParallelizeModuleNamesTheModuleAndTheRanks) {
 
 // ---- Randomized: many ops in one launch; one run in five has a rank that disagrees ---------
 
-enum class RandomOp { kAllGather, kReduceScatter, kAllReduce, kAllToAll, kBroadcast, kAllGatherMatmul, kMatmulReduceScatter };
+enum class RandomOp {
+  kAllGather,
+  kReduceScatter,
+  kAllReduce,
+  kAllToAll,
+  kBroadcast,
+  kAllGatherMatmul,
+  kMatmulReduceScatter
+};
 constexpr int kRandomOps = 7;
 
 // Small integers, exact in every dtype and in their sums: the reference is exact.
@@ -215,7 +230,8 @@ TEST_F(Agreement, RandomizedRunsEndEqualOrWithAnErrorOnAllRanks) {
           case RandomOp::kAllToAll: {
             out = hp::comm::all_to_all(values(run, r, {p * my_rows, cols}, dtype), 0, 1, world);
             std::vector<at::Tensor> pieces;
-            for (int64_t q = 0; q < p; ++q) pieces.push_back(values(run, q, {p * rows, cols}, dtype).narrow(0, r * rows, rows));
+            for (int64_t q = 0; q < p; ++q)
+              pieces.push_back(values(run, q, {p * rows, cols}, dtype).narrow(0, r * rows, rows));
             ref = at::cat(pieces, 1);
             break;
           }
@@ -226,7 +242,8 @@ TEST_F(Agreement, RandomizedRunsEndEqualOrWithAnErrorOnAllRanks) {
           case RandomOp::kAllGatherMatmul: {
             auto w = values(run, 99, {5, cols}, dtype);
             out = tp::all_gather_matmul(values(run, r, {my_rows, cols}, dtype), w, world,
-                                        tp::MC2Options().chunks_per_rank(chunks)).second;
+                                        tp::MC2Options().chunks_per_rank(chunks))
+                      .second;
             std::vector<at::Tensor> all;
             for (int64_t q = 0; q < p; ++q) all.push_back(values(run, q, {rows, cols}, dtype));
             ref = at::cat(all);
@@ -265,10 +282,11 @@ TEST_F(Agreement, RandomizedRunsEndEqualOrWithAnErrorOnAllRanks) {
     }
   }
   if (r == 0) {
-    std::printf("randomized agreement: %lld runs on %lld ranks, %lld with a disagreeing rank, %lld "
-                "agreement errors, 0 aborts, 0 timeouts\n",
-                static_cast<long long>(runs), static_cast<long long>(p), static_cast<long long>(perturbed_runs),
-                static_cast<long long>(errors));
+    std::printf(
+        "randomized agreement: %lld runs on %lld ranks, %lld with a disagreeing rank, %lld "
+        "agreement errors, 0 aborts, 0 timeouts\n",
+        static_cast<long long>(runs), static_cast<long long>(p), static_cast<long long>(perturbed_runs),
+        static_cast<long long>(errors));
   }
 }
 

@@ -101,7 +101,8 @@ TEST_P(Collectives, AllToAllUnevenSplits) {
   int64_t offset = 0;
   for (int64_t k = 0; k < r; ++k) offset += sizes[k];
   std::vector<at::Tensor> parts;
-  for (int64_t k = 0; k < p; ++k) parts.push_back(rank_values(k, {rows, 2}, dtype).narrow(0, offset, sizes[r]));
+  for (int64_t k = 0; k < p; ++k)
+    parts.push_back(rank_values(k, {rows, 2}, dtype).narrow(0, offset, sizes[r]));
   EXPECT_TRUE(out.equal(at::cat(parts, 1)));
 }
 
@@ -113,8 +114,7 @@ TEST_P(Collectives, BroadcastFromEveryRank) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, Collectives,
-                         ::testing::Values(at::kFloat, at::kDouble, at::kBFloat16, at::kHalf,
-                                           at::kLong),
+                         ::testing::Values(at::kFloat, at::kDouble, at::kBFloat16, at::kHalf, at::kLong),
                          [](const auto& info) { return std::string(c10::toString(info.param)); });
 
 TEST(CollectivesNumerics, Bf16SumAccumulatesInFloat32AndRoundsOnce) {
@@ -216,9 +216,9 @@ TEST(CollectiveErrors, BadArgumentsNameTheFunctionAndValue) {
   HP_EXPECT_THROW_MSG(hp::comm::all_gather(at::ones({}), 0, world), "at least 1 dim");
   HP_EXPECT_THROW_MSG(hp::comm::reduce_scatter(at::ones({4}, at::kBool), 0, ReduceOp::kSum, world),
                       "reduce_scatter: expected dtype");
-  HP_EXPECT_THROW_MSG(hp::comm::reduce_scatter(at::ones({4}), 0, ReduceOp::kSum, world,
-                                               std::vector<int64_t>(p + 1, 0)),
-                      "expected one size per rank");
+  HP_EXPECT_THROW_MSG(
+      hp::comm::reduce_scatter(at::ones({4}), 0, ReduceOp::kSum, world, std::vector<int64_t>(p + 1, 0)),
+      "expected one size per rank");
   HP_EXPECT_THROW_MSG(hp::comm::all_gather(at::ones({4}), 0, world, std::vector<int64_t>(p, 3)),
                       "to equal this rank's extent 4");
   HP_EXPECT_THROW_MSG(hp::comm::all_reduce(at::ones({4}, at::kLong), ReduceOp::kAvg, world),
@@ -230,9 +230,11 @@ TEST(CollectiveErrors, BadArgumentsNameTheFunctionAndValue) {
   HP_EXPECT_THROW_MSG(hp::comm::irecv(at::ones({4, 4}).t(), (world.rank() + 1) % p, world, 0),
                       "expected a contiguous tensor");
   HP_EXPECT_THROW_MSG(hp::comm::Group().rank(), "non-member");
-  HP_EXPECT_THROW_MSG(hp::comm::all_to_all(at::ones({4, 4}), 0, 0, world), "expected split_dim != concat_dim");
+  HP_EXPECT_THROW_MSG(hp::comm::all_to_all(at::ones({4, 4}), 0, 0, world),
+                      "expected split_dim != concat_dim");
   HP_EXPECT_THROW_MSG(hp::comm::all_to_all(at::ones({4, 4}), 0, 1, world, {}, std::vector<int64_t>(p, 5)),
-                      "expected recv_concat_sizes[" + std::to_string(world.rank()) + "] to equal this rank's extent 4, got 5");
+                      "expected recv_concat_sizes[" + std::to_string(world.rank()) +
+                          "] to equal this rank's extent 4, got 5");
   HP_EXPECT_THROW_MSG(hp::comm::init_process_group(), "already initialised");
 }
 

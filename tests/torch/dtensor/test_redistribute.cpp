@@ -42,8 +42,8 @@ std::string name(const Placements& from, const Placements& to) {
 // Forward: the result holds the right shard of the same global value. Backward: with an upstream
 // gradient G laid out as the result (Partial read as Replicate), the gradient reaching the input's
 // local tensor is G laid out as the input (Partial read as Replicate).
-void check_transition(const DeviceMesh& mesh, const std::vector<int64_t>& shape,
-                      const Placements& from, const Placements& to) {
+void check_transition(const DeviceMesh& mesh, const std::vector<int64_t>& shape, const Placements& from,
+                      const Placements& to) {
   at::manual_seed(7);  // same on every rank
   auto full = at::randn(shape, at::kDouble);
   auto upstream = at::randn(shape, at::kDouble);
@@ -66,8 +66,8 @@ void check_transition(const DeviceMesh& mesh, const std::vector<int64_t>& shape,
   expect_close(local.grad(), reference_local(upstream, mesh, from_grad), name(from, to) + " backward");
 }
 
-const Placements kOneDim[] = {{Shard(0)}, {Shard(1)}, {Replicate()}, {Partial()},
-                              {Partial(hp::comm::ReduceOp::kAvg)}};
+const Placements kOneDim[] = {
+    {Shard(0)}, {Shard(1)}, {Replicate()}, {Partial()}, {Partial(hp::comm::ReduceOp::kAvg)}};
 
 TEST(Redistribute, EveryTransitionOnOneDimMeshEvenAndUneven) {
   auto mesh = init_device_mesh("cpu", {hp_test::world_size()});
@@ -195,9 +195,9 @@ TEST(FromLocal, RunCheckRecoversUnevenGlobalShape) {
   EXPECT_EQ(even.shape(), (std::vector<int64_t>{2, 3 * p}));
   EXPECT_EQ(even.placements(), Placements{Shard(1)});
   if (p > 1) {
-    HP_EXPECT_THROW_MSG(DTensor::from_local(at::ones({2, r + 1}), mesh, {Shard(0)},
-                                            FromLocalOptions().run_check(true)),
-                        "from_local: expected equal extents along dim 1");
+    HP_EXPECT_THROW_MSG(
+        DTensor::from_local(at::ones({2, r + 1}), mesh, {Shard(0)}, FromLocalOptions().run_check(true)),
+        "from_local: expected equal extents along dim 1");
   }
 }
 
@@ -237,8 +237,8 @@ TEST(DeviceMesh, TwoDimGroupsCoordinatesAndSlices) {
   auto tp = mesh["tp"];
   EXPECT_EQ(tp.ndim(), 1);
   EXPECT_EQ(tp.ranks(), mesh.get_group("tp").global_ranks());
-  auto sum = hp::comm::all_reduce(at::full({1}, double(r), at::kDouble), hp::comm::ReduceOp::kSum,
-                                  tp.get_group());
+  auto sum =
+      hp::comm::all_reduce(at::full({1}, double(r), at::kDouble), hp::comm::ReduceOp::kSum, tp.get_group());
   EXPECT_EQ(sum.item<double>(), double(r / 2 * 4 + 1));
 }
 

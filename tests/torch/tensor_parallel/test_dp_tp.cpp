@@ -51,11 +51,15 @@ void check_mlp_against_reference(const DeviceMesh& tp_mesh, bool mc2, at::Scalar
   MLP ref(dim, hidden, at::kFloat, 7), m(dim, hidden, dtype, 7);
   if (mc2) {
     const auto contract = dtype == at::kFloat ? tp::MC2Contract::relaxed() : tp::MC2Contract::strict();
-    tp::parallelize_module(*m.fc1, tp_mesh, tp::MC2ColwiseParallel(tp::MC2ColwiseParallelOptions().contract(contract)));
-    tp::parallelize_module(*m.fc2, tp_mesh, tp::MC2RowwiseParallel(tp::MC2RowwiseParallelOptions().contract(contract)));
+    tp::parallelize_module(*m.fc1, tp_mesh,
+                           tp::MC2ColwiseParallel(tp::MC2ColwiseParallelOptions().contract(contract)));
+    tp::parallelize_module(*m.fc2, tp_mesh,
+                           tp::MC2RowwiseParallel(tp::MC2RowwiseParallelOptions().contract(contract)));
   } else {
-    tp::parallelize_module(*m.fc1, tp_mesh, tp::ColwiseParallel(tp::ColwiseParallelOptions().input_layouts(Shard(1))));
-    tp::parallelize_module(*m.fc2, tp_mesh, tp::RowwiseParallel(tp::RowwiseParallelOptions().output_layouts(Shard(1))));
+    tp::parallelize_module(*m.fc1, tp_mesh,
+                           tp::ColwiseParallel(tp::ColwiseParallelOptions().input_layouts(Shard(1))));
+    tp::parallelize_module(*m.fc2, tp_mesh,
+                           tp::RowwiseParallel(tp::RowwiseParallelOptions().output_layouts(Shard(1))));
   }
   at::manual_seed(8);  // the same batch on both DP replicas
   auto full_x = at::randn({2, seq, dim});

@@ -40,7 +40,8 @@ void expect_same_training(const llama3::TrainOptions& options) {
   EXPECT_EQ(hp::comm::total_collective_count(), 0) << "the reference is single-process";
   auto [par, par_grads] = run(options);
   // 5 steps, each with the plan's all-gathers (SP) or all-reduces (no SP) in every block.
-  const auto kind = options.enable_sequence_parallel() ? CollectiveKind::kAllGather : CollectiveKind::kAllReduce;
+  const auto kind =
+      options.enable_sequence_parallel() ? CollectiveKind::kAllGather : CollectiveKind::kAllReduce;
   EXPECT_GE(hp::comm::collective_count(kind), 5 * 2 * llama3::ModelArgs::debug().n_layers)
       << "the TP run really is parallel: " << hp::comm::collective_counts_summary();
   ASSERT_EQ(ref.size(), par.size());
@@ -62,9 +63,7 @@ void expect_same_training(const llama3::TrainOptions& options) {
   }
 }
 
-TEST(Llama3, SequenceParallelTrainingEqualsSingleProcess) {
-  expect_same_training(llama3::TrainOptions());
-}
+TEST(Llama3, SequenceParallelTrainingEqualsSingleProcess) { expect_same_training(llama3::TrainOptions()); }
 
 TEST(Llama3, TensorParallelWithoutSequenceParallelEqualsSingleProcess) {
   expect_same_training(llama3::TrainOptions().enable_sequence_parallel(false));
@@ -171,8 +170,9 @@ TEST(Llama3, PlanValidatesDegreesWithTheNumbers) {
   llama3::Transformer bad_kv(kv);
   HP_EXPECT_THROW_MSG(llama3::parallelize_llama3(*bad_kv, mesh), "expected n_kv_heads (1) divisible");
   llama3::Transformer model(llama3::ModelArgs::debug());
-  HP_EXPECT_THROW_MSG(llama3::parallelize_llama3(*model, mesh, llama3::ParallelizeOptions().seq_len(p * 8 + 1)),
-                      "expected seq_len (" + std::to_string(p * 8 + 1) + ") divisible by the TP size");
+  HP_EXPECT_THROW_MSG(
+      llama3::parallelize_llama3(*model, mesh, llama3::ParallelizeOptions().seq_len(p * 8 + 1)),
+      "expected seq_len (" + std::to_string(p * 8 + 1) + ") divisible by the TP size");
 }
 
 }  // namespace

@@ -110,7 +110,8 @@ TEST(FusedOpsPayload, SixteenBitMinimumOnTheWireAndOneRounding) {
       for (const auto& x : xs) {
         for (int64_t b = 0; b < p; ++b) {
           for (int64_t j = 0; j < layout.chunks(); ++j) {
-            layout.chunk(exact, b, j) += tp::detail::local_matmul(layout.chunk(x, b, j), w.t()).to(at::kDouble);
+            layout.chunk(exact, b, j) +=
+                tp::detail::local_matmul(layout.chunk(x, b, j), w.t()).to(at::kDouble);
           }
         }
       }
@@ -201,10 +202,14 @@ TEST_F(MC2Layers, MLPChainMatchesUnfusedSequenceParallelPath) {
     const auto contract = dtype == at::kFloat ? tp::MC2Contract::relaxed() : tp::MC2Contract::strict();
     auto fc1 = linear(512, 1024, dtype, 11), fc2 = linear(1024, 512, dtype, 12);
     auto uc1 = linear(512, 1024, dtype, 11), uc2 = linear(1024, 512, dtype, 12);
-    tp::parallelize_module(*fc1, *mesh, tp::MC2ColwiseParallel(tp::MC2ColwiseParallelOptions().contract(contract)));
-    tp::parallelize_module(*fc2, *mesh, tp::MC2RowwiseParallel(tp::MC2RowwiseParallelOptions().contract(contract)));
-    tp::parallelize_module(*uc1, *mesh, tp::ColwiseParallel(tp::ColwiseParallelOptions().input_layouts(Shard(1))));
-    tp::parallelize_module(*uc2, *mesh, tp::RowwiseParallel(tp::RowwiseParallelOptions().output_layouts(Shard(1))));
+    tp::parallelize_module(*fc1, *mesh,
+                           tp::MC2ColwiseParallel(tp::MC2ColwiseParallelOptions().contract(contract)));
+    tp::parallelize_module(*fc2, *mesh,
+                           tp::MC2RowwiseParallel(tp::MC2RowwiseParallelOptions().contract(contract)));
+    tp::parallelize_module(*uc1, *mesh,
+                           tp::ColwiseParallel(tp::ColwiseParallelOptions().input_layouts(Shard(1))));
+    tp::parallelize_module(*uc2, *mesh,
+                           tp::RowwiseParallel(tp::RowwiseParallelOptions().output_layouts(Shard(1))));
     at::manual_seed(13);
     auto x = at::randn({2, 4, 512}).to(dtype);  // this rank's 4 of 8 tokens
     auto xf = x.clone().requires_grad_(true), xu = x.clone().requires_grad_(true);
@@ -241,8 +246,10 @@ TEST_F(MC2Layers, Float16Colwise) {
 TEST_F(MC2Layers, SequenceFirstColwise) {
   // [S, B, H] sharded on dim 0 gives the same result as batch-first sharded on dim 1.
   auto a = linear(512, 512, at::kBFloat16, 31), b = linear(512, 512, at::kBFloat16, 31);
-  tp::parallelize_module(*a, *mesh, tp::MC2ColwiseParallel(tp::MC2ColwiseParallelOptions().input_layouts(Shard(0))));
-  tp::parallelize_module(*b, *mesh, tp::MC2ColwiseParallel(tp::MC2ColwiseParallelOptions().input_layouts(Shard(1))));
+  tp::parallelize_module(*a, *mesh,
+                         tp::MC2ColwiseParallel(tp::MC2ColwiseParallelOptions().input_layouts(Shard(0))));
+  tp::parallelize_module(*b, *mesh,
+                         tp::MC2ColwiseParallel(tp::MC2ColwiseParallelOptions().input_layouts(Shard(1))));
   at::manual_seed(32);
   auto x = at::randn({2, 4, 512}).to(at::kBFloat16);
   auto y_seq_first = a(x.transpose(0, 1).contiguous());
@@ -305,7 +312,8 @@ TEST(Llama3MC2, TrainsLikeThePlainPath) {
     auto [plain, plain_grads] = train5(base);
     EXPECT_EQ(hp::comm::collective_count(CollectiveKind::kAllGatherMatmul), 0);
     hp::comm::reset_collective_counts();
-    auto [fused, fused_grads] = train5(llama3::TrainOptions(base).enable_mc2(true).relaxed_mc2_contract(c.relaxed));
+    auto [fused, fused_grads] =
+        train5(llama3::TrainOptions(base).enable_mc2(true).relaxed_mc2_contract(c.relaxed));
     // The fused path really ran: per step and layer one all-gather-matmul forward (w1, shared
     // with w3) and one backward (w2).
     EXPECT_EQ(hp::comm::collective_count(CollectiveKind::kAllGatherMatmul),
@@ -334,16 +342,23 @@ TEST(Llama3MC2, DisabledIsBitwiseThePlainPlanAndEnabledMatchesIt) {
     auto row = std::make_shared<tp::RowwiseParallel>(tp::RowwiseParallelOptions().output_layouts(Shard(1)));
     tp::parallelize_module(
         m, mesh,
-        {{"tok_embeddings", std::make_shared<tp::RowwiseParallel>(
-                                tp::RowwiseParallelOptions().input_layouts(Replicate()).output_layouts(Shard(1)))},
+        {{"tok_embeddings",
+          std::make_shared<tp::RowwiseParallel>(
+              tp::RowwiseParallelOptions().input_layouts(Replicate()).output_layouts(Shard(1)))},
          {"output", std::make_shared<tp::ColwiseParallel>(
                         tp::ColwiseParallelOptions().input_layouts(Shard(1)).output_layouts(Replicate()))},
-         {"norm", sp}, {"layers.*.attention_norm", sp}, {"layers.*.attention", gather},
-         {"layers.*.ffn_norm", sp}, {"layers.*.feed_forward", gather},
-         {"layers.*.attention.w[qkv]", col}, {"layers.*.attention.wo", row},
-         {"layers.*.feed_forward.w[13]", col}, {"layers.*.feed_forward.w2", row}});
+         {"norm", sp},
+         {"layers.*.attention_norm", sp},
+         {"layers.*.attention", gather},
+         {"layers.*.ffn_norm", sp},
+         {"layers.*.feed_forward", gather},
+         {"layers.*.attention.w[qkv]", col},
+         {"layers.*.attention.wo", row},
+         {"layers.*.feed_forward.w[13]", col},
+         {"layers.*.feed_forward.w2", row}});
   };
-  auto tokens = llama3::synthetic_batch(3, 1, 2, args.max_seq_len, args.vocab_size).narrow(1, 0, args.max_seq_len);
+  auto tokens =
+      llama3::synthetic_batch(3, 1, 2, args.max_seq_len, args.vocab_size).narrow(1, 0, args.max_seq_len);
   for (auto dtype : {at::kBFloat16, at::kFloat}) {
     SCOPED_TRACE(c10::toString(dtype));
     auto plain = fresh(dtype);
@@ -355,9 +370,10 @@ TEST(Llama3MC2, DisabledIsBitwiseThePlainPlanAndEnabledMatchesIt) {
     const auto expected = plain(tokens);
     EXPECT_TRUE(disabled(tokens).equal(expected));
     auto fused = fresh(dtype);
-    llama3::parallelize_llama3(*fused, mesh,
-                               llama3::ParallelizeOptions().enable_mc2(true).mc2_contract(
-                                   dtype == at::kFloat ? tp::MC2Contract::relaxed() : tp::MC2Contract::strict()));
+    llama3::parallelize_llama3(
+        *fused, mesh,
+        llama3::ParallelizeOptions().enable_mc2(true).mc2_contract(
+            dtype == at::kFloat ? tp::MC2Contract::relaxed() : tp::MC2Contract::strict()));
     expect_close(fused(tokens), expected.to(at::kDouble), "MC2 logits");
   }
 }
@@ -371,7 +387,8 @@ TEST(Llama3MC2, EnabledFusesOnlyTheFFN) {
   llama3::Transformer fused(args);
   fused->to(at::kBFloat16);
   llama3::parallelize_llama3(*fused, mesh, llama3::ParallelizeOptions().enable_mc2(true));
-  auto tokens = llama3::synthetic_batch(3, 1, 2, args.max_seq_len, args.vocab_size).narrow(1, 0, args.max_seq_len);
+  auto tokens =
+      llama3::synthetic_batch(3, 1, 2, args.max_seq_len, args.vocab_size).narrow(1, 0, args.max_seq_len);
   auto block = fused->layers->ptr<llama3::TransformerBlockImpl>(0);
   EXPECT_EQ(tp::MC2Linear::of(*block->feed_forward->w1)->mode(), tp::MC2Mode::kAllGather);
   EXPECT_EQ(tp::MC2Linear::of(*block->feed_forward->w3)->mode(), tp::MC2Mode::kAllGather);
@@ -415,13 +432,14 @@ TEST(Llama3MC2All, TrainsLikePlainTensorParallel) {
   };
   for (const auto& c : {Case{"debug", "fp32", true, 1e-4, true}, Case{"small", "bf16", false, 1e-2, false}}) {
     SCOPED_TRACE(c.preset + " " + c.dtype);
-    auto base = llama3::TrainOptions().preset(c.preset).dtype(c.dtype).enable_loss_parallel(true).batch_size(2);
+    auto base =
+        llama3::TrainOptions().preset(c.preset).dtype(c.dtype).enable_loss_parallel(true).batch_size(2);
     hp::comm::reset_collective_counts();
     auto [plain, plain_grads] = train5(base);
     EXPECT_EQ(hp::comm::collective_count(CollectiveKind::kAllGatherMatmul), 0);
     hp::comm::reset_collective_counts();
-    auto [fused, fused_grads] = train5(
-        llama3::TrainOptions(base).enable_mc2(true).mc2_scope("all").relaxed_mc2_contract(c.relaxed));
+    auto [fused, fused_grads] =
+        train5(llama3::TrainOptions(base).enable_mc2(true).mc2_scope("all").relaxed_mc2_contract(c.relaxed));
     const int64_t layers = llama3::ModelArgs::from_preset(c.preset).n_layers;
     // Per step, forward: wq (shared by wk, wv), w1 (shared by w3), output; backward: wo, w2.
     EXPECT_EQ(hp::comm::collective_count(CollectiveKind::kAllGatherMatmul), 5 * (4 * layers + 1));
@@ -448,20 +466,27 @@ TEST(Llama3MC2All, DefaultScopeIsTheFeedForwardPlanBitwise) {
     auto row = std::make_shared<tp::RowwiseParallel>(tp::RowwiseParallelOptions().output_layouts(Shard(1)));
     tp::parallelize_module(
         *hand, mesh,
-        {{"tok_embeddings", std::make_shared<tp::RowwiseParallel>(
-                                tp::RowwiseParallelOptions().input_layouts(Replicate()).output_layouts(Shard(1)))},
+        {{"tok_embeddings",
+          std::make_shared<tp::RowwiseParallel>(
+              tp::RowwiseParallelOptions().input_layouts(Replicate()).output_layouts(Shard(1)))},
          {"output", std::make_shared<tp::ColwiseParallel>(
                         tp::ColwiseParallelOptions().input_layouts(Shard(1)).output_layouts(Replicate()))},
-         {"norm", sp}, {"layers.*.attention_norm", sp}, {"layers.*.ffn_norm", sp},
-         {"layers.*.attention", std::make_shared<tp::PrepareModuleInput>(
-                                    tp::PrepareModuleInputOptions().input_layouts({Shard(1)}).desired_input_layouts({Replicate()}))},
-         {"layers.*.attention.w[qkv]", col}, {"layers.*.attention.wo", row},
+         {"norm", sp},
+         {"layers.*.attention_norm", sp},
+         {"layers.*.ffn_norm", sp},
+         {"layers.*.attention",
+          std::make_shared<tp::PrepareModuleInput>(tp::PrepareModuleInputOptions()
+                                                       .input_layouts({Shard(1)})
+                                                       .desired_input_layouts({Replicate()}))},
+         {"layers.*.attention.w[qkv]", col},
+         {"layers.*.attention.wo", row},
          {"layers.*.feed_forward.w[13]", std::make_shared<tp::MC2ColwiseParallel>()},
          {"layers.*.feed_forward.w2", std::make_shared<tp::MC2RowwiseParallel>()}});
   }
   auto by_option = fresh();
   llama3::parallelize_llama3(*by_option, mesh, llama3::ParallelizeOptions().enable_mc2(true));
-  auto tokens = llama3::synthetic_batch(3, 1, 2, args.max_seq_len, args.vocab_size).narrow(1, 0, args.max_seq_len);
+  auto tokens =
+      llama3::synthetic_batch(3, 1, 2, args.max_seq_len, args.vocab_size).narrow(1, 0, args.max_seq_len);
   auto a = hand(tokens), b = by_option(tokens);
   EXPECT_TRUE(a.equal(b));
   a.to(at::kFloat).logsumexp(-1).sum().backward();
@@ -470,10 +495,11 @@ TEST(Llama3MC2All, DefaultScopeIsTheFeedForwardPlanBitwise) {
   ASSERT_EQ(ga.size(), gb.size());
   for (size_t i = 0; i < ga.size(); ++i) EXPECT_TRUE(ga[i].second.equal(gb[i].second)) << ga[i].first;
   // A scope without enable_mc2 is an error, not silently ignored.
-  HP_EXPECT_THROW_MSG(llama3::parallelize_llama3(*fresh(), mesh,
-                                                 llama3::ParallelizeOptions().mc2_scope(llama3::MC2Scope::kAll)),
+  HP_EXPECT_THROW_MSG(llama3::parallelize_llama3(
+                          *fresh(), mesh, llama3::ParallelizeOptions().mc2_scope(llama3::MC2Scope::kAll)),
                       "parallelize_llama3: mc2_scope 'all' needs enable_mc2");
-  HP_EXPECT_THROW_MSG(llama3::mc2_scope_from_string("attention"), "expected mc2_scope 'ffn' or 'all', got 'attention'");
+  HP_EXPECT_THROW_MSG(llama3::mc2_scope_from_string("attention"),
+                      "expected mc2_scope 'ffn' or 'all', got 'attention'");
 }
 
 TEST(Llama3MC2All, CollectiveCountsPerRegion) {
@@ -495,7 +521,8 @@ TEST(Llama3MC2All, CollectiveCountsPerRegion) {
   }
   EXPECT_EQ(tp::MC2Linear::of(*block->attention->wo)->mode(), tp::MC2Mode::kReduceScatter);
   EXPECT_EQ(tp::MC2Linear::of(*model->output)->mode(), tp::MC2Mode::kAllGather);
-  auto tokens = llama3::synthetic_batch(3, 1, 2, args.max_seq_len, args.vocab_size).narrow(1, 0, args.max_seq_len);
+  auto tokens =
+      llama3::synthetic_batch(3, 1, 2, args.max_seq_len, args.vocab_size).narrow(1, 0, args.max_seq_len);
   hp::comm::reset_collective_counts();
   at::Tensor loss;
   {
@@ -515,13 +542,15 @@ TEST(Llama3MC2All, CollectiveCountsPerRegion) {
   EXPECT_EQ(fwd(CollectiveKind::kAllGatherMatmul), 2 * layers + 1);
   EXPECT_EQ(fwd(CollectiveKind::kMatmulReduceScatter), 2 * layers);
   EXPECT_EQ(fwd(CollectiveKind::kReduceScatter), 1);
-  EXPECT_EQ(hp::comm::total_collective_count("forward"), 4 * layers + 2) << hp::comm::collective_counts_summary();
+  EXPECT_EQ(hp::comm::total_collective_count("forward"), 4 * layers + 2)
+      << hp::comm::collective_counts_summary();
   // Backward: the duals, one per fused op (q, k, v's input gradients leave in one ring; so do
   // w1 and w3's), and the embedding's all-gather.
   EXPECT_EQ(bwd(CollectiveKind::kMatmulReduceScatter), 2 * layers + 1);
   EXPECT_EQ(bwd(CollectiveKind::kAllGatherMatmul), 2 * layers);
   EXPECT_EQ(bwd(CollectiveKind::kAllGather), 1);
-  EXPECT_EQ(hp::comm::total_collective_count("backward"), 4 * layers + 2) << hp::comm::collective_counts_summary();
+  EXPECT_EQ(hp::comm::total_collective_count("backward"), 4 * layers + 2)
+      << hp::comm::collective_counts_summary();
 }
 
 TEST(Llama3MC2All, StrictContractNamesTheLayerAndTheLimit) {
@@ -533,8 +562,8 @@ TEST(Llama3MC2All, StrictContractNamesTheLayerAndTheLimit) {
   llama3::Transformer model(llama3::ModelArgs::debug());
   model->to(at::kBFloat16);
   HP_EXPECT_THROW_MSG(
-      llama3::parallelize_llama3(*model, mesh,
-                                 llama3::ParallelizeOptions().enable_mc2(true).mc2_scope(llama3::MC2Scope::kAll)),
+      llama3::parallelize_llama3(
+          *model, mesh, llama3::ParallelizeOptions().enable_mc2(true).mc2_scope(llama3::MC2Scope::kAll)),
       "MC2ColwiseParallel: MC2 column backward contraction n_local (out_features / world_size): "
       "expected in [256, 65535), got 128 (while applying MC2ColwiseParallel to layers.0.attention.wq)");
 }

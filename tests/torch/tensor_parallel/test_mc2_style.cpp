@@ -74,10 +74,12 @@ TEST_F(MC2Style, ConfigureValidatesModeAndWorldSize) {
                       "expected mode 'all_gather' or 'reduce_scatter', got 'all_reduce'");
   EXPECT_EQ(tp::mc2_mode_from_string("all_gather"), tp::MC2Mode::kAllGather);
   EXPECT_STREQ(tp::to_string(tp::MC2Mode::kReduceScatter), "reduce_scatter");
-  HP_EXPECT_THROW_MSG(mc2.configure_mc2(tp::MC2Mode::kAllGather, group, 1, tp::MC2Contract().world_sizes({4, 8})),
-                      "MC2 world_size: expected one of [4, 8], got 2");
-  HP_EXPECT_THROW_MSG(mc2.configure_mc2(tp::MC2Mode::kAllGather, group, 1, {}, tp::MC2Options().chunks_per_rank(0)),
-                      "expected chunks_per_rank >= 1, got 0");
+  HP_EXPECT_THROW_MSG(
+      mc2.configure_mc2(tp::MC2Mode::kAllGather, group, 1, tp::MC2Contract().world_sizes({4, 8})),
+      "MC2 world_size: expected one of [4, 8], got 2");
+  HP_EXPECT_THROW_MSG(
+      mc2.configure_mc2(tp::MC2Mode::kAllGather, group, 1, {}, tp::MC2Options().chunks_per_rank(0)),
+      "expected chunks_per_rank >= 1, got 0");
   EXPECT_FALSE(mc2.is_configured());
   mc2.configure_mc2(tp::MC2Mode::kReduceScatter, group, 0);
   EXPECT_EQ(mc2.mode(), tp::MC2Mode::kReduceScatter);
@@ -260,21 +262,23 @@ TEST_F(MC2Style, FailsClosedOnEveryContractLimit) {
                       "MC2RowwiseParallel: MC2 contraction dim k (in_features / world_size): expected "
                       "in [256, 65535), got 128");
   // world size
-  HP_EXPECT_THROW_MSG(tp::MC2RowwiseParallel(tp::MC2RowwiseParallelOptions().contract(
-                                                 tp::MC2Contract().world_sizes({4, 8})))
-                          .apply(*linear(1024, 512), *mesh),
-                      "MC2 world_size: expected one of [4, 8], got 2");
+  HP_EXPECT_THROW_MSG(
+      tp::MC2RowwiseParallel(tp::MC2RowwiseParallelOptions().contract(tp::MC2Contract().world_sizes({4, 8})))
+          .apply(*linear(1024, 512), *mesh),
+      "MC2 world_size: expected one of [4, 8], got 2");
   // rows divisible by world size (known at forward only)
   auto row = linear(512, 512);
   tp::parallelize_module(*row, *mesh, tp::MC2RowwiseParallel());
-  HP_EXPECT_THROW_MSG(row(at::ones({2, 7, 256}, at::kBFloat16)),
-                      "reduce_scatter needs the sequence length (dim 1 of [2, 7, 256]) divisible by world_size 2");
+  HP_EXPECT_THROW_MSG(
+      row(at::ones({2, 7, 256}, at::kBFloat16)),
+      "reduce_scatter needs the sequence length (dim 1 of [2, 7, 256]) divisible by world_size 2");
   // input dtype at forward
   HP_EXPECT_THROW_MSG(row(at::ones({2, 8, 256}, at::kFloat)), "MC2Linear::forward: MC2 dtype");
   // The relaxed contract is explicit and runs the fused path in float32.
   auto relaxed = linear(16, 16, at::kFloat);
-  tp::parallelize_module(*relaxed, *mesh,
-                         tp::MC2ColwiseParallel(tp::MC2ColwiseParallelOptions().contract(tp::MC2Contract::relaxed())));
+  tp::parallelize_module(
+      *relaxed, *mesh,
+      tp::MC2ColwiseParallel(tp::MC2ColwiseParallelOptions().contract(tp::MC2Contract::relaxed())));
   hp::comm::reset_collective_counts();
   EXPECT_EQ(relaxed(at::ones({1, 2, 16})).sizes(), (at::IntArrayRef{1, 4, 8}));
   EXPECT_EQ(hp::comm::collective_count(CollectiveKind::kAllGatherMatmul), 1);
@@ -377,16 +381,16 @@ TEST_F(MC2Style, SecondBackwardWithoutRetainedGraphIsAClearError) {
   auto y = col(at::ones({1, 2, 512}, at::kBFloat16).requires_grad_(true)).sum();
   y.backward({}, /*retain_graph=*/true);
   y.backward();
-  HP_EXPECT_THROW_MSG(y.backward(), "Backward: expected a graph not yet freed, got one released by an earlier backward");
+  HP_EXPECT_THROW_MSG(y.backward(),
+                      "Backward: expected a graph not yet freed, got one released by an earlier backward");
 }
 
 TEST_F(MC2Style, Llama3EnableMC2NeedsSequenceParallel) {
   llama3::Transformer model(llama3::ModelArgs::debug());
-  HP_EXPECT_THROW_MSG(llama3::parallelize_llama3(*model, *mesh,
-                                                 llama3::ParallelizeOptions()
-                                                     .enable_sequence_parallel(false)
-                                                     .enable_mc2(true)),
-                      "parallelize_llama3: enable_mc2 requires enable_sequence_parallel");
+  HP_EXPECT_THROW_MSG(
+      llama3::parallelize_llama3(
+          *model, *mesh, llama3::ParallelizeOptions().enable_sequence_parallel(false).enable_mc2(true)),
+      "parallelize_llama3: enable_mc2 requires enable_sequence_parallel");
 }
 
 }  // namespace

@@ -235,9 +235,9 @@ TEST(ParallelizeModule, MLPMatchesSingleProcessThroughAnOptimizerStep) {
   MLP ref;
   at::manual_seed(5);
   MLP model;
-  tp::parallelize_module(*model, tp_mesh(),
-                         {{"net1", std::make_shared<tp::ColwiseParallel>()},
-                          {"net2", std::make_shared<tp::RowwiseParallel>()}});
+  tp::parallelize_module(
+      *model, tp_mesh(),
+      {{"net1", std::make_shared<tp::ColwiseParallel>()}, {"net2", std::make_shared<tp::RowwiseParallel>()}});
   auto full = tp::full_named_parameters(*model);
   auto ref_params = ref->named_parameters();
   ASSERT_EQ(full.size(), ref_params.size());
@@ -273,7 +273,8 @@ TEST(ParallelizeModule, SequenceParallelMLPCollectiveCounts) {
   tp::parallelize_module(
       *model, tp_mesh(),
       {{"net1", std::make_shared<tp::ColwiseParallel>(tp::ColwiseParallelOptions().input_layouts(Shard(0)))},
-       {"net2", std::make_shared<tp::RowwiseParallel>(tp::RowwiseParallelOptions().output_layouts(Shard(0)))}});
+       {"net2",
+        std::make_shared<tp::RowwiseParallel>(tp::RowwiseParallelOptions().output_layouts(Shard(0)))}});
   at::manual_seed(6);
   auto full_x = at::rand({4 * p, 10});
   auto out = run_counted([&] { return model(full_x.narrow(0, r * 4, 4)); });
@@ -396,7 +397,7 @@ TEST(PrepareModuleInputOutput, PerInputLayoutsAndLeaveAlone) {
   for (int64_t k = 0; k < p; ++k) blocks.push_back(a_of(k));
   EXPECT_TRUE(outs[0].equal(at::cat(blocks, 0).narrow(1, 2 * r, 2))) << outs[0];
   EXPECT_TRUE(outs[1].equal(b));  // left alone
-  auto again = m(a, b);  // hooks are reusable
+  auto again = m(a, b);           // hooks are reusable
   EXPECT_TRUE(again[0].equal(outs[0]));
 }
 
@@ -414,20 +415,21 @@ TEST(StyleErrors, ClearMessages) {
                                                  .input_layouts({Shard(0), Shard(1)})
                                                  .desired_input_layouts({Replicate()})),
                       "expected input_layouts and desired_input_layouts of the same length, got 2 and 1");
-  HP_EXPECT_THROW_MSG(tp::PrepareModuleOutput(tp::PrepareModuleOutputOptions()
-                                                  .output_layouts({Shard(0)})
-                                                  .desired_output_layouts({std::nullopt})),
-                      "both set or both left alone");
+  HP_EXPECT_THROW_MSG(
+      tp::PrepareModuleOutput(
+          tp::PrepareModuleOutputOptions().output_layouts({Shard(0)}).desired_output_layouts({std::nullopt})),
+      "both set or both left alone");
   TwoInputs m;
-  tp::parallelize_module(*m, mesh,
-                         tp::PrepareModuleInput(tp::PrepareModuleInputOptions()
-                                                    .input_layouts({Shard(0)})
-                                                    .desired_input_layouts({Replicate()})));
+  tp::parallelize_module(
+      *m, mesh,
+      tp::PrepareModuleInput(
+          tp::PrepareModuleInputOptions().input_layouts({Shard(0)}).desired_input_layouts({Replicate()})));
   HP_EXPECT_THROW_MSG(m(at::ones({2}), at::ones({2})), "PrepareModuleInput: expected 1 inputs");
   auto lin = seeded_linear(8, 8);
-  HP_EXPECT_THROW_MSG(tp::parallelize_module(*lin, mesh,
-                                             tp::RowwiseParallel(tp::RowwiseParallelOptions().output_layouts(Partial()))),
-                      "RowwiseParallel: expected output_layouts Shard or Replicate, got Partial(sum)");
+  HP_EXPECT_THROW_MSG(
+      tp::parallelize_module(*lin, mesh,
+                             tp::RowwiseParallel(tp::RowwiseParallelOptions().output_layouts(Partial()))),
+      "RowwiseParallel: expected output_layouts Shard or Replicate, got Partial(sum)");
   if (hp_test::world_size() % 2 == 0) {
     auto mesh2 = init_device_mesh("cpu", {2, hp_test::world_size() / 2}, {"dp", "tp"});
     HP_EXPECT_THROW_MSG(tp::parallelize_module(*lin, mesh2, tp::ColwiseParallel()),
@@ -445,13 +447,14 @@ TEST(StyleRules, ParameterTables) {
     }
     return text;
   };
-  EXPECT_EQ(rows(tp::ColwiseParallel(), ModuleKind::kLinear, {"weight", "bias"}), "weight=[Shard(0)] bias=[Shard(0)] ");
+  EXPECT_EQ(rows(tp::ColwiseParallel(), ModuleKind::kLinear, {"weight", "bias"}),
+            "weight=[Shard(0)] bias=[Shard(0)] ");
   EXPECT_EQ(rows(tp::ColwiseParallel(), ModuleKind::kLinear, {"weight"}), "weight=[Shard(0)] ");
   EXPECT_EQ(rows(tp::ColwiseParallel(), ModuleKind::kEmbedding, {"weight"}), "weight=[Shard(1)] ");
   EXPECT_EQ(rows(tp::RowwiseParallel(), ModuleKind::kLinear, {"weight", "bias"}),
             "weight=[Shard(1)] bias=[Replicate()] ");
-  EXPECT_EQ(rows(tp::RowwiseParallel(tp::RowwiseParallelOptions().output_layouts(Shard(1))), ModuleKind::kLinear,
-                 {"weight", "bias"}),
+  EXPECT_EQ(rows(tp::RowwiseParallel(tp::RowwiseParallelOptions().output_layouts(Shard(1))),
+                 ModuleKind::kLinear, {"weight", "bias"}),
             "weight=[Shard(1)] bias=[Replicate()]+sum ");
   EXPECT_EQ(rows(tp::RowwiseParallel(), ModuleKind::kEmbedding, {"weight"}), "weight=[Shard(0)] ");
   EXPECT_EQ(rows(tp::SequenceParallel(), ModuleKind::kOther, {"weight", "bias"}),
@@ -460,7 +463,8 @@ TEST(StyleRules, ParameterTables) {
             "weight=[Shard(0)] bias=[Shard(0)] ");
   EXPECT_EQ(rows(tp::MC2RowwiseParallel(), ModuleKind::kLinear, {"weight", "bias"}),
             "weight=[Shard(1)] bias=[Replicate()] ");
-  EXPECT_EQ(tp::MC2RowwiseParallel(tp::MC2RowwiseParallelOptions().output_layouts(Shard(-2))).sequence_dim(), -1);
+  EXPECT_EQ(tp::MC2RowwiseParallel(tp::MC2RowwiseParallelOptions().output_layouts(Shard(-2))).sequence_dim(),
+            -1);
   EXPECT_EQ(tp::MC2ColwiseParallel().sequence_dim(), 1);
 }
 

@@ -28,8 +28,7 @@ const char* to_string(ReduceOp op);
 
 /// Concatenation along `dim` of every rank's `input`. `sizes[r]` is rank r's extent along dim;
 /// empty means all equal to this rank's. Ring, P-1 steps.
-at::Tensor all_gather(const at::Tensor& input, int64_t dim, const Group& group,
-                      c10::IntArrayRef sizes = {});
+at::Tensor all_gather(const at::Tensor& input, int64_t dim, const Group& group, c10::IntArrayRef sizes = {});
 
 /// Reduction over ranks of `input`, split along `dim`; rank r gets block r. `sizes` splits dim
 /// (must sum to its extent); empty means chunk_sizes(extent, P). Ring, P-1 steps.
@@ -42,9 +41,8 @@ at::Tensor all_reduce(const at::Tensor& input, ReduceOp op, const Group& group);
 /// Splits `input` along split_dim (sizes `split_sizes`, default chunk_sizes) and sends piece j to
 /// rank j; returns the pieces received from every rank concatenated along concat_dim.
 /// `recv_concat_sizes[j]` is rank j's extent along concat_dim (default: this rank's).
-at::Tensor all_to_all(const at::Tensor& input, int64_t split_dim, int64_t concat_dim,
-                      const Group& group, c10::IntArrayRef split_sizes = {},
-                      c10::IntArrayRef recv_concat_sizes = {});
+at::Tensor all_to_all(const at::Tensor& input, int64_t split_dim, int64_t concat_dim, const Group& group,
+                      c10::IntArrayRef split_sizes = {}, c10::IntArrayRef recv_concat_sizes = {});
 
 /// `input` of rank `src` (group rank) on every rank; other ranks pass a tensor of the same shape
 /// and dtype (its values are ignored).

@@ -66,8 +66,7 @@ class OpScope {
  public:
   /// Agrees with the group's other ranks (throws if they disagree), then records the op.
   /// `counted` false: not recorded in the collective counters (transfers-only benchmarks).
-  OpScope(const Group& group, const OpSignature& signature, const std::string& detail,
-          bool counted = true);
+  OpScope(const Group& group, const OpSignature& signature, const std::string& detail, bool counted = true);
   ~OpScope();
   OpScope(const OpScope&) = delete;
   OpScope& operator=(const OpScope&) = delete;

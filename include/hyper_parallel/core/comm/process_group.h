@@ -81,8 +81,7 @@ void init_process_group(const InitOptions& options = {});
 /// and `options` (interface as in init_process_group). The Python front end calls this; it is
 /// the one entry point that names a c10d type, only to pass it through.
 void init_process_group_from(c10::intrusive_ptr<c10d::ProcessGroup> world,
-                             c10::intrusive_ptr<c10d::Store> store,
-                             const InitOptions& options = {});
+                             c10::intrusive_ptr<c10d::Store> store, const InitOptions& options = {});
 bool is_initialized();
 /// The world group. Throws if init_process_group has not been called.
 Group world();

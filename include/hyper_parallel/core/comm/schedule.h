@@ -95,15 +95,14 @@ void ring_all_gather(const at::Tensor& own, const at::Tensor& gathered, const Bl
 /// chunk. The callback adds this rank's contribution and returns the new partial sum (in the
 /// accumulate dtype, contiguous): it is forwarded, or, at the last step, it is this rank's
 /// result. Calling arrived() after the local work lets that work overlap the transfer.
-using ReduceChunkFn = std::function<at::Tensor(int64_t block, int64_t chunk,
-                                               const std::function<at::Tensor()>& arrived)>;
+using ReduceChunkFn =
+    std::function<at::Tensor(int64_t block, int64_t chunk, const std::function<at::Tensor()>& arrived)>;
 
 /// Ring reduce-scatter of rows of `width` columns whose inputs have `input` dtype and device;
 /// returns this rank's reduced block, [block_rows(r), width], in the accumulate dtype. P - 1
 /// transfers of each chunk, each in the accumulate dtype.
-at::Tensor ring_reduce_scatter(const BlockLayout& layout, int64_t width,
-                               const at::TensorOptions& input, const Group& group,
-                               const ReduceChunkFn& reduce);
+at::Tensor ring_reduce_scatter(const BlockLayout& layout, int64_t width, const at::TensorOptions& input,
+                               const Group& group, const ReduceChunkFn& reduce);
 
 /// Called once per chunk, on the calling thread: this rank's partial of chunk `chunk` of block
 /// `block`, in any floating dtype ([chunk_rows, width]). Remote blocks come first, in the order
@@ -115,9 +114,8 @@ using PartialChunkFn = std::function<at::Tensor(int64_t block, int64_t chunk)>;
 /// `input` dtype, to the rank that owns its block (P - 1 transfers per chunk per rank, in
 /// parallel to distinct peers). Returns this rank's reduced block, [block_rows(r), width], in the
 /// accumulate dtype, summed in rank order (deterministic, independent of arrival order).
-at::Tensor direct_reduce_scatter(const BlockLayout& layout, int64_t width,
-                                 const at::TensorOptions& input, const Group& group,
-                                 const PartialChunkFn& partial);
+at::Tensor direct_reduce_scatter(const BlockLayout& layout, int64_t width, const at::TensorOptions& input,
+                                 const Group& group, const PartialChunkFn& partial);
 
 /// Whether reduce-scatters of `dtype` use the direct schedule: bfloat16 and float16 (16 bits on
 /// the wire, float32 at the destination). Other dtypes keep the ring.

@@ -70,8 +70,8 @@ int64_t now_us();
 /// The op id of the outermost OpSpan on the calling thread, or -1.
 int64_t current_op();
 /// Records a finished transfer span from `post_us` to `end_us` on a waiter thread's track.
-void record_transfer(const std::string& name, int64_t op, int64_t post_us, int64_t end_us,
-                     int64_t bytes, int64_t lane);
+void record_transfer(const std::string& name, int64_t op, int64_t post_us, int64_t end_us, int64_t bytes,
+                     int64_t lane);
 }  // namespace detail
 
 }  // namespace hyper_parallel::comm::trace

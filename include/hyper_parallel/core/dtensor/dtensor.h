@@ -36,8 +36,8 @@ struct FromLocalOptions {
 class DTensor {
  public:
   /// Wraps this rank's `local` shard. No communication unless options.run_check().
-  static DTensor from_local(const at::Tensor& local, const DeviceMesh& mesh,
-                            const Placements& placements, const FromLocalOptions& options = {});
+  static DTensor from_local(const at::Tensor& local, const DeviceMesh& mesh, const Placements& placements,
+                            const FromLocalOptions& options = {});
 
   /// The local shard; gradients flowing into it take this DTensor's placements.
   const at::Tensor& to_local() const { return local_; }
@@ -97,8 +97,7 @@ class DTensor {
 /// Usage:
 ///   auto w = distribute_tensor(full, tp_mesh, {Shard(0)});          // tp rank 0's values
 ///   auto mine = distribute_tensor(full, tp_mesh, {Shard(0)}, std::nullopt);  // no communication
-DTensor distribute_tensor(const at::Tensor& tensor, const DeviceMesh& mesh,
-                          const Placements& placements,
+DTensor distribute_tensor(const at::Tensor& tensor, const DeviceMesh& mesh, const Placements& placements,
                           std::optional<int64_t> src_data_rank = 0);
 
 /// Redistributes a local tensor between placements without autograd (the engine under

@@ -74,12 +74,10 @@ inline int64_t shard_offset(int64_t global, int64_t parts, int64_t index) {
 /// dims sharding one tensor dim nest in mesh-dim order (mesh dim 0 outermost).
 std::vector<int64_t> local_shape(const std::vector<int64_t>& global_shape,
                                  const std::vector<int64_t>& mesh_shape,
-                                 const std::vector<int64_t>& coordinate,
-                                 const Placements& placements);
+                                 const std::vector<int64_t>& coordinate, const Placements& placements);
 /// Offset of that local shard inside the global tensor, per tensor dim.
 std::vector<int64_t> local_offset(const std::vector<int64_t>& global_shape,
                                   const std::vector<int64_t>& mesh_shape,
-                                  const std::vector<int64_t>& coordinate,
-                                  const Placements& placements);
+                                  const std::vector<int64_t>& coordinate, const Placements& placements);
 
 }  // namespace hyper_parallel::dtensor

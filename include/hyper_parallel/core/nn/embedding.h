@@ -18,8 +18,7 @@ struct EmbeddingOptions {
   TORCH_ARG(int64_t, embedding_dim);
 };
 
-class EmbeddingImpl : public torch::nn::Cloneable<EmbeddingImpl>,
-                      public HookableModule {
+class EmbeddingImpl : public torch::nn::Cloneable<EmbeddingImpl>, public HookableModule {
  public:
   EmbeddingImpl(int64_t num_embeddings, int64_t embedding_dim)
       : EmbeddingImpl(EmbeddingOptions(num_embeddings, embedding_dim)) {}
@@ -29,9 +28,7 @@ class EmbeddingImpl : public torch::nn::Cloneable<EmbeddingImpl>,
   void reset() override;
   /// Integer ids [...] -> [..., embedding_dim].
   at::Tensor forward(const at::Tensor& ids);
-  ModuleKind module_kind() const override {
-    return ModuleKind::kEmbedding;
-  }
+  ModuleKind module_kind() const override { return ModuleKind::kEmbedding; }
   void pretty_print(std::ostream& stream) const override;
 
   EmbeddingOptions options;

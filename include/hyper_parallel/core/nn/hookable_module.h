@@ -29,8 +29,7 @@ class ForwardKernel {
  public:
   virtual ~ForwardKernel() = default;
   /// `bias` may be undefined.
-  virtual at::Tensor forward(const at::Tensor& input, const at::Tensor& weight,
-                             const at::Tensor& bias) = 0;
+  virtual at::Tensor forward(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& bias) = 0;
   virtual std::string name() const = 0;
 };
 
@@ -93,8 +92,7 @@ class HookableModule {
     return input_hooks_.empty() ? input : run_input_hooks(std::vector<at::Tensor>{std::move(input)})[0];
   }
   at::Tensor run_output_hooks(at::Tensor output) const {
-    return output_hooks_.empty() ? output
-                                 : run_output_hooks(std::vector<at::Tensor>{std::move(output)})[0];
+    return output_hooks_.empty() ? output : run_output_hooks(std::vector<at::Tensor>{std::move(output)})[0];
   }
 
  private:

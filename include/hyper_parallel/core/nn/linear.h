@@ -29,9 +29,7 @@ class LinearImpl : public torch::nn::Cloneable<LinearImpl>, public HookableModul
   void reset() override;
   /// Input [..., in_features] -> [..., out_features] (local shapes once a style sharded it).
   at::Tensor forward(const at::Tensor& input);
-  ModuleKind module_kind() const override {
-    return ModuleKind::kLinear;
-  }
+  ModuleKind module_kind() const override { return ModuleKind::kLinear; }
   void pretty_print(std::ostream& stream) const override;
 
   LinearOptions options;

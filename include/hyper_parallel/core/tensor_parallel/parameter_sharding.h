@@ -31,8 +31,7 @@ struct ParameterSharding {
 /// `src_data_rank`, so all ranks hold shards of one tensor even if their initialisation differed,
 /// or from each rank's own copy if nullopt. Collective over the mesh unless nullopt.
 void shard_parameter_in_place(const at::Tensor& param, const dtensor::DeviceMesh& mesh,
-                              const dtensor::Placements& placements,
-                              std::optional<int64_t> src_data_rank);
+                              const dtensor::Placements& placements, std::optional<int64_t> src_data_rank);
 
 /// Registers a gradient hook that sums `param`'s gradient over the 1-d mesh (an all_reduce,
 /// counted in CommRegion "grad_sync"). Nothing on a 1-rank mesh or for a parameter that needs no

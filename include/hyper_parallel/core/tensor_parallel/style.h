@@ -109,7 +109,8 @@ class ColwiseParallel : public ParallelStyle {
 
   /// The input hook: a Linear's input made Replicate (gathered if sharded; its gradient, Partial,
   /// is reduce-scattered), an Embedding's ids made Replicate.
-  at::Tensor prepare_input(const at::Tensor& input, nn::ModuleKind kind, const dtensor::DeviceMesh& mesh) const;
+  at::Tensor prepare_input(const at::Tensor& input, nn::ModuleKind kind,
+                           const dtensor::DeviceMesh& mesh) const;
   /// The output hook: Shard(-1) redistributed to output_layouts.
   at::Tensor prepare_output(const at::Tensor& output, const dtensor::DeviceMesh& mesh) const;
 
@@ -185,7 +186,8 @@ class SequenceParallel : public ParallelStyle {
 
   /// The input hook: every floating input taken as Shard(sequence_dim) (a tagged one is
   /// redistributed to it); other inputs (ids, masks) pass unchanged.
-  std::vector<at::Tensor> prepare_inputs(std::vector<at::Tensor> inputs, const dtensor::DeviceMesh& mesh) const;
+  std::vector<at::Tensor> prepare_inputs(std::vector<at::Tensor> inputs,
+                                         const dtensor::DeviceMesh& mesh) const;
   /// The output hook: Shard(sequence_dim), tagged unless use_local_output.
   at::Tensor prepare_output(const at::Tensor& output, const dtensor::DeviceMesh& mesh) const;
 
@@ -222,7 +224,8 @@ class PrepareModuleInput : public ParallelStyle {
   const PrepareModuleInputOptions& options() const { return options_; }
 
   /// The input hook: one layout per positional input (a different count is a c10::ValueError).
-  std::vector<at::Tensor> prepare_inputs(std::vector<at::Tensor> inputs, const dtensor::DeviceMesh& mesh) const;
+  std::vector<at::Tensor> prepare_inputs(std::vector<at::Tensor> inputs,
+                                         const dtensor::DeviceMesh& mesh) const;
 
  protected:
   void apply_to(torch::nn::Module& module, const dtensor::DeviceMesh& mesh,
@@ -248,7 +251,8 @@ class PrepareModuleOutput : public ParallelStyle {
   const PrepareModuleOutputOptions& options() const { return options_; }
 
   /// The output hook: one layout per output (a different count is a c10::ValueError).
-  std::vector<at::Tensor> prepare_outputs(std::vector<at::Tensor> outputs, const dtensor::DeviceMesh& mesh) const;
+  std::vector<at::Tensor> prepare_outputs(std::vector<at::Tensor> outputs,
+                                          const dtensor::DeviceMesh& mesh) const;
 
  protected:
   void apply_to(torch::nn::Module& module, const dtensor::DeviceMesh& mesh,

@@ -10,15 +10,15 @@
 
 namespace hyper_parallel::tensor_parallel {
 
-const char* to_string(MC2Mode mode) {
-  return mode == MC2Mode::kAllGather ? "all_gather" : "reduce_scatter";
-}
+const char* to_string(MC2Mode mode) { return mode == MC2Mode::kAllGather ? "all_gather" : "reduce_scatter"; }
 
 MC2Mode mc2_mode_from_string(const std::string& mode) {
   if (mode == "all_gather") return MC2Mode::kAllGather;
   if (mode == "reduce_scatter") return MC2Mode::kReduceScatter;
-  TORCH_CHECK_VALUE(false, "MC2Linear::configure_mc2: expected mode 'all_gather' or "
-                    "'reduce_scatter', got '", mode, "'");
+  TORCH_CHECK_VALUE(false,
+                    "MC2Linear::configure_mc2: expected mode 'all_gather' or "
+                    "'reduce_scatter', got '",
+                    mode, "'");
 }
 
 std::vector<at::ScalarType> MC2Contract::strict_dtypes() { return {at::kHalf, at::kBFloat16}; }
@@ -42,8 +42,8 @@ void MC2Contract::check_dtype(const char* where, at::ScalarType dtype) const {
 }
 
 void MC2Contract::check_k(const char* where, const char* what, int64_t k) const {
-  TORCH_CHECK_VALUE(k >= min_k_ && k < max_k_, where, ": MC2 ", what, ": expected in [", min_k_, ", ",
-                    max_k_, "), got ", k);
+  TORCH_CHECK_VALUE(k >= min_k_ && k < max_k_, where, ": MC2 ", what, ": expected in [", min_k_, ", ", max_k_,
+                    "), got ", k);
 }
 
 void MC2Contract::check_world_size(const char* where, int64_t world_size) const {
@@ -58,9 +58,8 @@ const std::vector<MC2ContractedDim>& mc2_contracted_dims(MC2Mode mode) {
       {1, false, "contraction dim k (in_features)"},
       {0, true, "column backward contraction n_local (out_features / world_size)"}};
   // The backward all-gather-matmul multiplies dY [rows, out_features] by W: it contracts over n.
-  static const std::vector<MC2ContractedDim> row{
-      {1, true, "contraction dim k (in_features / world_size)"},
-      {0, false, "row backward contraction n (out_features)"}};
+  static const std::vector<MC2ContractedDim> row{{1, true, "contraction dim k (in_features / world_size)"},
+                                                 {0, false, "row backward contraction n (out_features)"}};
   return mode == MC2Mode::kAllGather ? column : row;
 }
 
@@ -82,14 +81,16 @@ void MC2Contract::check_weight(const char* where, MC2Mode mode, c10::IntArrayRef
       continue;
     }
     // Shards can differ by one under torch.chunk sizes: check every rank's.
-    for (int64_t r = 0; r < world_size; ++r) check_k(where, dim.what, comm::chunk_size(extent, world_size, r));
+    for (int64_t r = 0; r < world_size; ++r)
+      check_k(where, dim.what, comm::chunk_size(extent, world_size, r));
   }
 }
 
 void MC2Contract::check_local_weight(const char* where, MC2Mode mode,
                                      c10::IntArrayRef local_weight_shape) const {
   check_weight_rank(where, local_weight_shape);
-  for (const auto& dim : mc2_contracted_dims(mode)) check_k(where, dim.what, local_weight_shape[dim.weight_dim]);
+  for (const auto& dim : mc2_contracted_dims(mode))
+    check_k(where, dim.what, local_weight_shape[dim.weight_dim]);
 }
 
 }  // namespace hyper_parallel::tensor_parallel

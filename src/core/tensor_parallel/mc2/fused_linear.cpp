@@ -35,10 +35,11 @@ std::pair<at::Tensor, at::Tensor> mc2_column_forward(const at::Tensor& x, const 
   return {y, gathered};
 }
 
-MC2LinearGrads mc2_column_backward(const at::Tensor& dy_in, const at::Tensor& d_gathered, const at::Tensor& gathered,
-                                   const at::Tensor& w, const comm::Group& group, const MC2Options& options,
-                                   MC2LinearNeeds needs) {
-  const auto dy = dy_in.defined() ? dy_in.contiguous() : at::zeros({gathered.size(0), w.size(0)}, gathered.options());
+MC2LinearGrads mc2_column_backward(const at::Tensor& dy_in, const at::Tensor& d_gathered,
+                                   const at::Tensor& gathered, const at::Tensor& w, const comm::Group& group,
+                                   const MC2Options& options, MC2LinearNeeds needs) {
+  const auto dy =
+      dy_in.defined() ? dy_in.contiguous() : at::zeros({gathered.size(0), w.size(0)}, gathered.options());
   MC2LinearGrads grads;
   // dX: the dual op, contracting over n_local: reduce_scatter(dY W (+ dG)).
   if (needs.input) grads.input = mm_reduce_scatter(dy, w, group, options, d_gathered);
@@ -77,8 +78,8 @@ std::pair<at::Tensor, at::Tensor> mc2_column_linear_gathered(const at::Tensor& x
   // The closure keeps the plain gather (no autograd history), not the output: no cycle.
   auto outs = hyper_parallel::detail::attach_backward(
       {x, w, bias}, {y, gathered},
-      [gathered, w = w.detach(), group, options, needs = needs_of(x, w, bias)](
-          std::vector<at::Tensor> grads) -> std::vector<at::Tensor> {
+      [gathered, w = w.detach(), group, options,
+       needs = needs_of(x, w, bias)](std::vector<at::Tensor> grads) -> std::vector<at::Tensor> {
         auto g = mc2_column_backward(grads[0], grads[1], gathered, w, group, options, needs);
         return {g.input, g.weight, g.bias};
       },
@@ -100,10 +101,11 @@ at::Tensor mc2_shared_column_linear(const at::Tensor& gathered, const at::Tensor
   }
   return hyper_parallel::detail::attach_backward(
       {gathered, w, bias}, {y},
-      [g = gathered.detach(), w = w.detach(), needs = needs_of(gathered, w, bias)](
-          std::vector<at::Tensor> grads) -> std::vector<at::Tensor> {
+      [g = gathered.detach(), w = w.detach(),
+       needs = needs_of(gathered, w, bias)](std::vector<at::Tensor> grads) -> std::vector<at::Tensor> {
         const auto dy = grads[0].contiguous();
-        return {needs.input ? local_matmul(dy, w) : at::Tensor(), needs.weight ? local_matmul(dy.t(), g) : at::Tensor(),
+        return {needs.input ? local_matmul(dy, w) : at::Tensor(),
+                needs.weight ? local_matmul(dy.t(), g) : at::Tensor(),
                 needs.bias ? sum_rows(dy) : at::Tensor()};
       },
       "MC2SharedColumnLinearBackward")[0];
@@ -118,8 +120,8 @@ at::Tensor mc2_row_linear(const at::Tensor& x, const at::Tensor& w, const at::Te
   }
   return hyper_parallel::detail::attach_backward(
       {x, w, bias}, {y},
-      [x = x.detach(), w = w.detach(), group, options, needs = needs_of(x, w, bias)](
-          std::vector<at::Tensor> grads) -> std::vector<at::Tensor> {
+      [x = x.detach(), w = w.detach(), group, options,
+       needs = needs_of(x, w, bias)](std::vector<at::Tensor> grads) -> std::vector<at::Tensor> {
         auto g = mc2_row_backward(grads[0], x, w, group, options, needs);
         return {g.input, g.weight, g.bias};
       },

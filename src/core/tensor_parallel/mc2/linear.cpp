@@ -17,11 +17,11 @@ namespace hyper_parallel::tensor_parallel {
 class MC2LinearKernel final : public nn::ForwardKernel {
  public:
   at::Tensor forward(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias) override {
-    TORCH_CHECK(configured, "MC2Linear::forward: used before configure_mc2(mode, group, "
+    TORCH_CHECK(configured,
+                "MC2Linear::forward: used before configure_mc2(mode, group, "
                 "sequence_dim); apply MC2ColwiseParallel / MC2RowwiseParallel or configure it");
     contract.check_dtype("MC2Linear::forward", x.scalar_type());
-    TORCH_CHECK(x.dim() >= 2, "MC2Linear::forward: expected an activation [..., S, ..., H], got ",
-                x.sizes());
+    TORCH_CHECK(x.dim() >= 2, "MC2Linear::forward: expected an activation [..., S, ..., H], got ", x.sizes());
     const int64_t seq = normalize_sequence_dim(sequence_dim, x.dim() - 1);
     const int64_t p = group.size();
     // The contract's limits on the local weight, for a layer configured without a style (the
@@ -39,9 +39,10 @@ class MC2LinearKernel final : public nn::ForwardKernel {
       return from_sequence_rows(y, x, seq, x.size(seq) * p);
     }
     auto rows = sequence_rows(x, seq);  // checks seq is not the feature dim
-    TORCH_CHECK_VALUE(x.size(seq) % p == 0, "MC2Linear::forward: reduce_scatter needs the sequence "
-                "length (dim ", seq, " of ", x.sizes(), ") divisible by world_size ", p, ", got ",
-                x.size(seq));
+    TORCH_CHECK_VALUE(x.size(seq) % p == 0,
+                      "MC2Linear::forward: reduce_scatter needs the sequence "
+                      "length (dim ",
+                      seq, " of ", x.sizes(), ") divisible by world_size ", p, ", got ", x.size(seq));
     auto y = mc2_row_linear(rows, w, bias, group, options);
     return from_sequence_rows(y, x, seq, x.size(seq) / p);
   }
@@ -64,8 +65,10 @@ MC2Linear MC2Linear::from_linear(torch::nn::Module& module) {
   if (auto existing = std::dynamic_pointer_cast<MC2LinearKernel>(hm->forward_kernel())) {
     return MC2Linear(existing);
   }
-  TORCH_CHECK(hm->forward_kernel() == nullptr, "MC2Linear::from_linear: expected a Linear with the "
-              "default forward, got one already using ", hm->forward_kernel()->name());
+  TORCH_CHECK(hm->forward_kernel() == nullptr,
+              "MC2Linear::from_linear: expected a Linear with the "
+              "default forward, got one already using ",
+              hm->forward_kernel()->name());
   auto kernel = std::make_shared<MC2LinearKernel>();
   hm->set_forward_kernel(kernel);
   return MC2Linear(kernel);
@@ -85,19 +88,21 @@ at::Tensor MC2Linear::forward(const at::Tensor& x, const at::Tensor& w, const at
   return kernel_->forward(x, w, bias);
 }
 
-void MC2Linear::configure_mc2(MC2Mode mode, const comm::Group& group, int64_t world_size, int64_t sequence_dim,
-                              const MC2Contract& contract, const MC2Options& options) const {
+void MC2Linear::configure_mc2(MC2Mode mode, const comm::Group& group, int64_t world_size,
+                              int64_t sequence_dim, const MC2Contract& contract,
+                              const MC2Options& options) const {
   check_world_size_argument("MC2Linear::configure_mc2", world_size, group);
   configure_mc2(mode, group, sequence_dim, contract, options);
 }
 
 void MC2Linear::configure_mc2(MC2Mode mode, const comm::Group& group, int64_t sequence_dim,
                               const MC2Contract& contract, const MC2Options& options) const {
-  TORCH_CHECK(group.is_member(), "MC2Linear::configure_mc2: expected a group this rank belongs to, "
+  TORCH_CHECK(group.is_member(),
+              "MC2Linear::configure_mc2: expected a group this rank belongs to, "
               "got a non-member group");
   contract.check_world_size("MC2Linear::configure_mc2", group.size());
-  TORCH_CHECK(options.chunks_per_rank() >= 1,
-              "MC2Linear::configure_mc2: expected chunks_per_rank >= 1, got ", options.chunks_per_rank());
+  TORCH_CHECK(options.chunks_per_rank() >= 1, "MC2Linear::configure_mc2: expected chunks_per_rank >= 1, got ",
+              options.chunks_per_rank());
   kernel_->mode = mode;
   kernel_->group = group;
   kernel_->sequence_dim = sequence_dim;

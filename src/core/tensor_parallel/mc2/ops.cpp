@@ -40,34 +40,31 @@ void check_operands(const char* fn, const at::Tensor& a, const at::Tensor& b) {
   TORCH_CHECK(a.defined() && b.defined(), fn, ": expected defined tensors, got an undefined one");
   TORCH_CHECK(a.dim() == 2 && b.dim() == 2, fn, ": expected 2-d operands, got ", a.sizes(), " and ",
               b.sizes());
-  TORCH_CHECK(a.size(1) == b.size(0), fn, ": expected a [m, k] and b [k, n] with equal k, got ",
-              a.sizes(), " and ", b.sizes());
+  TORCH_CHECK(a.size(1) == b.size(0), fn, ": expected a [m, k] and b [k, n] with equal k, got ", a.sizes(),
+              " and ", b.sizes());
   TORCH_CHECK(a.scalar_type() == b.scalar_type(), fn, ": expected operands of one dtype, got ",
               a.scalar_type(), " and ", b.scalar_type());
-  TORCH_CHECK(at::isFloatingType(a.scalar_type()), fn, ": expected a floating dtype, got ",
-              a.scalar_type());
+  TORCH_CHECK(at::isFloatingType(a.scalar_type()), fn, ": expected a floating dtype, got ", a.scalar_type());
 }
 
 // Each of the P blocks holds `rows_per_rank` rows, cut into chunks_per_rank chunks.
-comm::BlockLayout fused_layout(int64_t rows_per_rank, const comm::Group& group,
-                               const MC2Options& options) {
+comm::BlockLayout fused_layout(int64_t rows_per_rank, const comm::Group& group, const MC2Options& options) {
   TORCH_CHECK(options.chunks_per_rank() >= 1, "MC2Options: expected chunks_per_rank >= 1, got ",
               options.chunks_per_rank());
-  return comm::BlockLayout(std::vector<int64_t>(group.size(), rows_per_rank),
-                           options.chunks_per_rank());
+  return comm::BlockLayout(std::vector<int64_t>(group.size(), rows_per_rank), options.chunks_per_rank());
 }
 
 // G = all_gather(a) [P·m, k] through the ring; on_chunk(block, chunk, rows) sees each chunk as
 // soon as it is here and forwarded.
-at::Tensor gather_rows(const at::Tensor& a, const comm::Group& group, const MC2Options& options,
-                       const std::function<void(const comm::BlockLayout&, int64_t, int64_t,
-                                                const at::Tensor&)>& on_chunk) {
+at::Tensor gather_rows(
+    const at::Tensor& a, const comm::Group& group, const MC2Options& options,
+    const std::function<void(const comm::BlockLayout&, int64_t, int64_t, const at::Tensor&)>& on_chunk) {
   const auto layout = fused_layout(a.size(0), group, options);
   auto gathered = at::empty({layout.total_rows(), a.size(1)}, a.options());
-  comm::ring_all_gather(a, gathered, layout, group,
-                        on_chunk ? [&](int64_t block, int64_t j, const at::Tensor& rows) {
-                          on_chunk(layout, block, j, rows);
-                        } : comm::GatheredChunkFn());
+  comm::ring_all_gather(
+      a, gathered, layout, group,
+      on_chunk ? [&](int64_t block, int64_t j, const at::Tensor& rows) { on_chunk(layout, block, j, rows); }
+               : comm::GatheredChunkFn());
   return gathered;
 }
 
@@ -79,17 +76,14 @@ at::Tensor gather_rows(const at::Tensor& a, const comm::Group& group, const MC2O
 comm::OpSignature signature(CollectiveKind kind, const at::Tensor& a, const at::Tensor& b,
                             const MC2Options& options) {
   if (kind == CollectiveKind::kAllGatherMatmul) {
-    return {kind, a.scalar_type(), {a.size(0), a.size(1), 0, 0}, {"m", "k"},
-            options.chunks_per_rank()};
+    return {kind, a.scalar_type(), {a.size(0), a.size(1), 0, 0}, {"m", "k"}, options.chunks_per_rank()};
   }
-  return {kind, a.scalar_type(), {a.size(0), b.size(1), 0, 0}, {"M", "n"},
-          options.chunks_per_rank()};
+  return {kind, a.scalar_type(), {a.size(0), b.size(1), 0, 0}, {"M", "n"}, options.chunks_per_rank()};
 }
 
 void check_reduce_rows(const char* fn, const at::Tensor& a, const comm::Group& group) {
   TORCH_CHECK(a.size(0) % group.size() == 0, fn, ": expected rows (", a.size(0),
-              ") divisible by world_size (", group.size(), "), got remainder ",
-              a.size(0) % group.size());
+              ") divisible by world_size (", group.size(), "), got remainder ", a.size(0) % group.size());
 }
 
 }  // namespace
@@ -101,9 +95,11 @@ std::pair<at::Tensor, at::Tensor> all_gather_mm(const at::Tensor& a_in, const at
   const auto a = a_in.contiguous();
   auto y = at::empty({group.size() * a.size(0), b.size(1)}, a.options());
   // The chunk's rows of Y are computed while the next chunks travel.
-  auto gathered = gather_rows(a, group, options,
-                              [&](const comm::BlockLayout& layout, int64_t block, int64_t j,
-                                  const at::Tensor& rows) { matmul_into(layout.chunk(y, block, j), rows, b); });
+  auto gathered =
+      gather_rows(a, group, options,
+                  [&](const comm::BlockLayout& layout, int64_t block, int64_t j, const at::Tensor& rows) {
+                    matmul_into(layout.chunk(y, block, j), rows, b);
+                  });
   return {y, gathered};
 }
 
@@ -111,8 +107,7 @@ at::Tensor mm_reduce_scatter(const at::Tensor& a_in, const at::Tensor& b, const 
                              const MC2Options& options, const at::Tensor& addend) {
   check_operands("matmul_reduce_scatter", a_in, b);
   check_reduce_rows("matmul_reduce_scatter", a_in, group);
-  comm::OpScope op(group, signature(CollectiveKind::kMatmulReduceScatter, a_in, b, options),
-                   group.name());
+  comm::OpScope op(group, signature(CollectiveKind::kMatmulReduceScatter, a_in, b, options), group.name());
   const auto a = a_in.contiguous();
   const int64_t n = b.size(1);
   TORCH_INTERNAL_ASSERT(!addend.defined() || addend.sizes() == c10::IntArrayRef({a.size(0), n}),
@@ -127,35 +122,33 @@ at::Tensor mm_reduce_scatter(const at::Tensor& a_in, const at::Tensor& b, const 
     // block while the next one is computed; the owner sums in float32. An addend joins each
     // partial in float32 and the sum is rounded once for the wire (this rank's own block
     // never travels and keeps float32).
-    reduced = comm::direct_reduce_scatter(
-        layout, n, a.options(), group, [&](int64_t block, int64_t j) {
-          auto part = local_matmul(layout.chunk(a, block, j), b);
-          if (!addend.defined()) return part;
-          return part.to(acc).add_(layout.chunk(addend, block, j));
-        });
+    reduced = comm::direct_reduce_scatter(layout, n, a.options(), group, [&](int64_t block, int64_t j) {
+      auto part = local_matmul(layout.chunk(a, block, j), b);
+      if (!addend.defined()) return part;
+      return part.to(acc).add_(layout.chunk(addend, block, j));
+    });
   } else {
     // The partial product of a chunk is computed before its arrived partial sum is waited for,
     // so the matmul overlaps the transfer.
-    reduced = comm::ring_reduce_scatter(
-        layout, n, a.options(), group,
-        [&](int64_t block, int64_t j, const std::function<at::Tensor()>& arrived) {
-          auto part = local_matmul(layout.chunk(a, block, j), b);
-          auto sum = arrived();
-          if (sum.defined()) {
-            sum.add_(part);
-          } else {
-            sum = part.to(acc);
-          }
-          if (addend.defined()) sum.add_(layout.chunk(addend, block, j));
-          return sum;
-        });
+    reduced =
+        comm::ring_reduce_scatter(layout, n, a.options(), group,
+                                  [&](int64_t block, int64_t j, const std::function<at::Tensor()>& arrived) {
+                                    auto part = local_matmul(layout.chunk(a, block, j), b);
+                                    auto sum = arrived();
+                                    if (sum.defined()) {
+                                      sum.add_(part);
+                                    } else {
+                                      sum = part.to(acc);
+                                    }
+                                    if (addend.defined()) sum.add_(layout.chunk(addend, block, j));
+                                    return sum;
+                                  });
   }
   return reduced.to(a.scalar_type());
 }
 
 std::pair<at::Tensor, at::Tensor> all_gather_matmul(const at::Tensor& x, const at::Tensor& w,
-                                                    const comm::Group& group,
-                                                    const MC2Options& options) {
+                                                    const comm::Group& group, const MC2Options& options) {
   TORCH_CHECK(w.dim() == 2, "all_gather_matmul: expected w [n, k], got ", w.sizes());
   return all_gather_mm(x, w.t(), group, options);
 }
@@ -168,16 +161,16 @@ at::Tensor matmul_reduce_scatter(const at::Tensor& x, const at::Tensor& w, const
 
 namespace detail {
 
-void all_gather_matmul_transfers_only(const at::Tensor& x, const at::Tensor& w,
-                                      const comm::Group& group, const MC2Options& options) {
+void all_gather_matmul_transfers_only(const at::Tensor& x, const at::Tensor& w, const comm::Group& group,
+                                      const MC2Options& options) {
   check_operands("all_gather_matmul", x, w.t());
-  comm::OpScope op(group, signature(CollectiveKind::kAllGatherMatmul, x, w.t(), options),
-                   "transfers only", /*counted=*/false);
+  comm::OpScope op(group, signature(CollectiveKind::kAllGatherMatmul, x, w.t(), options), "transfers only",
+                   /*counted=*/false);
   gather_rows(x.contiguous(), group, options, {});
 }
 
-void matmul_reduce_scatter_transfers_only(const at::Tensor& x, const at::Tensor& w,
-                                          const comm::Group& group, const MC2Options& options) {
+void matmul_reduce_scatter_transfers_only(const at::Tensor& x, const at::Tensor& w, const comm::Group& group,
+                                          const MC2Options& options) {
   check_operands("matmul_reduce_scatter", x, w.t());
   check_reduce_rows("matmul_reduce_scatter", x, group);
   comm::OpScope op(group, signature(CollectiveKind::kMatmulReduceScatter, x, w.t(), options),

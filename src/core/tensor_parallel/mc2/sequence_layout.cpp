@@ -12,17 +12,15 @@ int64_t normalize_sequence_dim(int64_t sequence_dim, int64_t ndim_leading) {
   return d;
 }
 
-at::Tensor move_dim_to_front(const at::Tensor& t, int64_t dim) {
-  return t.movedim(dim, 0).contiguous();
-}
+at::Tensor move_dim_to_front(const at::Tensor& t, int64_t dim) { return t.movedim(dim, 0).contiguous(); }
 
-at::Tensor move_front_to_dim(const at::Tensor& t, int64_t dim) {
-  return t.movedim(0, dim).contiguous();
-}
+at::Tensor move_front_to_dim(const at::Tensor& t, int64_t dim) { return t.movedim(0, dim).contiguous(); }
 
 at::Tensor sequence_rows(const at::Tensor& x, int64_t sequence_dim) {
-  TORCH_CHECK(x.dim() >= 2, "MC2Linear::forward: expected an activation with a sequence and a "
-              "feature dim, got ", x.sizes());
+  TORCH_CHECK(x.dim() >= 2,
+              "MC2Linear::forward: expected an activation with a sequence and a "
+              "feature dim, got ",
+              x.sizes());
   TORCH_CHECK(sequence_dim >= 0 && sequence_dim < x.dim() - 1,
               "MC2Linear::forward: expected sequence_dim to be a non-feature dim of the ", x.dim(),
               "-d activation ", x.sizes(), ", got ", sequence_dim);

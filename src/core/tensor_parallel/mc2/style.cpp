@@ -20,7 +20,8 @@ using dtensor::Shard;
 void MC2Style::check_kind(const ModuleTarget& target, const ModuleTypeNames& names) const {
   // MC2 fuses Linear layers: an Embedding is not supported, anything else is the wrong type.
   TORCH_CHECK_NOT_IMPLEMENTED(target.kind != nn::ModuleKind::kEmbedding, name(),
-                              " does not support Embedding (got ", target.type, "); MC2 fuses Linear layers only");
+                              " does not support Embedding (got ", target.type,
+                              "); MC2 fuses Linear layers only");
   TORCH_CHECK_TYPE(target.kind == nn::ModuleKind::kLinear, name(), ": expected ", names.linear, ", got ",
                    target.type, "; MC2 fuses Linear layers only");
 }
@@ -59,9 +60,12 @@ void MC2Style::apply_to(torch::nn::Module& module, const DeviceMesh& mesh,
 namespace {
 
 void check_sequence_layout(const char* style, const char* what, const char* fused, const Placement& layout) {
-  TORCH_CHECK_VALUE(layout.is_shard(), style, ": requires a sharded ", what, " layout (sequence parallelism: the "
-                    "fused op ", fused, " the sequence), got ", what, "_layouts ", layout.str());
-  TORCH_CHECK_VALUE(layout.dim() != -1, style, ": expected ", what, "_layouts Shard(sequence dim), got Shard(-1), "
+  TORCH_CHECK_VALUE(layout.is_shard(), style, ": requires a sharded ", what,
+                    " layout (sequence parallelism: the "
+                    "fused op ",
+                    fused, " the sequence), got ", what, "_layouts ", layout.str());
+  TORCH_CHECK_VALUE(layout.dim() != -1, style, ": expected ", what,
+                    "_layouts Shard(sequence dim), got Shard(-1), "
                     "the feature dim");
 }
 
@@ -76,8 +80,8 @@ MC2ColwiseParallel::MC2ColwiseParallel(MC2ColwiseParallelOptions options) : opti
                     options_.output_layouts().str());
 }
 
-std::vector<ParameterSharding> MC2ColwiseParallel::parameter_shardings(nn::ModuleKind,
-                                                                       const std::vector<std::string>& parameters) const {
+std::vector<ParameterSharding> MC2ColwiseParallel::parameter_shardings(
+    nn::ModuleKind, const std::vector<std::string>& parameters) const {
   return detail::shard_each(parameters, {{"weight", {Shard(0)}}, {"bias", {Shard(0)}}});
 }
 
@@ -89,7 +93,6 @@ at::Tensor MC2ColwiseParallel::prepare_output(const at::Tensor& output, const De
   return detail::prepare(output, mesh, Shard(-1), options_.output_layouts(), options_.use_local_output());
 }
 
-
 // ---- MC2RowwiseParallel -------------------------------------------------------------------
 
 MC2RowwiseParallel::MC2RowwiseParallel(MC2RowwiseParallelOptions options) : options_(std::move(options)) {
@@ -99,8 +102,8 @@ MC2RowwiseParallel::MC2RowwiseParallel(MC2RowwiseParallelOptions options) : opti
                     options_.input_layouts().str());
 }
 
-std::vector<ParameterSharding> MC2RowwiseParallel::parameter_shardings(nn::ModuleKind,
-                                                                       const std::vector<std::string>& parameters) const {
+std::vector<ParameterSharding> MC2RowwiseParallel::parameter_shardings(
+    nn::ModuleKind, const std::vector<std::string>& parameters) const {
   // The fused backward gathers dY, so the bias gradient is complete on every rank.
   return detail::shard_each(parameters, {{"weight", {Shard(1)}}, {"bias", {Replicate()}}});
 }
@@ -115,6 +118,5 @@ at::Tensor MC2RowwiseParallel::prepare_output(const at::Tensor& output, const De
   const auto& out = options_.output_layouts();
   return detail::prepare(output, mesh, out, out, options_.use_local_output());
 }
-
 
 }  // namespace hyper_parallel::tensor_parallel

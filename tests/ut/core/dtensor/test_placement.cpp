@@ -40,9 +40,7 @@ struct ChunkCase {
 };
 
 // Keeps ctest's test names readable (gtest would otherwise print the case's raw bytes).
-void PrintTo(const ChunkCase& c, std::ostream* os) {
-  *os << "chunk(" << c.global << ", " << c.parts << ")";
-}
+void PrintTo(const ChunkCase& c, std::ostream* os) { *os << "chunk(" << c.global << ", " << c.parts << ")"; }
 
 class ShardArithmetic : public ::testing::TestWithParam<ChunkCase> {};
 
@@ -58,15 +56,15 @@ TEST_P(ShardArithmetic, FollowsTorchChunk) {
   EXPECT_EQ(hp::comm::chunk_sizes(c.global, c.parts), c.sizes);
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Cases, ShardArithmetic,
-    ::testing::Values(ChunkCase{8, 4, {2, 2, 2, 2}}, ChunkCase{5, 4, {2, 2, 1, 0}},
-                      ChunkCase{0, 3, {0, 0, 0}}, ChunkCase{1, 3, {1, 0, 0}},
-                      ChunkCase{7, 1, {7}}, ChunkCase{10, 3, {4, 4, 2}},
-                      ChunkCase{9, 8, {2, 2, 2, 2, 1, 0, 0, 0}}),
-    [](const auto& info) {
-      return "global" + std::to_string(info.param.global) + "_parts" + std::to_string(info.param.parts);
-    });
+INSTANTIATE_TEST_SUITE_P(Cases, ShardArithmetic,
+                         ::testing::Values(ChunkCase{8, 4, {2, 2, 2, 2}}, ChunkCase{5, 4, {2, 2, 1, 0}},
+                                           ChunkCase{0, 3, {0, 0, 0}}, ChunkCase{1, 3, {1, 0, 0}},
+                                           ChunkCase{7, 1, {7}}, ChunkCase{10, 3, {4, 4, 2}},
+                                           ChunkCase{9, 8, {2, 2, 2, 2, 1, 0, 0, 0}}),
+                         [](const auto& info) {
+                           return "global" + std::to_string(info.param.global) + "_parts" +
+                                  std::to_string(info.param.parts);
+                         });
 
 TEST(ShardArithmetic, RejectsBadArguments) {
   HP_EXPECT_THROW_MSG(shard_size(4, 0, 0), "expected parts >= 1, got 0");
@@ -85,7 +83,8 @@ TEST(LocalShape, NestedShardsFollowMeshDimOrder) {
   // [Shard(1), Partial] and [Replicate, Shard(-1)]
   EXPECT_EQ(local_shape(global, mesh, {1, 0}, {Shard(1), Partial()}), (std::vector<int64_t>{13, 2}));
   EXPECT_EQ(local_shape(global, mesh, {0, 2}, {Replicate(), Shard(-1)}), (std::vector<int64_t>{13, 0}));
-  HP_EXPECT_THROW_MSG(local_shape(global, mesh, {0, 0}, {Shard(0)}), "expected one placement per mesh dim (2)");
+  HP_EXPECT_THROW_MSG(local_shape(global, mesh, {0, 0}, {Shard(0)}),
+                      "expected one placement per mesh dim (2)");
 }
 
 }  // namespace

@@ -42,9 +42,9 @@ std::pair<at::Tensor, at::Tensor> mc2_column_forward(const at::Tensor& x, const 
                                                      const at::Tensor& bias, const comm::Group& group,
                                                      const MC2Options& options = {});
 /// Column backward, no autograd. `dy` undefined counts as zeros; `d_gathered` may be undefined.
-MC2LinearGrads mc2_column_backward(const at::Tensor& dy, const at::Tensor& d_gathered, const at::Tensor& gathered,
-                                   const at::Tensor& w, const comm::Group& group, const MC2Options& options,
-                                   MC2LinearNeeds needs);
+MC2LinearGrads mc2_column_backward(const at::Tensor& dy, const at::Tensor& d_gathered,
+                                   const at::Tensor& gathered, const at::Tensor& w, const comm::Group& group,
+                                   const MC2Options& options, MC2LinearNeeds needs);
 /// Row forward, no autograd.
 at::Tensor mc2_row_forward(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias,
                            const comm::Group& group, const MC2Options& options = {});

@@ -44,8 +44,7 @@ struct MC2Options {
 /// (Y, G) with G = all_gather(x [m, k], rows) of shape [P·m, k] and Y = G Wᵀ [P·m, n]. Every rank
 /// passes the same m. Step s multiplies the chunks that arrived at step s-1 while forwarding them.
 std::pair<at::Tensor, at::Tensor> all_gather_matmul(const at::Tensor& x, const at::Tensor& w,
-                                                    const comm::Group& group,
-                                                    const MC2Options& options = {});
+                                                    const comm::Group& group, const MC2Options& options = {});
 /// reduce_scatter(x [M, k_l] Wᵀ, rows, sum) of shape [M/P, n]; M divisible by P. Step s computes
 /// the partial product of one destination block while the partial sum for it is in flight;
 /// 16-bit inputs accumulate across ranks in float32 and round once.
@@ -56,8 +55,7 @@ at::Tensor matmul_reduce_scatter(const at::Tensor& x, const at::Tensor& w, const
 /// reduce_scatter(a @ b + addend) (addend [M, n], optional, added to each rank's partial before
 /// the reduction). The backward passes use these (b = W instead of Wᵀ).
 std::pair<at::Tensor, at::Tensor> all_gather_mm(const at::Tensor& a, const at::Tensor& b,
-                                                const comm::Group& group,
-                                                const MC2Options& options = {});
+                                                const comm::Group& group, const MC2Options& options = {});
 at::Tensor mm_reduce_scatter(const at::Tensor& a, const at::Tensor& b, const comm::Group& group,
                              const MC2Options& options = {}, const at::Tensor& addend = {});
 
@@ -70,10 +68,10 @@ at::Tensor local_matmul(const at::Tensor& a, const at::Tensor& b);
 /// callbacks: the same transfers, chunks, accumulate dtype and order, matmuls left out, so timing
 /// them gives the communication the fused op has to hide. Results are meaningless; not counted
 /// as collectives.
-void all_gather_matmul_transfers_only(const at::Tensor& x, const at::Tensor& w,
-                                      const comm::Group& group, const MC2Options& options = {});
-void matmul_reduce_scatter_transfers_only(const at::Tensor& x, const at::Tensor& w,
-                                          const comm::Group& group, const MC2Options& options = {});
+void all_gather_matmul_transfers_only(const at::Tensor& x, const at::Tensor& w, const comm::Group& group,
+                                      const MC2Options& options = {});
+void matmul_reduce_scatter_transfers_only(const at::Tensor& x, const at::Tensor& w, const comm::Group& group,
+                                          const MC2Options& options = {});
 }  // namespace detail
 
 }  // namespace hyper_parallel::tensor_parallel

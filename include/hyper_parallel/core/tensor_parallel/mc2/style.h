@@ -77,7 +77,9 @@ class MC2ColwiseParallel : public MC2Style {
 
  protected:
   const dtensor::Placement& sequence_layout() const override { return options_.input_layouts(); }
-  std::shared_ptr<const MC2Style> clone() const override { return std::make_shared<MC2ColwiseParallel>(*this); }
+  std::shared_ptr<const MC2Style> clone() const override {
+    return std::make_shared<MC2ColwiseParallel>(*this);
+  }
 
  private:
   MC2ColwiseParallelOptions options_;
@@ -113,7 +115,9 @@ class MC2RowwiseParallel : public MC2Style {
 
  protected:
   const dtensor::Placement& sequence_layout() const override { return options_.output_layouts(); }
-  std::shared_ptr<const MC2Style> clone() const override { return std::make_shared<MC2RowwiseParallel>(*this); }
+  std::shared_ptr<const MC2Style> clone() const override {
+    return std::make_shared<MC2RowwiseParallel>(*this);
+  }
 
  private:
   MC2RowwiseParallelOptions options_;
