@@ -15,13 +15,15 @@ export CCACHE_SLOPPINESS=pch_defines,time_macros,include_file_mtime,include_file
 export OMP_NUM_THREADS=1 HP_TIMEOUT_S=120
 supp=$PWD/tests/sanitizers
 
-configure() {  # build dir, sanitizer flags
+configure() {  # build dir, sanitizer flags [targets...]
   # -O1 -g1: fast enough to run the multi-rank tests, line tables for the reports, and a build a
   # third the time of -O2 -g.
   cmake -S . -B "$1" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_FLAGS_RELEASE="-O1 -g1 -DNDEBUG" \
     -DHP_BUILD_PYTHON=OFF -DHP_BUILD_BENCH=OFF -DHP_WERROR=ON -DCMAKE_CXX_FLAGS="$2 -fno-omit-frame-pointer" \
     -DCMAKE_EXE_LINKER_FLAGS="$2" -DCMAKE_SHARED_LINKER_FLAGS="$2" >/dev/null
-  cmake --build "$1"
+  local dir=$1
+  shift 2
+  cmake --build "$dir" ${1:+--target "$@"}
 }
 
 if [[ $what == asan || $what == all ]]; then
@@ -34,7 +36,8 @@ if [[ $what == asan || $what == all ]]; then
   unset ASAN_OPTIONS LSAN_OPTIONS UBSAN_OPTIONS
 fi
 if [[ $what == tsan || $what == all ]]; then
-  configure build-tsan "-fsanitize=thread"
+  configure build-tsan "-fsanitize=thread" hp-run hp-trace test_collectives test_agreement test_mc2_style \
+    test_mc2_distributed trace_overlap_main stuck_rank_main
   export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$supp/tsan.supp"
   (cd build-tsan && ctest --output-on-failure --parallel 2 --timeout 1800 \
     -R "test_collectives|test_agreement|test_mc2|trace_overlap|stuck_rank")
