@@ -32,7 +32,7 @@ at::Tensor from_sequence_rows(const at::Tensor& rows, const at::Tensor& like, in
   auto shape = like.movedim(sequence_dim, 0).sizes().vec();
   shape.front() = seq_len;
   shape.back() = rows.size(1);
-  return rows.view(shape).movedim(0, sequence_dim);
+  return move_front_to_dim(rows.view(shape), sequence_dim);
 }
 
 }  // namespace hyper_parallel::tensor_parallel

@@ -24,7 +24,8 @@ at::Tensor move_front_to_dim(const at::Tensor& t, int64_t dim);
 /// rows [S·rest, H], contiguous.
 at::Tensor sequence_rows(const at::Tensor& x, int64_t sequence_dim);
 /// Inverse of sequence_rows for an output with `seq_len` positions along sequence_dim, the other
-/// leading dims of `like`, and the rows' column count as features.
+/// leading dims of `like`, and the rows' column count as features; contiguous, as a Linear's
+/// output is (so that views of it, e.g. logits.flatten(0, 1), stay views).
 at::Tensor from_sequence_rows(const at::Tensor& rows, const at::Tensor& like, int64_t sequence_dim,
                               int64_t seq_len);
 
