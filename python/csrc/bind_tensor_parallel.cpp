@@ -65,6 +65,19 @@ void bind_plan(py::module& m) {
 }
 
 void bind_parameters(py::module& m) {
+  m.def(
+      "layout_of",
+      [](const at::Tensor& param) -> py::object {
+        const auto layout = hpnn::recorded_layout(param);
+        if (!layout) return py::none();
+        return py::make_tuple(layout->mesh, layout->placements, layout->global_shape);
+      },
+      py::arg("param"), "(mesh, placements, global shape) as the parameter's style recorded it, or None.");
+  m.def("full_tensor", &tp::full_tensor, py::arg("param"));
+  m.def("clip_grad_norm_", py::overload_cast<const std::vector<at::Tensor>&, double>(&tp::clip_grad_norm_),
+        py::arg("parameters"), py::arg("max_norm"));
+  m.def("vocab_parallel_cross_entropy", &tp::vocab_parallel_cross_entropy, py::arg("local_logits"),
+        py::arg("targets"), py::arg("vocab_size"), py::arg("mesh"));
   m.def("shard_parameter_in_place", &tp::shard_parameter_in_place, py::arg("param"), py::arg("mesh"),
         py::arg("placements"), py::arg("src_data_rank"));
   m.def("sum_gradient_over_mesh", &tp::sum_gradient_over_mesh, py::arg("param"), py::arg("mesh"));

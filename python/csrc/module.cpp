@@ -2,9 +2,10 @@
 #include "bindings.h"
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "hyper_parallel's C++ core (comm, dtensor, tensor_parallel, MC2)";
+  m.doc() = "hyper_parallel's C++ core (comm, dtensor, tensor_parallel, MC2, checkpoint)";
   hp_python::bind_comm(m);
   hp_python::bind_dtensor(m);
   hp_python::bind_tensor_parallel(m);
   hp_python::bind_mc2(m);
+  hp_python::bind_checkpoint(m);
 }

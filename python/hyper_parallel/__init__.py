@@ -24,8 +24,13 @@ from hyper_parallel.core.tensor_parallel import (
     PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
+    clip_grad_norm_,
+    full_tensor,
+    layout_of,
+    loss_parallel,
     parallelize_module,
 )
+from hyper_parallel import checkpoint  # noqa: E402  (hyper_parallel.checkpoint.save / load)
 
 __all__ = [
     "ColwiseParallel",
@@ -38,6 +43,11 @@ __all__ = [
     "PrepareModuleOutput",
     "RowwiseParallel",
     "SequenceParallel",
+    "checkpoint",
+    "clip_grad_norm_",
+    "full_tensor",
     "init_device_mesh",
+    "layout_of",
+    "loss_parallel",
     "parallelize_module",
 ]

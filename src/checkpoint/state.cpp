@@ -8,7 +8,7 @@
 #include <torch/nn/module.h>
 #include <torch/optim/adamw.h>
 
-#include <hyper_parallel/core/nn/hookable_module.h>
+#include <hyper_parallel/core/nn/parameter_layout.h>
 
 #include "layout.h"
 #include "safetensors.h"
@@ -80,18 +80,15 @@ namespace {
 struct NamedParameter {
   std::string fqn;
   at::Tensor tensor;
-  const nn::ParameterLayout* layout;  // nullptr: replicated
 };
 
-// Parameters by FQN with their layouts, and buffers, in module order (as grad_utils walks them).
+// Parameters by FQN, and buffers, in module order (as grad_utils walks them).
 void walk(torch::nn::Module& model, std::vector<NamedParameter>* params,
           std::vector<std::pair<std::string, at::Tensor>>* buffers) {
   for (const auto& item : model.named_modules()) {
-    auto* hm = dynamic_cast<nn::HookableModule*>(item.value().get());
     const std::string prefix = item.key().empty() ? "" : item.key() + ".";
     for (const auto& p : item.value()->named_parameters(/*recurse=*/false)) {
-      if (!p.value().defined()) continue;
-      params->push_back({prefix + p.key(), p.value(), hm ? hm->parameter_layout(p.key()) : nullptr});
+      if (p.value().defined()) params->push_back({prefix + p.key(), p.value()});
     }
     if (buffers == nullptr) continue;
     for (const auto& b : item.value()->named_buffers(/*recurse=*/false)) {
@@ -100,8 +97,10 @@ void walk(torch::nn::Module& model, std::vector<NamedParameter>* params,
   }
 }
 
-Entry entry_with_layout(at::Tensor local, const nn::ParameterLayout* layout) {
-  if (layout == nullptr) return Entry::replicated(std::move(local));
+// An entry aliasing `local`, laid out as `param` (whose shard it mirrors) was.
+Entry entry_like(at::Tensor local, const at::Tensor& param) {
+  const auto layout = nn::recorded_layout(param);
+  if (!layout) return Entry::replicated(std::move(local));
   Entry e;
   e.local = std::move(local);
   e.global_shape = layout->global_shape;
@@ -110,16 +109,52 @@ Entry entry_with_layout(at::Tensor local, const nn::ParameterLayout* layout) {
   return e;
 }
 
+// libtorch's AdamW state of `param`, created as AdamW::step would on its first step (zeros, step
+// 0) if it has none yet, so that a load has tensors to fill.
+torch::optim::AdamWParamState& adamw_state_of(torch::optim::AdamW& optimizer, const at::Tensor& param,
+                                              bool amsgrad) {
+  // libtorch keys AdamW's state by the parameter's TensorImpl address, as AdamW::step does.
+  const std::string impl_key = c10::guts::to_string(param.unsafeGetTensorImpl());
+  auto& states = optimizer.state();
+  if (states.find(impl_key) == states.end()) {
+    auto fresh = std::make_unique<torch::optim::AdamWParamState>();
+    fresh->step(0);
+    fresh->exp_avg(at::zeros_like(param, at::MemoryFormat::Preserve));
+    fresh->exp_avg_sq(at::zeros_like(param, at::MemoryFormat::Preserve));
+    if (amsgrad) fresh->max_exp_avg_sq(at::zeros_like(param, at::MemoryFormat::Preserve));
+    states[impl_key] = std::move(fresh);
+  }
+  auto* s = dynamic_cast<torch::optim::AdamWParamState*>(states[impl_key].get());
+  TORCH_INTERNAL_ASSERT(s != nullptr, "add_optimizer_state: the optimizer's state is not AdamW's");
+  return *s;
+}
+
 }  // namespace
+
+Entry entry_of(at::Tensor tensor) { return entry_like(tensor, tensor); }
 
 State model_state(torch::nn::Module& model) {
   std::vector<NamedParameter> params;
   std::vector<std::pair<std::string, at::Tensor>> buffers;
   walk(model, &params, &buffers);
   State state;
-  for (auto& p : params) state.add(p.fqn, entry_with_layout(p.tensor, p.layout));
+  for (auto& p : params) state.add(p.fqn, entry_of(p.tensor));
   for (auto& [fqn, b] : buffers) state.add(fqn, Entry::replicated(b));
   return state;
+}
+
+void add_adamw_state(State& state, const std::string& fqn, const at::Tensor& param,
+                     const AdamWTensors& adamw) {
+  const std::string prefix = "optim." + fqn + ".";
+  state.add(prefix + "exp_avg", entry_like(adamw.exp_avg, param));
+  state.add(prefix + "exp_avg_sq", entry_like(adamw.exp_avg_sq, param));
+  if (adamw.max_exp_avg_sq.defined())
+    state.add(prefix + "max_exp_avg_sq", entry_like(adamw.max_exp_avg_sq, param));
+  // The step count lives where the optimizer keeps it: copied out at save, back in at load.
+  Entry step = Entry::replicated(at::full({1}, adamw.get_step(), at::kLong));
+  step.before_save = [get = adamw.get_step](const at::Tensor& local) { local.fill_(get()); };
+  step.after_load = [set = adamw.set_step](const at::Tensor& local) { set(local.item<int64_t>()); };
+  state.add(prefix + "step", std::move(step));
 }
 
 void add_optimizer_state(State& state, torch::optim::AdamW& optimizer, torch::nn::Module& model) {
@@ -127,48 +162,25 @@ void add_optimizer_state(State& state, torch::optim::AdamW& optimizer, torch::nn
   walk(model, &params, nullptr);
   std::unordered_map<const c10::TensorImpl*, const NamedParameter*> by_impl;
   for (const auto& p : params) by_impl.emplace(p.tensor.unsafeGetTensorImpl(), &p);
-
   for (auto& group : optimizer.param_groups()) {
     const auto& options = static_cast<const torch::optim::AdamWOptions&>(group.options());
     for (const auto& param : group.params()) {
       auto it = by_impl.find(param.unsafeGetTensorImpl());
       TORCH_CHECK(it != by_impl.end(), "add_optimizer_state: expected every parameter of the ",
                   "optimizer to belong to the model, got one of shape ", param.sizes(), " that does not");
-      const NamedParameter& named = *it->second;
-      // libtorch keys AdamW's state by the parameter's TensorImpl address, as AdamW::step does.
-      const std::string impl_key = c10::guts::to_string(param.unsafeGetTensorImpl());
-      auto& states = optimizer.state();
-      if (states.find(impl_key) == states.end()) {
-        // What AdamW::step would create on its first step, so that a load has tensors to fill.
-        auto fresh = std::make_unique<torch::optim::AdamWParamState>();
-        fresh->step(0);
-        fresh->exp_avg(at::zeros_like(param, at::MemoryFormat::Preserve));
-        fresh->exp_avg_sq(at::zeros_like(param, at::MemoryFormat::Preserve));
-        if (options.amsgrad()) fresh->max_exp_avg_sq(at::zeros_like(param, at::MemoryFormat::Preserve));
-        states[impl_key] = std::move(fresh);
-      }
-      auto* s = dynamic_cast<torch::optim::AdamWParamState*>(states[impl_key].get());
-      TORCH_INTERNAL_ASSERT(s != nullptr, "add_optimizer_state: ", named.fqn,
-                            ": the optimizer's state is not AdamW's");
-      const std::string prefix = "optim." + named.fqn + ".";
-      state.add(prefix + "exp_avg", entry_with_layout(s->exp_avg(), named.layout));
-      state.add(prefix + "exp_avg_sq", entry_with_layout(s->exp_avg_sq(), named.layout));
-      if (s->max_exp_avg_sq().defined()) {
-        state.add(prefix + "max_exp_avg_sq", entry_with_layout(s->max_exp_avg_sq(), named.layout));
-      }
-      // The step count is an int64 inside the optimizer: copied out at save, back in at load.
-      // Looked up by key each time, so it follows a state the optimizer replaced.
+      auto& s = adamw_state_of(optimizer, param, options.amsgrad());
+      // Looked up by key each time, so that the step follows a state the optimizer replaced.
       auto* opt = &optimizer;
-      auto lookup = [opt, impl_key, fqn = named.fqn]() -> torch::optim::AdamWParamState& {
+      auto lookup = [opt, impl_key = c10::guts::to_string(param.unsafeGetTensorImpl()),
+                     fqn = it->second->fqn]() -> torch::optim::AdamWParamState& {
         auto found = opt->state().find(impl_key);
         TORCH_CHECK(found != opt->state().end(), "add_optimizer_state: ", fqn,
                     ": the optimizer no longer has state for this parameter");
         return static_cast<torch::optim::AdamWParamState&>(*found->second);
       };
-      Entry step = Entry::replicated(at::full({1}, s->step(), at::kLong));
-      step.before_save = [lookup](const at::Tensor& local) { local.fill_(lookup().step()); };
-      step.after_load = [lookup](const at::Tensor& local) { lookup().step(local.item<int64_t>()); };
-      state.add(prefix + "step", std::move(step));
+      add_adamw_state(state, it->second->fqn, param,
+                      {s.exp_avg(), s.exp_avg_sq(), s.max_exp_avg_sq(), [lookup] { return lookup().step(); },
+                       [lookup](int64_t step) { lookup().step(step); }});
     }
   }
 }

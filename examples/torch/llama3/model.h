@@ -38,7 +38,7 @@ struct ModelArgs {
   /// with `n_layers` layers (for benchmarks).
   static ModelArgs llama3_8b(int64_t n_layers = 32);
   /// The transformer of PyTorch's tensor-parallel test checklist: dim 16, 2 layers, 4 heads,
-  /// vocab 8, seq 8 (FFN hidden 16).
+  /// vocab 8, seq 8 (FFN hidden 48).
   static ModelArgs tiny();
   /// A model sized for CPU benchmarks: dim 1024, 2 layers, 8 heads, FFN hidden 2816, vocab 4096,
   /// seq 256.

@@ -13,12 +13,16 @@ from torch import nn
 
 @dataclasses.dataclass
 class ModelArgs:
+    """The C++ ModelArgs (model.h), preset for preset, so the two trainers' checkpoints hold the same
+    keys and shapes."""
+
     dim: int = 256
     n_layers: int = 2
     n_heads: int = 8
     n_kv_heads: int = 4
     vocab_size: int = 1024
-    ffn_hidden_dim: int = 1024
+    multiple_of: int = 256
+    ffn_dim_multiplier: float = 1.5
     norm_eps: float = 1e-5
     rope_theta: float = 500000.0
     max_seq_len: int = 64
@@ -27,11 +31,38 @@ class ModelArgs:
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
+    @property
+    def ffn_hidden_dim(self) -> int:
+        """SwiGLU hidden size, as in Llama: 2/3 of 4*dim, times the multiplier, rounded up."""
+        hidden = int(self.ffn_dim_multiplier * int(2 * 4 * self.dim / 3))
+        return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+
+    @staticmethod
+    def debug() -> "ModelArgs":
+        return ModelArgs()
+
+    @staticmethod
+    def tiny() -> "ModelArgs":
+        return ModelArgs(dim=16, n_layers=2, n_heads=4, n_kv_heads=4, vocab_size=8, multiple_of=16,
+                         ffn_dim_multiplier=1.0, max_seq_len=8)
+
+    @staticmethod
+    def bench() -> "ModelArgs":
+        return ModelArgs(dim=1024, n_layers=2, n_heads=8, n_kv_heads=8, vocab_size=4096, ffn_dim_multiplier=1.0,
+                         max_seq_len=256)
+
     @staticmethod
     def small() -> "ModelArgs":
-        """Every Linear within the MC2 contract at TP 2 and 4 (as the C++ preset "small")."""
-        return ModelArgs(dim=1024, n_layers=1, n_heads=8, n_kv_heads=8, vocab_size=2048, ffn_hidden_dim=2816,
-                         max_seq_len=64)
+        """Every Linear within the MC2 contract at TP 2 and 4."""
+        return dataclasses.replace(ModelArgs.bench(), n_layers=1, vocab_size=2048, max_seq_len=64)
+
+    @staticmethod
+    def from_preset(name: str) -> "ModelArgs":
+        presets = {"debug": ModelArgs.debug, "tiny": ModelArgs.tiny, "small": ModelArgs.small,
+                   "bench": ModelArgs.bench}
+        if name not in presets:
+            raise ValueError(f"ModelArgs.from_preset: expected one of {sorted(presets)}, got {name!r}")
+        return presets[name]()
 
 
 class RMSNorm(nn.Module):
@@ -64,8 +95,9 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * hd, args.dim, bias=False)
         inv_freq = args.rope_theta ** (-torch.arange(0, hd, 2, dtype=torch.float64) / hd)
         angles = torch.outer(torch.arange(args.max_seq_len, dtype=torch.float64), inv_freq).float()
-        self.register_buffer("rope_cos", angles.cos(), persistent=False)
-        self.register_buffer("rope_sin", angles.sin(), persistent=False)
+        # Persistent, as the C++ model's: a checkpoint holds the same keys in both languages.
+        self.register_buffer("rope_cos", angles.cos())
+        self.register_buffer("rope_sin", angles.sin())
 
     def forward(self, x):
         q, k, v = self.wq(x), self.wk(x), self.wv(x)
@@ -108,6 +140,7 @@ class TransformerBlock(nn.Module):
 class Transformer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
+        self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)

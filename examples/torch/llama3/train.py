@@ -1,45 +1,127 @@
-"""Trains the Python Llama 3 with tensor (+ sequence) parallelism on synthetic data, printing the
-loss. Run one process per TP rank:
+"""Trains the Python Llama 3 with tensor (+ sequence) parallelism on synthetic data, the twin of
+llama3_train (same presets, data, optimizer, plan and checkpoint files). Run one process per TP
+rank (PYTHONPATH=build/python):
     hp-run --nproc-per-node 2 -- /usr/bin/python3 examples/torch/llama3/train.py --enable-mc2
-(with PYTHONPATH=build/python)."""
+    ... train.py --steps 20 --checkpoint-dir /tmp/ckpt --checkpoint-every 5     (then --resume)"""
 
 import argparse
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import model as llama  # noqa: E402
 from parallelize import parallelize_llama3  # noqa: E402
 
-from hyper_parallel import init_device_mesh  # noqa: E402
+from hyper_parallel import checkpoint, clip_grad_norm_, init_device_mesh, loss_parallel  # noqa: E402
+from hyper_parallel.core.tensor_parallel.mc2 import MC2Contract  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="small", choices=["debug", "tiny", "small", "bench"], help="model size")
+    p.add_argument("--steps", type=int, default=10, help="training steps")
+    p.add_argument("--batch-size", type=int, default=2, help="sequences per step")
+    p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
+    p.add_argument("--seed", type=int, default=42, help="weights and data")
+    p.add_argument("--no-sequence-parallel", action="store_true", help="replicate activations between blocks")
+    p.add_argument("--loss-parallel", action="store_true", help="keep logits sharded over the vocabulary")
+    p.add_argument("--enable-mc2", action="store_true", help="fuse the collectives into the matmuls")
+    p.add_argument("--mc2-scope", default="ffn", choices=["ffn", "all"], help="layers MC2 fuses")
+    p.add_argument("--relaxed-mc2-contract", action="store_true", help="allow fp32 and any size under MC2")
+    p.add_argument("--checkpoint-dir", help="checkpoint root: step-N/ directories and 'latest'")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="save every N steps and at the last (0: never)")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
+    args = p.parse_args(argv)
+    if (args.checkpoint_every or args.resume) and not args.checkpoint_dir:
+        p.error("--checkpoint-every and --resume need --checkpoint-dir")
+    if args.mc2_scope != "ffn" and not args.enable_mc2:
+        p.error("--mc2-scope needs --enable-mc2")
+    return args
+
+
+def build(args, mesh):
+    """The model (full weights from the seed on every rank, then the plan) and its AdamW."""
+    model_args = llama.ModelArgs.from_preset(args.preset)
+    torch.manual_seed(args.seed)
+    model = llama.Transformer(model_args).to(torch.bfloat16 if args.dtype == "bf16" else torch.float32)
+    parallelize_llama3(model, mesh, enable_sequence_parallel=not args.no_sequence_parallel,
+                       enable_loss_parallel=args.loss_parallel, enable_mc2=args.enable_mc2, mc2_scope=args.mc2_scope,
+                       mc2_contract=MC2Contract.relaxed() if args.relaxed_mc2_contract else None)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
+    return model, optimizer
+
+
+def train_step(args, model, optimizer, step):
+    """One step: forward, loss (vocabulary-parallel with --loss-parallel), backward, clipping
+    over the global parameters, AdamW. Returns (loss, grad norm)."""
+    a = model.args
+    batch = llama.synthetic_batch(args.seed, step, args.batch_size, a.max_seq_len, a.vocab_size)
+    inputs, targets = batch[:, :a.max_seq_len], batch[:, 1:]
+    optimizer.zero_grad()
+    logits = model(inputs)
+    if args.loss_parallel:
+        with loss_parallel():
+            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
+    else:
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    loss.backward()
+    grad_norm = clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    return loss.item(), grad_norm.item()
+
+
+def train(args):
+    """Runs the steps this launch owns; returns [(step, loss)]."""
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+    model, optimizer = build(args, mesh)
+    log = rank == 0
+    if log:
+        print(f"llama3 (Python) {args.preset}, TP {mesh.size(0)}, SP {'off' if args.no_sequence_parallel else 'on'}, "
+              f"MC2 {'on (' + args.mc2_scope + ')' if args.enable_mc2 else 'off'}, loss parallel "
+              f"{'on' if args.loss_parallel else 'off'}, {args.dtype}, batch {args.batch_size}", flush=True)
+    first = 1
+    if args.resume:
+        latest = checkpoint.latest_step(args.checkpoint_dir)
+        if latest is None:
+            raise RuntimeError(f"train.py: expected a checkpoint to resume from in {args.checkpoint_dir!r}, got none")
+        checkpoint.load(args.checkpoint_dir, model, optimizer)
+        first = latest + 1
+        if log:
+            print(f"resumed from step {latest} ({checkpoint.step_dir(args.checkpoint_dir, latest)})", flush=True)
+    losses = []
+    for step in range(first, args.steps + 1):
+        t0 = time.perf_counter()
+        loss, grad_norm = train_step(args, model, optimizer, step)
+        ms = (time.perf_counter() - t0) * 1e3
+        losses.append((step, loss))
+        if log:
+            print(f"step {step:3d} | loss {loss:8.4f} | grad norm {grad_norm:7.3f} | ms/step {ms:8.1f}", flush=True)
+        if args.checkpoint_every and (step % args.checkpoint_every == 0 or step == args.steps):
+            t0 = time.perf_counter()
+            saved = checkpoint.save(args.checkpoint_dir, step, model, optimizer)
+            if log:
+                print(f"checkpoint {saved['path']}: {saved['total_bytes'] / 1e6:.1f} MB in "
+                      f"{time.perf_counter() - t0:.2f} s", flush=True)
+    return losses
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--enable-mc2", action="store_true", help="fuse the feed-forward's collectives")
-    parser.add_argument("--no-sequence-parallel", action="store_true")
-    args = parser.parse_args()
+    args = parse_args()
     dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
-    model_args = llama.ModelArgs.small()
-    torch.manual_seed(42)  # the same full weights on every rank, then sharded
-    model = llama.Transformer(model_args).to(torch.bfloat16)
-    parallelize_llama3(model, mesh, enable_mc2=args.enable_mc2,
-                       enable_sequence_parallel=not args.no_sequence_parallel)
-    if rank == 0:
-        print(f"llama3 (Python) small, TP {mesh.size(0)}, MC2 {'on' if args.enable_mc2 else 'off'}, bf16", flush=True)
-    log = (lambda step, loss: print(f"step {step:3d} | loss {loss:8.4f}", flush=True)) if rank == 0 else None
-    losses = llama.train_steps(model, model_args, args.steps, log=log)
-    if rank == 0:
-        print(f"loss {'fell' if losses[-1] < losses[0] else 'did NOT fall'}: {losses[0]:.4f} -> {losses[-1]:.4f}")
+    losses = train(args)
+    if dist.get_rank() == 0 and len(losses) >= 2:
+        print(f"loss {'fell' if losses[-1][1] < losses[0][1] else 'did NOT fall'}: "
+              f"{losses[0][1]:.4f} -> {losses[-1][1]:.4f}", flush=True)
     dist.destroy_process_group()
-    return 0 if losses[-1] < losses[0] else 1
+    return 0 if len(losses) < 2 or losses[-1][1] < losses[0][1] else 1
 
 
 if __name__ == "__main__":

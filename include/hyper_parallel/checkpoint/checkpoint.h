@@ -106,10 +106,27 @@ class State {
 };
 
 /// Every parameter and buffer of `model` by fully qualified name ("layers.0.attention.wq.weight"),
-/// aliasing the module's tensors. A parameter's layout comes from its module's
-/// nn::HookableModule::parameter_layout (recorded by the parallel styles); everything else is
-/// replicated.
+/// aliasing the module's tensors. A parameter's layout is the one its parallel style recorded
+/// (nn::recorded_layout); everything else is replicated.
 State model_state(torch::nn::Module& model);
+
+/// An entry aliasing `tensor`, laid out as its parallel style recorded it (nn::recorded_layout),
+/// else replicated. The Python front end builds states from these.
+Entry entry_of(at::Tensor tensor);
+
+/// AdamW's state of one parameter: the moments (aliased; max_exp_avg_sq undefined without
+/// amsgrad) and where its step count lives.
+struct AdamWTensors {
+  at::Tensor exp_avg, exp_avg_sq, max_exp_avg_sq;
+  std::function<int64_t()> get_step;
+  std::function<void(int64_t)> set_step;
+};
+/// Adds "optim.<fqn>.exp_avg", ".exp_avg_sq" (and ".max_exp_avg_sq"), laid out as `param`, and
+/// ".step", a 1-element int64 tensor, replicated, filled from get_step at save and handed to
+/// set_step at load. add_optimizer_state calls it for libtorch's AdamW; the Python front end for
+/// torch.optim.AdamW (whose step is a float tensor).
+void add_adamw_state(State& state, const std::string& fqn, const at::Tensor& param,
+                     const AdamWTensors& adamw);
 
 /// Adds AdamW's state for every parameter of `optimizer`, named after the parameter's FQN in
 /// `model`: "optim.<fqn>.exp_avg" and "optim.<fqn>.exp_avg_sq" (the parameter's layout, aliasing

@@ -22,21 +22,29 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& local_logits, const at
   TORCH_CHECK(targets.sizes() == local_logits.sizes().slice(0, local_logits.dim() - 1),
               "vocab_parallel_cross_entropy: expected targets of shape ",
               local_logits.sizes().slice(0, local_logits.dim() - 1), ", got ", targets.sizes());
+  TORCH_CHECK_VALUE(targets.numel() == 0 ||
+                        (targets.min().item<int64_t>() >= 0 && targets.max().item<int64_t>() < vocab_size),
+                    "vocab_parallel_cross_entropy: expected targets in [0, ", vocab_size,
+                    "), got values in [", targets.min().item<int64_t>(), ", ", targets.max().item<int64_t>(),
+                    "]");
   auto group = mesh.get_group(0);
   // The target's logit lives on exactly one rank.
   const at::Tensor target_mask = shard.outside, local_target = shard.local_ids;
   at::Tensor loss, softmax_local;
   {
     at::NoGradGuard no_grad;
-    auto logits = local_logits.to(at::kFloat);
+    // 16-bit logits are computed in float32; float64 stays float64.
+    const auto compute = at::promote_types(local_logits.scalar_type(), at::kFloat);
+    auto logits = local_logits.to(compute);
     // Global max over the vocabulary (for a stable exp): gather each rank's max, take the max.
-    auto local_max = n > 0 ? std::get<0>(logits.max(-1)) : at::full(targets.sizes(), -INFINITY);
+    auto local_max =
+        n > 0 ? std::get<0>(logits.max(-1)) : at::full(targets.sizes(), -INFINITY, logits.options());
     auto global_max = std::get<0>(comm::all_gather(local_max.unsqueeze(-1).contiguous(), -1, group).max(-1));
     auto shifted = logits - global_max.unsqueeze(-1);
     auto exp = shifted.exp();
     auto sum_exp = comm::all_reduce(exp.sum(-1), comm::ReduceOp::kSum, group);
-    auto picked =
-        n > 0 ? shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1) : at::zeros(targets.sizes());
+    auto picked = n > 0 ? shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
+                        : at::zeros(targets.sizes(), logits.options());
     picked = comm::all_reduce(picked.masked_fill(target_mask, 0), comm::ReduceOp::kSum, group);
     loss = (sum_exp.log() - picked).mean();
     softmax_local = exp / sum_exp.unsqueeze(-1);

@@ -6,16 +6,21 @@
 #include <hyper_parallel/core/comm/collectives.h>
 #include <hyper_parallel/core/comm/counters.h>
 #include <hyper_parallel/core/dtensor/dtensor.h>
+#include <hyper_parallel/core/nn/parameter_layout.h>
 #include <hyper_parallel/core/tensor_parallel/style.h>
 
 namespace hyper_parallel::tensor_parallel {
 
 void shard_parameter_in_place(const at::Tensor& param, const dtensor::DeviceMesh& mesh,
                               const dtensor::Placements& placements, std::optional<int64_t> src_data_rank) {
+  const auto global_shape = param.sizes().vec();
   auto local = dtensor::distribute_tensor(param.detach(), mesh, placements, src_data_rank).to_local();
-  at::NoGradGuard no_grad;
-  // set_data keeps the parameter object (and an optimizer's reference to it) valid.
-  param.set_data(local.contiguous());
+  {
+    at::NoGradGuard no_grad;
+    // set_data keeps the parameter object (and an optimizer's reference to it) valid.
+    param.set_data(local.contiguous());
+  }
+  nn::record_layout(param, {mesh, placements, global_shape});
 }
 
 void sum_gradient_over_mesh(const at::Tensor& param, const dtensor::DeviceMesh& mesh) {

@@ -16,6 +16,7 @@
 
 #include <hyper_parallel/core/dtensor/device_mesh.h>
 #include <hyper_parallel/core/dtensor/placement.h>
+#include <hyper_parallel/core/nn/parameter_layout.h>
 
 namespace hyper_parallel::nn {
 
@@ -31,13 +32,6 @@ class ForwardKernel {
   /// `bias` may be undefined.
   virtual at::Tensor forward(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& bias) = 0;
   virtual std::string name() const = 0;
-};
-
-/// How a parameter is laid out over a device mesh after it was sharded.
-struct ParameterLayout {
-  dtensor::DeviceMesh mesh;
-  dtensor::Placements placements;
-  std::vector<int64_t> global_shape;
 };
 
 class HookableModule {

@@ -17,6 +17,15 @@ namespace hyper_parallel::tensor_parallel {
 /// their mesh, replicated ones counted once. Returns the norm before clipping. All ranks call it.
 double clip_grad_norm_(torch::nn::Module& module, double max_norm);
 
+/// The same over a list of parameters (a torch.nn module's, from Python), each laid out as its
+/// style recorded it (nn::recorded_layout; none: replicated). The norm is the global parameters'
+/// norm, as a single process would compute it.
+double clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_norm);
+
+/// `param`'s full value: gathered over its recorded layout's mesh (collective over it), or a
+/// copy of `param` if it is not sharded.
+at::Tensor full_tensor(const at::Tensor& param);
+
 /// Every parameter (or its gradient) as the full, unsharded tensor, by fully qualified name.
 /// Collective for sharded parameters: all ranks call it.
 std::vector<std::pair<std::string, at::Tensor>> full_named_parameters(torch::nn::Module& module,

@@ -29,7 +29,8 @@ struct ParameterSharding {
 /// Replaces `param`'s data by its local shard under `placements`, in place (the parameter object,
 /// and an optimizer's reference to it, stay valid): cut from the values of TP rank
 /// `src_data_rank`, so all ranks hold shards of one tensor even if their initialisation differed,
-/// or from each rank's own copy if nullopt. Collective over the mesh unless nullopt.
+/// or from each rank's own copy if nullopt. Collective over the mesh unless nullopt. The layout
+/// is recorded (nn::record_layout), so checkpoints, clipping and full_tensor see it.
 void shard_parameter_in_place(const at::Tensor& param, const dtensor::DeviceMesh& mesh,
                               const dtensor::Placements& placements, std::optional<int64_t> src_data_rank);
 

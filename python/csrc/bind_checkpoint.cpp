@@ -1,0 +1,71 @@
+// checkpoint: states of named tensors and AdamW moments, and save / load / latest_step /
+// export_full, the very C++ functions the C++ trainer calls, so both write the same files.
+#include <optional>
+
+#include "bindings.h"
+
+namespace hp_python {
+namespace {
+
+namespace ckpt = hyper_parallel::checkpoint;
+
+void bind_state(py::module& m) {
+  py::class_<ckpt::State>(m, "CheckpointState")
+      .def(py::init<>())
+      .def(
+          "add_tensor",
+          [](ckpt::State& s, const std::string& key, const at::Tensor& t) { s.add(key, ckpt::entry_of(t)); },
+          py::arg("key"), py::arg("tensor"), "An entry aliasing `tensor`, laid out as its style recorded it.")
+      .def(
+          "add_adamw",
+          [](ckpt::State& s, const std::string& fqn, const at::Tensor& param, const at::Tensor& exp_avg,
+             const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& max_exp_avg_sq,
+             const at::Tensor& step) {
+            // torch.optim.AdamW keeps its step in a float tensor: an int64 on disk.
+            ckpt::add_adamw_state(s, fqn, param,
+                                  {exp_avg, exp_avg_sq, max_exp_avg_sq.value_or(at::Tensor()),
+                                   [step] { return static_cast<int64_t>(step.item<double>()); },
+                                   [step](int64_t v) { step.fill_(static_cast<double>(v)); }});
+          },
+          py::arg("fqn"), py::arg("param"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
+          py::arg("max_exp_avg_sq"), py::arg("step"))
+      .def("keys",
+           [](const ckpt::State& s) {
+             std::vector<std::string> keys;
+             for (const auto& item : s) keys.push_back(item.first);
+             return keys;
+           })
+      .def("__len__", &ckpt::State::size);
+}
+
+void bind_io(py::module& m) {
+  m.def(
+      "checkpoint_save",
+      [](const std::string& root, const ckpt::State& state, int64_t step, bool fsync) {
+        const auto r = ckpt::save(root, state, ckpt::SaveOptions().step(step).fsync(fsync));
+        py::dict out;
+        out["path"] = r.path;
+        out["total_bytes"] = r.total_bytes;
+        out["bytes_written"] = r.bytes_written;
+        return out;
+      },
+      py::arg("root"), py::arg("state"), py::arg("step"), py::arg("fsync") = true);
+  m.def(
+      "checkpoint_load",
+      [](const std::string& dir, ckpt::State& state, bool strict) {
+        ckpt::load(dir, state, ckpt::LoadOptions().strict(strict));
+      },
+      py::arg("dir"), py::arg("state"), py::arg("strict") = true);
+  m.def("checkpoint_latest_step", &ckpt::latest_step, py::arg("root"));
+  m.def("checkpoint_step_dir", &ckpt::step_dir, py::arg("root"), py::arg("step"));
+  m.def("checkpoint_export_full", &ckpt::export_full, py::arg("dir"), py::arg("out_file"));
+}
+
+}  // namespace
+
+void bind_checkpoint(py::module& m) {
+  bind_state(m);
+  bind_io(m);
+}
+
+}  // namespace hp_python

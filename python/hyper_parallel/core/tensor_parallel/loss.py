@@ -1,0 +1,64 @@
+"""Loss parallel, spelled as PyTorch's: cross-entropy over logits sharded on the vocabulary,
+never gathered. The logits are those of an output projection whose style keeps them sharded and
+tagged (``ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)``), or a view of them
+(``pred.flatten(0, 1)``)::
+
+    with loss_parallel():
+        loss = F.cross_entropy(pred.flatten(0, 1), labels.flatten(0, 1))
+    loss.backward()
+
+The computation (one all-gather of the row maxima and two all-reduces, none in backward; float32
+inside) is the C++ core's. Inside the context ``F.cross_entropy`` takes that path for such
+logits and behaves as usual for any other tensor.
+"""
+
+import contextlib
+
+import torch
+import torch.nn.functional as F  # patched inside the context
+
+from hyper_parallel import _C
+
+__all__ = ["loss_parallel"]
+
+
+def _sharded_logits(t: torch.Tensor):
+    """The DTensor a vocabulary-sharded logits tensor (or the tensor it is a view of) is tagged
+    with, else None."""
+    while t is not None:
+        tagged = _C.DTensor.from_tagged(t)
+        if tagged is not None:
+            placements = tagged.placements
+            shard_last = len(placements) == 1 and placements[0].is_shard() and \
+                placements[0].dim in (-1, len(tagged.shape) - 1)
+            return tagged if shard_last else None
+        t = t._base
+    return None
+
+
+@contextlib.contextmanager
+def loss_parallel():
+    original = F.cross_entropy
+
+    def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
+                      reduction="mean", label_smoothing=0.0):
+        sharded = _sharded_logits(input)
+        if sharded is None:
+            return original(input, target, weight, size_average, ignore_index, reduce, reduction, label_smoothing)
+        if input.dim() != 2:
+            raise ValueError(f"loss_parallel: expected 2-d logits [N, vocab shard] (e.g. pred.flatten(0, 1)), "
+                             f"got {list(input.shape)}")
+        if weight is not None or size_average is not None or reduce is not None or reduction != "mean" or \
+                label_smoothing != 0.0:
+            raise NotImplementedError("loss_parallel: only the mean cross-entropy without weight or label "
+                                      "smoothing is supported")
+        if bool((target == ignore_index).any()):
+            raise NotImplementedError(f"loss_parallel: targets equal to ignore_index ({ignore_index}) are not "
+                                      "supported")
+        return _C.vocab_parallel_cross_entropy(input, target, sharded.shape[-1], sharded.device_mesh)
+
+    F.cross_entropy = cross_entropy
+    try:
+        yield
+    finally:
+        F.cross_entropy = original
