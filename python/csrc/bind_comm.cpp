@@ -104,6 +104,15 @@ void bind_collectives(py::module& m) {
       "barrier", [](py::handle g) { comm::barrier(group_arg(g)); }, py::arg("group"));
 }
 
+void bind_lifecycle(py::module& m) {
+  m.def("restart_count", &comm::restart_count);
+  m.def("preemption_requested", &comm::preemption_requested);
+  m.def(
+      "agree_on_preemption", [](py::handle g) { return comm::agree_on_preemption(group_arg(g)); },
+      py::arg("group"));
+  m.def("maybe_kill_at_step", &comm::maybe_kill_at_step, py::arg("step"));
+}
+
 void bind_counters(py::module& m) {
   m.def(
       "collective_count",
@@ -136,6 +145,7 @@ void bind_counters(py::module& m) {
 void bind_comm(py::module& m) {
   bind_groups(m);
   bind_collectives(m);
+  bind_lifecycle(m);
   bind_counters(m);
 }
 

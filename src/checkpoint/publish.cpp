@@ -11,6 +11,8 @@
 
 #include <c10/util/Exception.h>
 
+#include <hyper_parallel/core/comm/lifecycle.h>
+
 #include "file_io.h"
 #include "steps.h"
 
@@ -74,7 +76,8 @@ void remove_leftovers(const fs::path& root) {
 
 Fault fault_from_env(const char* fn) {
   const char* value = std::getenv("HP_CHECKPOINT_FAULT");
-  if (value == nullptr || *value == '\0') return Fault::kNone;
+  // A restarted job (hp-run --max-restarts) runs through: the fault is the first attempt's.
+  if (value == nullptr || *value == '\0' || comm::restart_count() > 0) return Fault::kNone;
   const std::string v(value);
   for (auto f : {Fault::kAfterShard, Fault::kBeforeRename, Fault::kBeforeLatest}) {
     if (v == name_of(f)) return f;

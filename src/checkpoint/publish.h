@@ -5,7 +5,8 @@
 // can), and then replaces root/latest, by a rename. A crash at any point leaves `latest` naming
 // a complete checkpoint; leftovers of interrupted saves are removed by the next save.
 //
-// Fault points (HP_CHECKPOINT_FAULT, for tests) make the process exit with status 3:
+// Fault points (HP_CHECKPOINT_FAULT, for tests; on the first attempt of a job only, so that a
+// job hp-run restarts runs through) make the process exit with status 3:
 //   after_shard     rank 1 (rank 0 in a 1-rank world), right after writing its shard file
 //   before_rename   rank 0, after writing COMPLETE, before the rename
 //   before_latest   rank 0, after the rename, before `latest` is replaced

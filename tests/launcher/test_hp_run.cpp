@@ -2,178 +2,22 @@
 // small /bin/sh programs as ranks and check its output and exit status.
 
 #include <gtest/gtest.h>
-#include <poll.h>
 #include <signal.h>
-#include <sys/types.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
-#include <algorithm>
-#include <cerrno>
-#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <set>
-#include <sstream>
-#include <stdexcept>
 #include <string>
-#include <string_view>
 #include <thread>
-#include <utility>
 #include <vector>
 
-#ifndef HP_RUN_PATH
-#error "HP_RUN_PATH must name the hp-run executable"
-#endif
+#include "launch.h"
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
+using namespace hp_run_test;
 using namespace std::chrono_literals;
-
-struct Result {
-  int exit_code = -1;   // exit status if hp-run exited normally
-  int term_signal = 0;  // signal if hp-run itself was killed
-  std::string out;
-  std::string err;
-  double seconds = 0;  // wall time from start to exit
-};
-
-// One running hp-run process with its stdout and stderr captured.
-class Launch {
- public:
-  explicit Launch(const std::vector<std::string>& args) : start_(Clock::now()) {
-    int out[2];
-    int err[2];
-    if (::pipe(out) != 0 || ::pipe(err) != 0) throw std::runtime_error("pipe failed");
-    std::vector<std::string> full{HP_RUN_PATH};
-    full.insert(full.end(), args.begin(), args.end());
-    std::vector<char*> argv;
-    for (std::string& a : full) argv.push_back(a.data());
-    argv.push_back(nullptr);
-
-    pid_ = ::fork();
-    if (pid_ < 0) throw std::runtime_error("fork failed");
-    if (pid_ == 0) {
-      ::dup2(out[1], STDOUT_FILENO);
-      ::dup2(err[1], STDERR_FILENO);
-      for (int fd : {out[0], out[1], err[0], err[1]}) ::close(fd);
-      ::execv(argv[0], argv.data());
-      ::_exit(126);
-    }
-    ::close(out[1]);
-    ::close(err[1]);
-    fds_[0] = out[0];
-    fds_[1] = err[0];
-  }
-
-  ~Launch() {
-    if (pid_ > 0 && !reaped_) {
-      ::kill(pid_, SIGKILL);
-      ::waitpid(pid_, nullptr, 0);
-    }
-    for (int fd : fds_) {
-      if (fd >= 0) ::close(fd);
-    }
-  }
-
-  Launch(const Launch&) = delete;
-  Launch& operator=(const Launch&) = delete;
-
-  pid_t pid() const { return pid_; }
-
-  // Reads output until `needle` shows up on stdout or `limit` passes.
-  bool wait_for_stdout(std::string_view needle, std::chrono::milliseconds limit) {
-    const auto deadline = Clock::now() + limit;
-    while (result_.out.find(needle) == std::string::npos) {
-      if (Clock::now() >= deadline || !pump(deadline)) return false;
-    }
-    return true;
-  }
-
-  // Reads everything until hp-run closes its output, then reaps it. A
-  // launcher that hangs is killed after 60 s so the test fails, not stalls.
-  Result wait() {
-    const auto deadline = Clock::now() + 60s;
-    while (pump(deadline) && Clock::now() < deadline) {
-    }
-    if (fds_[0] >= 0 || fds_[1] >= 0) ::kill(pid_, SIGKILL);
-    int status = 0;
-    ::waitpid(pid_, &status, 0);
-    reaped_ = true;
-    result_.seconds = std::chrono::duration<double>(Clock::now() - start_).count();
-    if (WIFEXITED(status)) result_.exit_code = WEXITSTATUS(status);
-    if (WIFSIGNALED(status)) result_.term_signal = WTERMSIG(status);
-    return result_;
-  }
-
- private:
-  // One poll round; returns false once both pipes are closed.
-  bool pump(Clock::time_point deadline) {
-    pollfd fds[2];
-    nfds_t count = 0;
-    std::string* sinks[2];
-    int* owners[2];
-    for (int i = 0; i < 2; ++i) {
-      if (fds_[i] < 0) continue;
-      fds[count] = pollfd{fds_[i], POLLIN, 0};
-      sinks[count] = i == 0 ? &result_.out : &result_.err;
-      owners[count] = &fds_[i];
-      ++count;
-    }
-    if (count == 0) return false;
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-    const int rc = ::poll(fds, count, static_cast<int>(std::max<long long>(left.count(), 0)));
-    if (rc < 0 && errno != EINTR) return false;
-    for (nfds_t i = 0; i < count && rc > 0; ++i) {
-      if (fds[i].revents == 0) continue;
-      char buffer[65536];
-      const ssize_t n = ::read(fds[i].fd, buffer, sizeof buffer);
-      if (n > 0) {
-        sinks[i]->append(buffer, static_cast<std::size_t>(n));
-      } else if (n == 0 || errno != EINTR) {
-        ::close(*owners[i]);
-        *owners[i] = -1;
-      }
-    }
-    return true;
-  }
-
-  pid_t pid_ = -1;
-  bool reaped_ = false;
-  int fds_[2] = {-1, -1};
-  Clock::time_point start_;
-  Result result_;
-};
-
-Result run_hp_run(const std::vector<std::string>& args) { return Launch(args).wait(); }
-
-// hp-run --nproc-per-node N <flags...> -- sh -c SCRIPT
-std::vector<std::string> sh_job(int nproc, const std::string& script, std::vector<std::string> flags = {}) {
-  std::vector<std::string> args{"--nproc-per-node", std::to_string(nproc)};
-  args.insert(args.end(), flags.begin(), flags.end());
-  args.insert(args.end(), {"--", "/bin/sh", "-c", script});
-  return args;
-}
-
-std::vector<std::string> lines_of(const std::string& text) {
-  std::vector<std::string> lines;
-  std::istringstream stream(text);
-  for (std::string line; std::getline(stream, line);) lines.push_back(line);
-  return lines;
-}
-
-bool has_line(const std::string& text, const std::string& line) {
-  for (const std::string& l : lines_of(text)) {
-    if (l == line) return true;
-  }
-  return false;
-}
-
-std::string describe(const Result& r) {
-  return "exit " + std::to_string(r.exit_code) + " signal " + std::to_string(r.term_signal) +
-         "\n--- stdout ---\n" + r.out.substr(0, 4000) + "\n--- stderr ---\n" + r.err.substr(0, 4000);
-}
 
 const std::string kPrintEnv =
     "echo r=$RANK l=$LOCAL_RANK w=$WORLD_SIZE lw=$LOCAL_WORLD_SIZE g=$GROUP_RANK "
@@ -264,6 +108,7 @@ TEST(HpRun, ForwardsTheFailingRanksExitCode) {
   const Result r = run_hp_run(sh_job(3, "if [ $RANK = 1 ]; then exit 3; fi; sleep 60"));
   EXPECT_EQ(r.exit_code, 3) << describe(r);
   EXPECT_NE(r.err.find("hp-run: rank 1 exited with code 3"), std::string::npos) << describe(r);
+  EXPECT_EQ(r.err.find("restart"), std::string::npos) << "restarted without --max-restarts\n" << describe(r);
   EXPECT_LT(Clock::now() - start, 15s);
 }
 
@@ -335,6 +180,8 @@ TEST(HpRun, MissingProgramIsAFailingRank) {
 
 class HpRunSignal : public ::testing::TestWithParam<int> {};
 
+// A stop request reaches every rank as SIGUSR1; these ranks do not handle it and die of it, which
+// ends the job as a failure (the preemption-aware path is in test_hp_run_restart.cpp).
 TEST_P(HpRunSignal, IsForwardedToAllRanks) {
   const int sig = GetParam();
   const std::string marker =
@@ -344,7 +191,11 @@ TEST_P(HpRunSignal, IsForwardedToAllRanks) {
   ASSERT_EQ(::kill(launch.pid(), sig), 0);
   const Result r = launch.wait();
   EXPECT_EQ(r.exit_code, 128 + sig) << describe(r);
-  EXPECT_NE(r.err.find("terminating all ranks"), std::string::npos) << describe(r);
+  EXPECT_NE(r.err.find("asking every rank to checkpoint and stop (SIGUSR1)"), std::string::npos)
+      << describe(r);
+  EXPECT_NE(r.err.find("was killed by signal SIGUSR1 (10) while stopping; terminating all ranks"),
+            std::string::npos)
+      << describe(r);
   EXPECT_LT(r.seconds, 10.0);
   std::this_thread::sleep_for(4s);
   EXPECT_FALSE(any_marker(marker)) << "a rank outlived the forwarded signal";
@@ -452,6 +303,15 @@ INSTANTIATE_TEST_SUITE_P(
         BadFlags{"TimeoutNotANumber",
                  {"--nproc-per-node", "2", "--timeout", "soon", "--", "true"},
                  "--timeout: expected a non-negative integer (seconds), got 'soon'"},
+        BadFlags{"MaxRestartsNegative",
+                 {"--nproc-per-node", "2", "--max-restarts", "-1", "--", "true"},
+                 "--max-restarts: expected a non-negative integer, got '-1'"},
+        BadFlags{"RestartPortsPastTheLastPort",
+                 {"--nproc-per-node", "2", "--master-port", "65530", "--max-restarts", "6", "--", "true"},
+                 "--master-port 65530 + --max-restarts 6 exceeds 65535 (attempt k uses port + k)"},
+        BadFlags{"PreemptGraceNotANumber",
+                 {"--nproc-per-node", "2", "--preempt-grace-s", "x", "--", "true"},
+                 "--preempt-grace-s: expected a non-negative integer (seconds), got 'x'"},
         BadFlags{"GraceNegative",
                  {"--nproc-per-node", "2", "--grace", "-1", "--", "true"},
                  "--grace: expected a non-negative integer (seconds), got '-1'"}),

@@ -6,6 +6,8 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
+#include <string>
 #include <stdexcept>
 
 #include "io.h"
@@ -31,8 +33,9 @@ Launcher::~Launcher() { kill_and_reap_leftovers(); }
 AttemptResult Launcher::run() {
   spawn_all();
   event_loop();
-  if (result_.stop == AttemptResult::Stop::kRankFailed) log_message(result_.failure);
-  if (result_.stop != AttemptResult::Stop::kNone) {
+  using Stop = AttemptResult::Stop;
+  if (result_.stop == Stop::kRankFailed) log_message(result_.failure);
+  if (result_.stop == Stop::kRankFailed || result_.stop == Stop::kTimeout || result_.stop == Stop::kSignal) {
     std::vector<RankReport> reports;
     for (const Rank& rank : ranks_) reports.push_back(rank.report);
     report_waited_on(reports);
@@ -59,7 +62,9 @@ void Launcher::event_loop() {
   }
   // Anything still open belongs to a background process a rank left behind. When the attempt
   // is being torn down, that process goes too.
-  if (result_.stop != AttemptResult::Stop::kNone) kill_all(SIGKILL);
+  if (result_.stop != AttemptResult::Stop::kNone && result_.stop != AttemptResult::Stop::kPreempted) {
+    kill_all(SIGKILL);
+  }
   close_remaining_streams();
 }
 
@@ -80,8 +85,7 @@ void Launcher::poll_once() {
   for (std::size_t i = 1; i < fds.size(); ++i) {
     if (fds[i].revents == 0) continue;
     Rank& rank = *owners[i - 1].first;
-    read_stream(rank.prefix, *owners[i - 1].second,
-                [&](std::string_view line) { rank.report.observe_line(line); });
+    read_stream(rank.prefix, *owners[i - 1].second, [&](std::string_view line) { observe(rank, line); });
   }
 }
 
@@ -89,7 +93,7 @@ void Launcher::close_remaining_streams() {
   for (Rank& rank : ranks_) {
     for (OutputStream& stream : rank.streams) {
       if (stream.fd >= 0) {
-        close_stream(rank.prefix, stream, [&](std::string_view line) { rank.report.observe_line(line); });
+        close_stream(rank.prefix, stream, [&](std::string_view line) { observe(rank, line); });
       }
     }
   }
@@ -102,9 +106,20 @@ bool Launcher::done(Clock::time_point now) const {
   return !output_open || (drain_deadline_ && now >= *drain_deadline_);
 }
 
+// A rank's flight-recorder lines (for the diagnosis) and its report of a preemption checkpoint.
+void Launcher::observe(Rank& rank, std::string_view line) {
+  rank.report.observe_line(line);
+  constexpr std::string_view kTag = "hp-preempted: checkpoint at step ";
+  if (const auto at = line.find(kTag); at != std::string_view::npos) {
+    result_.checkpoint_step = std::strtoll(std::string(line.substr(at + kTag.size())).c_str(), nullptr, 10);
+  } else if (line.find("hp-preempted: no checkpoint") != std::string_view::npos) {
+    result_.checkpoint_step = -1;
+  }
+}
+
 int Launcher::poll_timeout_ms(Clock::time_point now) const {
   std::optional<Clock::time_point> next;
-  for (const auto& deadline : {timeout_deadline_, kill_deadline_, drain_deadline_}) {
+  for (const auto& deadline : {timeout_deadline_, kill_deadline_, drain_deadline_, preempt_deadline_}) {
     if (deadline && (!next || *deadline < *next)) next = deadline;
   }
   if (!next) return -1;
@@ -123,9 +138,7 @@ void Launcher::handle_signals() {
 
 void Launcher::on_launcher_signal(int sig) {
   if (result_.stop == AttemptResult::Stop::kNone) {
-    log_message("received " + describe_signal(sig) + "; terminating all ranks");
-    result_.signal = sig;
-    begin_shutdown(AttemptResult::Stop::kSignal, 128 + sig);
+    begin_preemption(sig);
   } else {
     // Already shutting down and the user insists: don't wait for the grace.
     log_message("received " + describe_signal(sig) + " again; killing all ranks now");
@@ -144,6 +157,18 @@ void Launcher::reap_children() {
   }
 }
 
+// Asks every rank to stop at its next step boundary (SIGUSR1): a preemption-aware program
+// checkpoints and exits 0. The grace bounds the wait; SIGTERM, then SIGKILL, follow it.
+void Launcher::begin_preemption(int sig) {
+  log_message("received " + describe_signal(sig) + "; asking every rank to checkpoint and stop (SIGUSR1), " +
+              std::to_string(opts_.preempt_grace_s) + " s before SIGTERM");
+  result_.stop = AttemptResult::Stop::kPreempted;
+  result_.signal = sig;
+  result_.exit_code = kPreemptedExitCode;
+  kill_all(SIGUSR1);
+  preempt_deadline_ = Clock::now() + std::chrono::seconds(opts_.preempt_grace_s);
+}
+
 void Launcher::on_rank_exit(Rank& rank, int status) {
   rank.running = false;
   --running_;
@@ -152,9 +177,15 @@ void Launcher::on_rank_exit(Rank& rank, int status) {
   if (is_failure(status) && result_.stop == AttemptResult::Stop::kNone) {
     result_.failure = describe_exit(rank.report.global_rank, status);
     begin_shutdown(AttemptResult::Stop::kRankFailed, exit_code_for(status));
+  } else if (is_failure(status) && result_.stop == AttemptResult::Stop::kPreempted) {
+    // Not a clean stop: the others need not wait for a checkpoint that cannot be complete.
+    log_message(describe_exit(rank.report.global_rank, status) + " while stopping; terminating all ranks");
+    preempt_deadline_.reset();
+    begin_shutdown(AttemptResult::Stop::kSignal, 128 + result_.signal);
   }
   if (running_ == 0) {
     timeout_deadline_.reset();
+    preempt_deadline_.reset();
     drain_deadline_ = Clock::now() + kDrainAfterExit;
   }
 }
@@ -172,6 +203,12 @@ void Launcher::check_deadlines(Clock::time_point now) {
   if (timeout_deadline_ && now >= *timeout_deadline_) {
     log_message("timeout after " + std::to_string(opts_.timeout_s) + " s; killing all ranks");
     begin_shutdown(AttemptResult::Stop::kTimeout, kTimeoutExitCode);
+  }
+  if (preempt_deadline_ && now >= *preempt_deadline_) {
+    preempt_deadline_.reset();
+    log_message("ranks still running " + std::to_string(opts_.preempt_grace_s) +
+                " s after SIGUSR1; terminating all ranks");
+    begin_shutdown(AttemptResult::Stop::kSignal, 128 + result_.signal);
   }
   if (kill_deadline_ && now >= *kill_deadline_) kill_after_grace();
 }

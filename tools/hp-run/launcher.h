@@ -18,16 +18,25 @@ namespace hp_run {
 
 /// How an attempt ended.
 struct AttemptResult {
-  enum class Stop { kNone, kRankFailed, kTimeout, kSignal };
+  /// kPreempted: hp-run was asked to stop (SIGTERM, SIGINT) and asked the ranks to stop at a
+  /// step boundary (SIGUSR1); kSignal: a second signal, or the ranks did not stop in time.
+  enum class Stop { kNone, kRankFailed, kTimeout, kPreempted, kSignal };
   Stop stop = Stop::kNone;
-  /// 0 if every rank succeeded; the first failing rank's exit code (128 + signal if it was
-  /// killed); 124 on timeout; 128 + signal if hp-run was interrupted.
+  /// 0 if every rank succeeded; 75 (EX_TEMPFAIL) if every rank stopped cleanly for a
+  /// preemption; the first failing rank's exit code (128 + signal if it was killed); 124 on
+  /// timeout; 128 + signal if hp-run was interrupted.
   int exit_code = 0;
   /// "rank 1 exited with code 3", for kRankFailed.
   std::string failure;
-  /// The signal that interrupted hp-run, for kSignal.
+  /// The signal that interrupted hp-run, for kPreempted and kSignal.
   int signal = 0;
+  /// The step a rank checkpointed at when it stopped for a preemption ("hp-preempted:
+  /// checkpoint at step N"); -1 if it stopped without one.
+  std::optional<long long> checkpoint_step;
 };
+
+/// The exit status of an attempt every rank stopped cleanly for a preemption.
+inline constexpr int kPreemptedExitCode = 75;
 
 class Launcher {
  public:
@@ -57,6 +66,8 @@ class Launcher {
   void reap_children();
   void on_rank_exit(Rank& rank, int status);
   void begin_shutdown(AttemptResult::Stop reason, int exit_code);
+  void begin_preemption(int sig);
+  void observe(Rank& rank, std::string_view line);
   void check_deadlines(Clock::time_point now);
   void kill_after_grace();
   void kill_all(int sig);
@@ -68,7 +79,7 @@ class Launcher {
   std::vector<Rank> ranks_;
   int running_ = 0;
   AttemptResult result_;
-  std::optional<Clock::time_point> timeout_deadline_, kill_deadline_, drain_deadline_;
+  std::optional<Clock::time_point> timeout_deadline_, kill_deadline_, drain_deadline_, preempt_deadline_;
 };
 
 }  // namespace hp_run

@@ -7,13 +7,19 @@
 // It starts N local ranks, each in its own process group with the usual RANK / WORLD_SIZE /
 // MASTER_* environment, prefixes every line the ranks print with "[rank N] ", and tears the
 // whole job down as soon as one rank fails, the timeout expires or the launcher itself is
-// interrupted. The rooms: options (the command line), ports, signals, output (prefixing),
-// diagnosis (the rank the others waited on), rank_process (starting a rank) and launcher (the
-// poll loop of one attempt).
+// interrupted; with --max-restarts it then starts every rank again, and a stop request (SIGTERM,
+// SIGINT) becomes a checkpoint at the ranks' next step boundary (SIGUSR1) and exit status 75. The rooms:
+// options (the command line), ports, signals, output (prefixing), diagnosis (the rank the others waited on),
+// rank_process (starting a rank) and launcher (the poll loop of one attempt).
 
+#include <poll.h>
+#include <signal.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <exception>
+#include <optional>
+#include <string>
 
 #include "io.h"
 #include "launcher.h"
@@ -25,6 +31,65 @@ namespace {
 
 constexpr int kUsageExitCode = 2;
 constexpr int kRuntimeErrorExitCode = 1;
+
+}  // namespace
+
+namespace {
+
+// Sleeps `seconds` unless hp-run is asked to stop meanwhile; returns that signal, or 0.
+int backoff(hp_run::SignalPipe& signals, int seconds) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(seconds);
+  for (;;) {
+    const auto left =
+        std::chrono::ceil<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    if (left.count() <= 0) return 0;
+    pollfd fd{signals.read_fd(), POLLIN, 0};
+    if (::poll(&fd, 1, static_cast<int>(left.count())) > 0) {
+      for (const int sig : signals.take_pending()) {
+        if (sig == SIGINT || sig == SIGTERM) return sig;
+      }
+    }
+  }
+}
+
+// What an attempt's end means for the job: an exit status, or nullopt to restart.
+std::optional<int> after_attempt(const hp_run::Options& opts, const hp_run::AttemptResult& result,
+                                 int attempt) {
+  using Stop = hp_run::AttemptResult::Stop;
+  if (result.stop == Stop::kPreempted) {
+    const auto step = result.checkpoint_step;
+    hp_run::log_message(step && *step >= 0
+                            ? "preempted; checkpoint at step " + std::to_string(*step)
+                            : std::string("preempted; the ranks stopped without a checkpoint"));
+    return result.exit_code;
+  }
+  if (result.stop != Stop::kRankFailed || attempt >= opts.max_restarts) return result.exit_code;
+  hp_run::log_message("restart " + std::to_string(attempt + 1) + "/" + std::to_string(opts.max_restarts) +
+                      " after " + result.failure);
+  return std::nullopt;
+}
+
+// Runs attempts until one succeeds, is stopped, or the restarts are spent. Attempt k rendezvouses
+// on the base port + k (a fresh free port on a single node that picked one).
+int run_job(hp_run::Options opts, bool pick_port) {
+  using hp_run::Launcher;
+  hp_run::SignalPipe signals;
+  std::optional<Launcher::Clock::time_point> deadline;
+  if (opts.timeout_s > 0) deadline = Launcher::Clock::now() + std::chrono::seconds(opts.timeout_s);
+  const int base_port = opts.master_port;
+  for (int attempt = 0;; ++attempt) {
+    opts.master_port = pick_port ? hp_run::pick_free_port(opts.master_addr) : base_port + attempt;
+    const std::string count = std::to_string(attempt);
+    Launcher launcher(opts, signals, deadline,
+                      {{"TORCHELASTIC_RESTART_COUNT", count}, {"HP_RESTART_COUNT", count}});
+    const auto status = after_attempt(opts, launcher.run(), attempt);
+    if (status) return *status;
+    if (const int sig = backoff(signals, opts.restart_backoff_s)) {
+      hp_run::log_message("received " + hp_run::describe_signal(sig) + " before the restart; stopping");
+      return 128 + sig;
+    }
+  }
+}
 
 }  // namespace
 
@@ -43,12 +108,7 @@ int main(int argc, char** argv) {
   }
   try {
     ensure_standard_fds_open();
-    if (opts.master_port == 0) opts.master_port = pick_free_port(opts.master_addr);
-    SignalPipe signals;
-    std::optional<Launcher::Clock::time_point> deadline;
-    if (opts.timeout_s > 0) deadline = Launcher::Clock::now() + std::chrono::seconds(opts.timeout_s);
-    Launcher launcher(opts, signals, deadline, {});
-    return launcher.run().exit_code;
+    return run_job(opts, /*pick_port=*/opts.master_port == 0);
   } catch (const std::exception& e) {
     log_message(e.what());
     return kRuntimeErrorExitCode;

@@ -17,11 +17,26 @@ every line they print with "[rank R] ". Flags also take --flag=value.)";
 
 constexpr const char* kFooter =
     R"(Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK,
-MASTER_ADDR and MASTER_PORT in its environment.
+MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RESTART_COUNT and HP_RESTART_COUNT in its
+environment.
 
-exit status: 0 if every rank succeeded; the first failing rank's exit code
-(128+signal if it was killed); 124 on timeout; 128+signal if hp-run was
-interrupted; 2 on a usage error.)";
+Restarts: with --max-restarts N, a failed attempt (a rank's non-zero exit or signal;
+a stuck rank makes the others time out and fail) stops every rank, and all of them
+are started again, up to N times. Attempt k rendezvouses on --master-port + k, on
+every node (a fixed port is needed with --nnodes > 1); each node's hp-run restarts
+when a rank of its own fails, which a failure on any node causes through broken
+transfers or HP_TIMEOUT_S. --timeout covers the whole job, every attempt included.
+
+Preemption: SIGTERM or SIGINT to hp-run sends SIGUSR1 to every rank, which may
+checkpoint at its next step boundary and exit 0 within --preempt-grace-s; then
+hp-run exits 75 (EX_TEMPFAIL) so that a requeueing scheduler requeues the job.
+Ranks still running after the grace get SIGTERM, then SIGKILL. A second signal
+kills them at once.
+
+exit status: 0 if every rank succeeded; 75 after a preemption the ranks stopped
+for; else the last attempt's first failing rank's exit code (128+signal if it was
+killed); 124 on timeout; 128+signal if hp-run was interrupted; 2 on a usage
+error.)";
 
 constexpr long long kIntMax = 2147483647;
 
@@ -54,9 +69,37 @@ void validate(const Options& opts) {
         "--master-port 0 (pick a free port) only works with --nnodes 1; give every node the "
         "same port");
   }
+  if (opts.master_port > 0 && static_cast<long long>(opts.master_port) + opts.max_restarts > 65535) {
+    throw UsageError("--master-port " + std::to_string(opts.master_port) + " + --max-restarts " +
+                     std::to_string(opts.max_restarts) + " exceeds 65535 (attempt k uses port + k)");
+  }
   if (static_cast<long long>(opts.nnodes) * opts.nproc_per_node > kIntMax) {
     throw UsageError("--nnodes * --nproc-per-node is too large");
   }
+}
+
+// How long the job may run, and what happens when a rank fails or a stop is asked for.
+void add_job_options(CLI::App& app, Options& opts) {
+  const auto seconds = integer_in(0, kIntMax, "a non-negative integer (seconds)");
+  app.add_option("--timeout", opts.timeout_s,
+                 "kill all ranks after S seconds, every restart included; 0 = never")
+      ->capture_default_str()
+      ->check(seconds);
+  app.add_option("--grace", opts.grace_s, "seconds between SIGTERM and SIGKILL")
+      ->capture_default_str()
+      ->check(seconds);
+  app.add_option("--max-restarts", opts.max_restarts,
+                 "restart every rank up to N times after a failure (a rank's non-zero exit or signal, or a "
+                 "stuck rank)")
+      ->capture_default_str()
+      ->check(integer_in(0, kIntMax, "a non-negative integer"));
+  app.add_option("--restart-backoff-s", opts.restart_backoff_s, "seconds between a failure and the restart")
+      ->capture_default_str()
+      ->check(seconds);
+  app.add_option("--preempt-grace-s", opts.preempt_grace_s,
+                 "on SIGTERM or SIGINT: seconds the ranks get (after SIGUSR1) to checkpoint and stop")
+      ->capture_default_str()
+      ->check(seconds);
 }
 
 }  // namespace
@@ -88,12 +131,7 @@ Options parse_args(int argc, char** argv) {
                  "port of the rendezvous master; 0 picks a free port (only with --nnodes 1)")
       ->capture_default_str()
       ->check(integer_in(0, 65535, "an integer in [0, 65535]"));
-  app.add_option("--timeout", opts.timeout_s, "kill all ranks after S seconds; 0 = never")
-      ->capture_default_str()
-      ->check(integer_in(0, kIntMax, "a non-negative integer (seconds)"));
-  app.add_option("--grace", opts.grace_s, "seconds between SIGTERM and SIGKILL")
-      ->capture_default_str()
-      ->check(integer_in(0, kIntMax, "a non-negative integer (seconds)"));
+  add_job_options(app, opts);
   try {
     app.parse(std::vector<std::string>(std::make_reverse_iterator(separator), args.rend()));
   } catch (const CLI::CallForHelp&) {

@@ -13,8 +13,11 @@ struct Options {
   int node_rank = 0;
   std::string master_addr = "127.0.0.1";
   int master_port = 0;
-  int timeout_s = 0;
+  int timeout_s = 0;  // the whole job, every attempt included
   int grace_s = 5;
+  int max_restarts = 0;
+  int restart_backoff_s = 1;
+  int preempt_grace_s = 20;
   std::vector<std::string> command;
 };
 

@@ -2,6 +2,7 @@
 //   hp-run --nproc-per-node 2 -- build/examples/torch/llama3/llama3_train --steps 20
 //   ... llama3_train --steps 20 --checkpoint-dir /tmp/ckpt --checkpoint-every 5   (then --resume)
 //   llama3_train --help
+#include <chrono>
 #include <cstdio>
 #include <string>
 
@@ -95,17 +96,25 @@ int main(int argc, char** argv) {
   }
   if (!options) return 0;
   return hp_examples::run_main("llama3_train", [&] {
-    hyper_parallel::comm::init_process_group();
+    namespace comm = hyper_parallel::comm;
+    const auto t0 = std::chrono::steady_clock::now();
+    comm::init_process_group();
+    if (comm::global_rank() == 0) {
+      std::printf("rendezvous of %lld ranks (attempt %lld) in %.2f s\n",
+                  static_cast<long long>(comm::world_size()), static_cast<long long>(comm::restart_count()),
+                  std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
     auto results = llama3::train(*options);
     const bool fell = results.size() < 2 || results.back().loss < results.front().loss;
     if (results.empty()) {
       // Resumed from a checkpoint at or past --steps: nothing left to train.
-      if (hyper_parallel::comm::global_rank() == 0) std::printf("no steps left to run\n");
-    } else if (hyper_parallel::comm::global_rank() == 0) {
-      std::printf("loss %s: %.4f -> %.4f\n", fell ? "fell" : "did NOT fall", results.front().loss,
-                  results.back().loss);
+      if (comm::global_rank() == 0) std::printf("no steps left to run\n");
+    } else if (comm::global_rank() == 0) {
+      std::printf("loss %s: %.4f -> %.4f (last %.17g)\n", fell ? "fell" : "did NOT fall",
+                  results.front().loss, results.back().loss, results.back().loss);
     }
-    hyper_parallel::comm::destroy_process_group();
-    return fell ? 0 : 1;
+    comm::destroy_process_group();
+    // A preempted run stops early by design: success.
+    return fell || comm::preemption_requested() ? 0 : 1;
   });
 }

@@ -19,11 +19,12 @@ import model as llama  # noqa: E402
 from parallelize import parallelize_llama3  # noqa: E402
 
 from hyper_parallel import checkpoint, clip_grad_norm_, init_device_mesh, loss_parallel  # noqa: E402
+from hyper_parallel.core import comm  # noqa: E402
 from hyper_parallel.core.tensor_parallel.mc2 import MC2Contract  # noqa: E402
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split(". Run")[0].replace("\n", " ") + ".")
     p.add_argument("--preset", default="small", choices=["debug", "tiny", "small", "bench"], help="model size")
     p.add_argument("--steps", type=int, default=10, help="training steps")
     p.add_argument("--batch-size", type=int, default=2, help="sequences per step")
@@ -37,7 +38,9 @@ def parse_args(argv=None):
     p.add_argument("--relaxed-mc2-contract", action="store_true", help="allow fp32 and any size under MC2")
     p.add_argument("--checkpoint-dir", help="checkpoint root: step-N/ directories and 'latest'")
     p.add_argument("--checkpoint-every", type=int, default=0, help="save every N steps and at the last (0: never)")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
+    p.add_argument("--resume", action="store_true",
+                   help="require a checkpoint in --checkpoint-dir (training continues from its latest one whenever "
+                        "there is one)")
     args = p.parse_args(argv)
     if (args.checkpoint_every or args.resume) and not args.checkpoint_dir:
         p.error("--checkpoint-every and --resume need --checkpoint-dir")
@@ -87,41 +90,73 @@ def train(args):
         print(f"llama3 (Python) {args.preset}, TP {mesh.size(0)}, SP {'off' if args.no_sequence_parallel else 'on'}, "
               f"MC2 {'on (' + args.mc2_scope + ')' if args.enable_mc2 else 'off'}, loss parallel "
               f"{'on' if args.loss_parallel else 'off'}, {args.dtype}, batch {args.batch_size}", flush=True)
-    first = 1
-    if args.resume:
-        latest = checkpoint.latest_step(args.checkpoint_dir)
-        if latest is None:
-            raise RuntimeError(f"train.py: expected a checkpoint to resume from in {args.checkpoint_dir!r}, got none")
-        checkpoint.load(args.checkpoint_dir, model, optimizer)
-        first = latest + 1
-        if log:
-            print(f"resumed from step {latest} ({checkpoint.step_dir(args.checkpoint_dir, latest)})", flush=True)
+    first = resume(args, model, optimizer, log)
     losses = []
     for step in range(first, args.steps + 1):
+        comm.maybe_kill_at_step(step)
         t0 = time.perf_counter()
         loss, grad_norm = train_step(args, model, optimizer, step)
         ms = (time.perf_counter() - t0) * 1e3
         losses.append((step, loss))
         if log:
             print(f"step {step:3d} | loss {loss:8.4f} | grad norm {grad_norm:7.3f} | ms/step {ms:8.1f}", flush=True)
-        if args.checkpoint_every and (step % args.checkpoint_every == 0 or step == args.steps):
-            t0 = time.perf_counter()
-            saved = checkpoint.save(args.checkpoint_dir, step, model, optimizer)
+        saved = bool(args.checkpoint_every) and (step % args.checkpoint_every == 0 or step == args.steps)
+        if saved:
+            save(args, step, model, optimizer, log)
+        # A preemption notice (hp-run's SIGUSR1): every rank stops after the same step, with a
+        # checkpoint of it.
+        if step < args.steps and comm.agree_on_preemption():
+            if not saved and args.checkpoint_dir:
+                save(args, step, model, optimizer, log)
             if log:
-                print(f"checkpoint {saved['path']}: {saved['total_bytes'] / 1e6:.1f} MB in "
-                      f"{time.perf_counter() - t0:.2f} s", flush=True)
+                print(f"hp-preempted: checkpoint at step {step}" if args.checkpoint_dir else
+                      f"hp-preempted: no checkpoint (no --checkpoint-dir); stopped after step {step}", flush=True)
+            break
     return losses
+
+
+def resume(args, model, optimizer, log) -> int:
+    """The first step to run: after the latest checkpoint in --checkpoint-dir if there is one (a
+    restarted job continues by itself); with --resume one must exist."""
+    if not args.checkpoint_dir:
+        return 1
+    latest = checkpoint.latest_step(args.checkpoint_dir)
+    if latest is None:
+        if args.resume:
+            raise RuntimeError(f"train.py: expected a checkpoint to resume from in {args.checkpoint_dir!r}, got none")
+        return 1
+    t0 = time.perf_counter()
+    checkpoint.load(args.checkpoint_dir, model, optimizer)
+    if log:
+        print(f"resumed from step {latest} ({checkpoint.step_dir(args.checkpoint_dir, latest)}) in "
+              f"{time.perf_counter() - t0:.2f} s", flush=True)
+    return latest + 1
+
+
+def save(args, step, model, optimizer, log) -> None:
+    t0 = time.perf_counter()
+    saved = checkpoint.save(args.checkpoint_dir, step, model, optimizer)
+    if log:
+        print(f"checkpoint {saved['path']}: {saved['total_bytes'] / 1e6:.1f} MB in {time.perf_counter() - t0:.2f} s",
+              flush=True)
 
 
 def main() -> int:
     args = parse_args()
+    t0 = time.perf_counter()
     dist.init_process_group("gloo")
+    comm.ensure_initialized()
+    if dist.get_rank() == 0:
+        print(f"rendezvous of {dist.get_world_size()} ranks (attempt {comm.restart_count()}) in "
+              f"{time.perf_counter() - t0:.2f} s", flush=True)
     losses = train(args)
-    if dist.get_rank() == 0 and len(losses) >= 2:
-        print(f"loss {'fell' if losses[-1][1] < losses[0][1] else 'did NOT fall'}: "
-              f"{losses[0][1]:.4f} -> {losses[-1][1]:.4f}", flush=True)
+    fell = len(losses) < 2 or losses[-1][1] < losses[0][1]
+    if dist.get_rank() == 0 and losses:
+        print(f"loss {'fell' if fell else 'did NOT fall'}: {losses[0][1]:.4f} -> {losses[-1][1]:.4f} "
+              f"(last {losses[-1][1]!r})", flush=True)
     dist.destroy_process_group()
-    return 0 if len(losses) < 2 or losses[-1][1] < losses[0][1] else 1
+    # A preempted run stops early by design: success.
+    return 0 if fell or comm.preemption_requested() else 1
 
 
 if __name__ == "__main__":

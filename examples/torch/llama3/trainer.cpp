@@ -92,16 +92,22 @@ void print_banner(const Run& run) {
   std::fflush(stdout);
 }
 
-// Loads the latest checkpoint into `state`; returns the first step to run.
+// The first step to run: after the latest checkpoint in checkpoint_dir, if there is one (a job
+// restarted after a failure or a preemption continues by itself); with `resume`, one must exist.
 int64_t resume(const Run& run, hp::checkpoint::State& state) {
   const auto& dir = run.options.checkpoint_dir();
+  if (dir.empty()) return 1;
   const auto latest = hp::checkpoint::latest_step(dir);
-  TORCH_CHECK(latest.has_value(), "llama3::train: expected a checkpoint to resume from in '", dir,
+  TORCH_CHECK(latest.has_value() || !run.options.resume(),
+              "llama3::train: expected a checkpoint to resume from in '", dir,
               "', got none (no 'latest' file)");
+  if (!latest) return 1;
+  const auto t0 = std::chrono::steady_clock::now();
   const std::string step_dir = hp::checkpoint::step_dir(dir, *latest);
   hp::checkpoint::load(step_dir, state);
   if (run.log) {
-    std::printf("resumed from step %lld (%s)\n", static_cast<long long>(*latest), step_dir.c_str());
+    std::printf("resumed from step %lld (%s) in %.2f s\n", static_cast<long long>(*latest), step_dir.c_str(),
+                std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     std::fflush(stdout);
   }
   return *latest + 1;
@@ -161,9 +167,11 @@ std::vector<StepResult> train(const TrainOptions& options,
     state = hp::checkpoint::model_state(*model);
     hp::checkpoint::add_optimizer_state(state, optimizer, *model);
   }
-  const int64_t first_step = options.resume() ? resume(run, state) : 1;
+  const int64_t first_step = resume(run, state);
   std::vector<StepResult> results;
+  const auto world = hp::comm::world();
   for (int64_t step = first_step; step <= options.steps(); ++step) {
+    hp::comm::maybe_kill_at_step(step);
     const auto r = train_step(run, *model, optimizer, step, inspect);
     results.push_back(r);
     if (run.log) {
@@ -172,7 +180,26 @@ std::vector<StepResult> train(const TrainOptions& options,
       std::fflush(stdout);
     }
     const int64_t every = options.checkpoint_every();
-    if (every > 0 && (step % every == 0 || step == options.steps())) save_checkpoint(run, state, step);
+    const bool saved = every > 0 && (step % every == 0 || step == options.steps());
+    if (saved) save_checkpoint(run, state, step);
+    // A preemption notice (hp-run's SIGUSR1): every rank stops after the same step, with a
+    // checkpoint of it. The reference computes alone on each rank: its own notice decides.
+    const bool preempted =
+        step < options.steps() &&
+        (options.reference() ? hp::comm::preemption_requested() : hp::comm::agree_on_preemption(world));
+    if (preempted) {
+      if (!saved && !options.checkpoint_dir().empty()) save_checkpoint(run, state, step);
+      if (run.log) {
+        if (options.checkpoint_dir().empty()) {
+          std::printf("hp-preempted: no checkpoint (no checkpoint_dir); stopped after step %lld\n",
+                      static_cast<long long>(step));
+        } else {
+          std::printf("hp-preempted: checkpoint at step %lld\n", static_cast<long long>(step));
+        }
+        std::fflush(stdout);
+      }
+      break;
+    }
   }
   return results;
 }

@@ -42,9 +42,10 @@ struct TrainOptions {
   TORCH_ARG(std::string, checkpoint_dir) = "";
   /// Save the model and AdamW's state every N steps and at the last step; 0: never.
   TORCH_ARG(int64_t, checkpoint_every) = 0;
-  /// Continue from checkpoint_dir's latest checkpoint (saved at any TP degree): the model, AdamW's
-  /// state and the step counter are restored, so steps latest+1 .. steps run as they would have
-  /// without the interruption (the data depends only on seed and step).
+  /// Require a checkpoint in checkpoint_dir. Whenever checkpoint_dir holds one (its `latest`),
+  /// training continues from it (saved at any TP degree): the model, AdamW's state and the step
+  /// counter are restored, so steps latest+1 .. steps run as they would have without the
+  /// interruption (the data depends only on seed and step). A restarted job continues by itself.
   TORCH_ARG(bool, resume) = false;
 };
 
@@ -58,7 +59,10 @@ struct StepResult {
 
 /// Trains on a 1-d TP mesh over the whole world (TP = world size). Calls `inspect` (if set) after
 /// each backward, before the optimizer step, e.g. to compare gradients. Returns the steps this
-/// call ran (with resume: latest+1 .. steps).
+/// call ran (after a checkpoint: latest+1 .. steps). At every step boundary the ranks agree on
+/// whether one was asked to stop (comm::agree_on_preemption: hp-run's SIGUSR1); if so they save a
+/// checkpoint of that step (with checkpoint_dir), print "hp-preempted: checkpoint at step N" and
+/// return early. HP_FAULT_KILL_AT_STEP kills a rank at a step (comm::maybe_kill_at_step).
 std::vector<StepResult> train(const TrainOptions& options,
                               const std::function<void(int64_t step, TransformerImpl&)>& inspect = {});
 

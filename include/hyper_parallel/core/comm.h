@@ -4,6 +4,7 @@
 #include <hyper_parallel/core/comm/chunks.h>
 #include <hyper_parallel/core/comm/collectives.h>
 #include <hyper_parallel/core/comm/counters.h>
+#include <hyper_parallel/core/comm/lifecycle.h>
 #include <hyper_parallel/core/comm/op.h>
 #include <hyper_parallel/core/comm/p2p.h>
 #include <hyper_parallel/core/comm/process_group.h>

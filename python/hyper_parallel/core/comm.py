@@ -23,6 +23,17 @@ total_collective_count = _C.total_collective_count
 reset_collective_counts = _C.reset_collective_counts
 collective_counts_summary = _C.collective_counts_summary
 payload_bytes_sent = _C.payload_bytes_sent
+# The life of a launch (hp-run's restarts and preemption notices; see lifecycle.h).
+restart_count = _C.restart_count
+preemption_requested = _C.preemption_requested
+maybe_kill_at_step = _C.maybe_kill_at_step
+
+
+def agree_on_preemption(group=None) -> bool:
+    """Whether any rank of ``group`` (default: the world) was asked to stop (hp-run's SIGUSR1).
+    Collective: every rank gets the same answer, so all stop after the same step."""
+    ensure_initialized()
+    return _C.agree_on_preemption(group if group is not None else dist.group.WORLD)
 
 
 def ensure_initialized() -> None:

@@ -9,12 +9,14 @@
 #include <map>
 #include <mutex>
 #include <sstream>
+#include <thread>
 
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include <hyper_parallel/core/comm/lifecycle.h>
 #include <hyper_parallel/core/comm/trace.h>
 
 #include "flight_recorder.h"
@@ -86,6 +88,27 @@ std::string local_address_towards(const std::string& host, int64_t port) {
   return result;
 }
 
+// Waits (polling every 10 ms, at most `limit`) until the store's master accepts connections. A
+// TCPStore client that arrives before its master is listening retries only after a second, which
+// was most of a restarted job's rendezvous; after `limit` the TCPStore reports the failure itself.
+void wait_until_listening(const std::string& host, int64_t port, std::chrono::milliseconds limit) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* res = nullptr;
+  if (getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &res) != 0) return;
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  for (bool connected = false; !connected && std::chrono::steady_clock::now() < deadline;) {
+    for (addrinfo* a = res; a != nullptr && !connected; a = a->ai_next) {
+      const int fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+      connected = fd >= 0 && connect(fd, a->ai_addr, a->ai_addrlen) == 0;
+      if (fd >= 0) close(fd);
+    }
+    if (!connected) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  freeaddrinfo(res);
+}
+
 std::chrono::milliseconds default_timeout() {
   if (auto v = env("HP_TIMEOUT_S")) {
     int64_t s = parse_int(*v, "HP_TIMEOUT_S");
@@ -152,6 +175,7 @@ void init_process_group(const InitOptions& options) {
               "hyper_parallel::comm::init_process_group: expected MASTER_PORT in [1, 65535], got ", *port);
   auto timeout = options.timeout().value_or(default_timeout());
 
+  if (*rank != 0) wait_until_listening(*addr, *port, timeout);
   c10d::TCPStoreOptions store_options;
   store_options.port = static_cast<uint16_t>(*port);
   store_options.isServer = *rank == 0;
@@ -177,6 +201,7 @@ void init_process_group(const InitOptions& options) {
   w.groups_created = 0;
   trace::detail::start(*rank);
   detail::install_stop_report(*rank);
+  detail::install_preemption_handler();
 }
 
 void init_process_group_from(c10::intrusive_ptr<c10d::ProcessGroup> world_backend,
@@ -215,6 +240,7 @@ void init_process_group_from(c10::intrusive_ptr<c10d::ProcessGroup> world_backen
   w.groups_created = 0;
   trace::detail::start(rank);
   detail::install_stop_report(rank);
+  detail::install_preemption_handler();
 }
 
 bool is_initialized() { return world_state().group != nullptr; }

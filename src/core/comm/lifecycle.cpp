@@ -1,0 +1,79 @@
+#include <hyper_parallel/core/comm/lifecycle.h>
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <hyper_parallel/core/comm/collectives.h>
+#include <hyper_parallel/core/comm/counters.h>
+
+namespace hyper_parallel::comm {
+namespace {
+
+volatile sig_atomic_t g_stop_requested = 0;
+
+extern "C" void on_preemption_signal(int) { g_stop_requested = 1; }
+
+std::optional<int64_t> int_env(const char* name) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return std::nullopt;
+  char* end = nullptr;
+  const long long value = std::strtoll(v, &end, 10);
+  TORCH_CHECK(*end == '\0', "hyper_parallel::comm: expected an integer in ", name, ", got '", v, "'");
+  return value;
+}
+
+}  // namespace
+
+int64_t restart_count() {
+  if (auto v = int_env("HP_RESTART_COUNT")) return *v;
+  return int_env("TORCHELASTIC_RESTART_COUNT").value_or(0);
+}
+
+bool preemption_requested() { return g_stop_requested != 0; }
+
+bool agree_on_preemption(const Group& group) {
+  auto flag = at::full({1}, preemption_requested() ? 1 : 0, at::kInt);
+  if (group.size() == 1) return flag.item<int>() != 0;
+  CommRegion region("preemption");
+  // The max over ranks of 0/1 flags: their sum is positive exactly when one of them is set.
+  return all_reduce(flag, ReduceOp::kSum, group).item<int>() > 0;
+}
+
+void maybe_kill_at_step(int64_t step) {
+  const char* v = std::getenv("HP_FAULT_KILL_AT_STEP");
+  if (v == nullptr || *v == '\0' || restart_count() > 0) return;
+  long long rank = -1, at_step = -1;
+  char tail = 0;
+  TORCH_CHECK(std::sscanf(v, "%lld:%lld%c", &rank, &at_step, &tail) == 2,
+              "hyper_parallel::comm: expected HP_FAULT_KILL_AT_STEP=<rank>:<step>, got '", v, "'");
+  if (at_step != step || rank != global_rank()) return;
+  std::fprintf(stderr, "HP_FAULT_KILL_AT_STEP=%s: rank %lld kills itself at step %lld\n", v, rank, at_step);
+  std::fflush(stdout);
+  std::fflush(stderr);
+  ::kill(::getpid(), SIGKILL);
+}
+
+namespace detail {
+
+void install_preemption_handler() {
+  struct sigaction previous {};
+  if (::sigaction(SIGUSR1, nullptr, &previous) != 0 || previous.sa_handler != SIG_DFL) return;
+  struct sigaction action {};
+  action.sa_handler = on_preemption_signal;
+  sigemptyset(&action.sa_mask);
+  action.sa_flags = SA_RESTART;
+  ::sigaction(SIGUSR1, &action, nullptr);
+}
+
+void clear_preemption_request() { g_stop_requested = 0; }
+
+}  // namespace detail
+
+}  // namespace hyper_parallel::comm
