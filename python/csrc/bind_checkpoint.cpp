@@ -38,18 +38,38 @@ void bind_state(py::module& m) {
       .def("__len__", &ckpt::State::size);
 }
 
+py::dict result_dict(const ckpt::SaveResult& r) {
+  py::dict out;
+  out["path"] = r.path;
+  out["total_bytes"] = r.total_bytes;
+  out["bytes_written"] = r.bytes_written;
+  out["background_seconds"] = r.background_seconds;
+  out["background_cpu_seconds"] = r.background_cpu_seconds;
+  return out;
+}
+
 void bind_io(py::module& m) {
   m.def(
       "checkpoint_save",
-      [](const std::string& root, const ckpt::State& state, int64_t step, bool fsync) {
-        const auto r = ckpt::save(root, state, ckpt::SaveOptions().step(step).fsync(fsync));
-        py::dict out;
-        out["path"] = r.path;
-        out["total_bytes"] = r.total_bytes;
-        out["bytes_written"] = r.bytes_written;
-        return out;
+      [](const std::string& root, const ckpt::State& state, int64_t step, bool fsync, bool asynchronous) {
+        return result_dict(
+            ckpt::save(root, state, ckpt::SaveOptions().step(step).fsync(fsync).asynchronous(asynchronous)));
       },
-      py::arg("root"), py::arg("state"), py::arg("step"), py::arg("fsync") = true);
+      py::arg("root"), py::arg("state"), py::arg("step"), py::arg("fsync") = true,
+      py::arg("asynchronous") = false);
+  m.def(
+      "checkpoint_finish",
+      []() -> std::optional<py::dict> {
+        std::optional<ckpt::SaveResult> done;
+        {
+          py::gil_scoped_release release;  // the writer needs no Python; other threads may run
+          done = ckpt::finish();
+        }
+        if (!done) return std::nullopt;
+        return result_dict(*done);
+      },
+      "Waits for the asynchronous save in flight; raises its error. None if none was in flight.");
+  m.def("checkpoint_save_in_flight", &ckpt::save_in_flight);
   m.def(
       "checkpoint_load",
       [](const std::string& dir, ckpt::State& state, bool strict) {

@@ -10,6 +10,10 @@ Usage (every rank)::
     step = checkpoint.latest_step("/ckpt")          # None without a checkpoint
     checkpoint.load("/ckpt", model, optimizer)       # follows `latest`; reshards to this TP degree
 
+    checkpoint.async_save("/ckpt", step, model, optimizer)  # returns after a copy of this rank's share
+    ...                                                     # training goes on while it is written
+    checkpoint.finish()                                     # before the job ends: raises its error
+
 AdamW's step is an int64 [1] on disk and torch's float tensor in memory; a parameter without
 optimizer state yet gets zeros and step 0 (what AdamW would make on its first step), so a load
 before the first step restores the optimizer too.
@@ -22,7 +26,7 @@ from torch import nn
 
 from hyper_parallel import _C
 
-__all__ = ["save", "load", "latest_step", "step_dir", "export_full"]
+__all__ = ["save", "async_save", "finish", "load", "latest_step", "step_dir", "export_full"]
 
 
 def _adamw_state(optimizer: torch.optim.AdamW, param: torch.Tensor) -> Dict[str, torch.Tensor]:
@@ -59,9 +63,27 @@ def _state(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> "_C.
 
 def save(dir: str, step: int, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *,
          fsync: bool = True) -> dict:
-    """Writes ``dir/step-<step>`` and points ``dir/latest`` at it. Collective over the world.
+    """Writes ``dir/step-<step>`` and points ``dir/latest`` at it (after waiting for an
+    asynchronous save in flight, whose error it raises). Collective over the world.
     Returns ``{"path", "total_bytes", "bytes_written"}``."""
     return _C.checkpoint_save(dir, _state(model, optimizer), step, fsync)
+
+
+def async_save(dir: str, step: int, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *,
+               fsync: bool = True) -> dict:
+    """``save``, returning once this rank's share of the state is copied into staging buffers; a
+    C++ thread (no GIL) writes, fsyncs and publishes the same files while training goes on, its
+    collectives on a group of its own. It first waits for the previous asynchronous save and
+    raises that save's error, if any; so does ``finish``. Extra memory: one copy of the tensors
+    this rank writes, kept for the next save. Collective over the world."""
+    return _C.checkpoint_save(dir, _state(model, optimizer), step, fsync, asynchronous=True)
+
+
+def finish() -> Optional[dict]:
+    """Waits for the asynchronous save in flight and returns its result (with
+    ``background_seconds`` and ``background_cpu_seconds``), or raises its error; None if no save
+    was in flight. Call it on every rank before the job ends."""
+    return _C.checkpoint_finish()
 
 
 def load(dir: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *,

@@ -25,6 +25,8 @@ const char* name_of(Fault fault) {
   switch (fault) {
     case Fault::kAfterShard:
       return "after_shard";
+    case Fault::kAsyncWrite:
+      return "async_write";
     case Fault::kBeforeRename:
       return "before_rename";
     case Fault::kBeforeLatest:
@@ -79,16 +81,17 @@ Fault fault_from_env(const char* fn) {
   // A restarted job (hp-run --max-restarts) runs through: the fault is the first attempt's.
   if (value == nullptr || *value == '\0' || comm::restart_count() > 0) return Fault::kNone;
   const std::string v(value);
-  for (auto f : {Fault::kAfterShard, Fault::kBeforeRename, Fault::kBeforeLatest}) {
+  for (auto f : {Fault::kAfterShard, Fault::kAsyncWrite, Fault::kBeforeRename, Fault::kBeforeLatest}) {
     if (v == name_of(f)) return f;
   }
-  TORCH_CHECK(false, fn, ": expected HP_CHECKPOINT_FAULT to be after_shard, before_rename or ",
+  TORCH_CHECK(false, fn, ": expected HP_CHECKPOINT_FAULT to be after_shard, async_write, before_rename or ",
               "before_latest, got '", v, "'");
 }
 
 void maybe_exit_for_fault(const char* fn, Fault fault, Fault point, int64_t rank, int64_t world_size) {
   if (fault != point) return;
-  const int64_t faulting_rank = point == Fault::kAfterShard ? (world_size == 1 ? 0 : 1) : 0;
+  const bool shard_point = point == Fault::kAfterShard || point == Fault::kAsyncWrite;
+  const int64_t faulting_rank = shard_point ? (world_size == 1 ? 0 : 1) : 0;
   if (rank != faulting_rank) return;
   std::fprintf(stderr, "%s: HP_CHECKPOINT_FAULT=%s: rank %lld exits with status 3\n", fn, name_of(point),
                static_cast<long long>(rank));

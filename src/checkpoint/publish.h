@@ -8,6 +8,8 @@
 // Fault points (HP_CHECKPOINT_FAULT, for tests; on the first attempt of a job only, so that a
 // job hp-run restarts runs through) make the process exit with status 3:
 //   after_shard     rank 1 (rank 0 in a 1-rank world), right after writing its shard file
+//   async_write     rank 1 (rank 0 in a 1-rank world), halfway through writing its shard file,
+//                   in an asynchronous save (on its background thread)
 //   before_rename   rank 0, after writing COMPLETE, before the rename
 //   before_latest   rank 0, after the rename, before `latest` is replaced
 
@@ -16,7 +18,7 @@
 
 namespace hyper_parallel::checkpoint::detail {
 
-enum class Fault { kNone, kAfterShard, kBeforeRename, kBeforeLatest };
+enum class Fault { kNone, kAfterShard, kAsyncWrite, kBeforeRename, kBeforeLatest };
 
 /// HP_CHECKPOINT_FAULT, read at each save; an unknown value is a c10::Error naming it.
 Fault fault_from_env(const char* fn);

@@ -1,7 +1,8 @@
 // checkpoint::save, phase by phase: the plan (save_plan.h), the shard files (write_shards.h) and
 // the publication (publish.h). Each phase ends with an all_gather of every rank's status
 // (phase_status.h), which is also its barrier: an error on one rank is raised on every rank, and
-// no rank leaves a phase before all entered it.
+// no rank leaves a phase before all entered it. An asynchronous save runs the phases after the
+// plan on its writer thread (async_writer.h).
 #include <hyper_parallel/checkpoint/checkpoint.h>
 
 #include <filesystem>
@@ -12,10 +13,10 @@
 #include <hyper_parallel/core/comm/collectives.h>
 #include <hyper_parallel/core/comm/process_group.h>
 
+#include "async_writer.h"
 #include "index.h"
 #include "phase_status.h"
-#include "publish.h"
-#include "save_plan.h"
+#include "save_phases.h"
 #include "write_shards.h"
 
 namespace hyper_parallel::checkpoint {
@@ -36,7 +37,10 @@ std::vector<std::vector<std::string>> write_and_gather_shards(
   try {
     if (!plan.mine.empty()) {
       const auto path = (std::filesystem::path(staging) / detail::rank_file_name(rank)).string();
-      for (const auto& shard : detail::write_rank_file(kFn, path, plan, data, rank, step, durable)) {
+      const auto halfway = [&] {
+        detail::maybe_exit_for_fault(kFn, fault, detail::Fault::kAsyncWrite, rank, group.size());
+      };
+      for (const auto& shard : detail::write_rank_file(kFn, path, plan, data, rank, step, durable, halfway)) {
         shards.push_back(detail::shard_json(shard.name, shard));
         *bytes_written += shard.end - shard.begin;
       }
@@ -59,41 +63,62 @@ std::vector<std::vector<std::string>> write_and_gather_shards(
 
 }  // namespace
 
-SaveResult save(const std::string& root, const State& state, const SaveOptions& options) {
-  const auto fault = detail::fault_from_env(kFn);
-  const auto world = comm::world();
-  const int64_t step = options.step();
-  TORCH_CHECK(step >= 0, kFn, ": expected step >= 0, got ", step);
-  const bool durable = options.fsync();
+namespace detail {
 
-  const auto plan = detail::agree_on_plan(kFn, state, step, world);
-  const auto staging = detail::staging_dir(root, step, plan.nonce);
+SaveResult write_and_publish(const char* fn, const std::string& root, const SavePlan& plan,
+                             const std::vector<at::Tensor>& data, int64_t step, bool durable, Fault fault,
+                             const comm::Group& group) {
+  const auto staging = staging_dir(root, step, plan.nonce);
   std::string error;
-  if (world.rank() == 0) {
+  if (group.rank() == 0) {
     try {
-      detail::prepare_staging(kFn, root, staging);
+      prepare_staging(fn, root, staging);
     } catch (const std::exception& e) {
-      error = detail::message_of(e);
+      error = message_of(e);
     }
   }
-  detail::check_all(kFn, world, error, "creating " + staging);
+  check_all(fn, group, error, "creating " + staging);
 
   SaveResult result{step_dir(root, step), plan.total_bytes, 0};
-  const auto shards_by_rank = write_and_gather_shards(plan, detail::tensors_to_write(state, plan), staging,
-                                                      step, durable, fault, world, &result.bytes_written);
+  const auto shards_by_rank =
+      write_and_gather_shards(plan, data, staging, step, durable, fault, group, &result.bytes_written);
   // Phase 3, rank 0: the index and the publication; the others wait in the last gather, so that
   // no rank returns before the checkpoint is published.
   error.clear();
-  if (world.rank() == 0) {
+  if (group.rank() == 0) {
     try {
-      const auto index = detail::index_text(plan.keys, shards_by_rank, step, world.size());
-      detail::publish(kFn, root, staging, step, plan.nonce, index, durable, fault);
+      const auto index = index_text(plan.keys, shards_by_rank, step, group.size());
+      publish(fn, root, staging, step, plan.nonce, index, durable, fault);
     } catch (const std::exception& e) {
-      error = detail::message_of(e);
+      error = message_of(e);
     }
   }
-  detail::check_all(kFn, world, error, "publishing " + result.path);
+  check_all(fn, group, error, "publishing " + result.path);
   return result;
 }
+
+}  // namespace detail
+
+SaveResult save(const std::string& root, const State& state, const SaveOptions& options) {
+  auto fault = detail::fault_from_env(kFn);
+  const int64_t step = options.step();
+  TORCH_CHECK(step >= 0, kFn, ": expected step >= 0, got ", step);
+  auto& writer = detail::AsyncWriter::get();
+  writer.wait();  // the previous asynchronous save, if any: its error is this call's
+  if (!options.asynchronous()) {
+    if (fault == detail::Fault::kAsyncWrite) fault = detail::Fault::kNone;
+    const auto world = comm::world();
+    const auto plan = detail::agree_on_plan(kFn, state, step, world);
+    return detail::write_and_publish(kFn, root, plan, detail::tensors_to_write(state, plan), step,
+                                     options.fsync(), fault, world);
+  }
+  const auto& group = writer.group();
+  auto plan = detail::agree_on_plan(kFn, state, step, group);
+  return writer.start(kFn, root, std::move(plan), state, step, options.fsync(), fault);
+}
+
+std::optional<SaveResult> finish() { return detail::AsyncWriter::get().wait(); }
+
+bool save_in_flight() { return detail::AsyncWriter::get().in_flight(); }
 
 }  // namespace hyper_parallel::checkpoint

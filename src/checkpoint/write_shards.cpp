@@ -22,7 +22,7 @@ std::vector<at::Tensor> tensors_to_write(const State& state, const SavePlan& pla
 
 std::vector<ShardInfo> write_rank_file(const char* fn, const std::string& path, const SavePlan& plan,
                                        const std::vector<at::Tensor>& data, int64_t rank, int64_t step,
-                                       bool durable) {
+                                       bool durable, const std::function<void()>& halfway) {
   TORCH_INTERNAL_ASSERT(data.size() == plan.mine.size(), "write_rank_file: one tensor per region");
   std::vector<TensorRecord> records;
   int64_t offset = 0;
@@ -42,6 +42,7 @@ std::vector<ShardInfo> write_rank_file(const char* fn, const std::string& path, 
   const auto name = std::filesystem::path(path).filename().string();
   std::vector<ShardInfo> written;
   for (size_t j = 0; j < records.size(); ++j) {
+    if (j == records.size() / 2 && halfway) halfway();
     const int64_t nbytes = records[j].end - records[j].begin;
     file.write_all(data[j].data_ptr(), nbytes);
     count_written(nbytes);

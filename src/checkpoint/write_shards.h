@@ -4,6 +4,7 @@
 // a key), computing each shard's crc32 as it writes.
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -22,9 +23,10 @@ std::string rank_file_name(int64_t rank);
 std::vector<at::Tensor> tensors_to_write(const State& state, const SavePlan& plan);
 
 /// Writes `data` (one tensor per plan.mine entry) into `path`, fsynced when `durable`; returns
-/// where each shard lies in the file.
+/// where each shard lies in the file. `halfway` runs after the first half of the tensors is
+/// written (the async_write fault point).
 std::vector<ShardInfo> write_rank_file(const char* fn, const std::string& path, const SavePlan& plan,
                                        const std::vector<at::Tensor>& data, int64_t rank, int64_t step,
-                                       bool durable);
+                                       bool durable, const std::function<void()>& halfway = {});
 
 }  // namespace hyper_parallel::checkpoint::detail

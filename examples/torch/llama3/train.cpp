@@ -24,7 +24,7 @@ std::optional<llama3::TrainOptions> parse_flags(int argc, char** argv) {
   std::optional<int64_t> seq_len;
   double lr = o.lr();
   uint64_t seed = o.seed();
-  bool no_sp = false, loss_parallel = false, mc2 = false, relaxed = false, resume = false;
+  bool no_sp = false, loss_parallel = false, mc2 = false, relaxed = false, resume = false, async = false;
   std::string checkpoint_dir;
   int64_t checkpoint_every = o.checkpoint_every();
 
@@ -71,6 +71,8 @@ std::optional<llama3::TrainOptions> parse_flags(int argc, char** argv) {
                "continue from the latest checkpoint in --checkpoint-dir (saved at any "
                "TP degree) up to --steps")
       ->needs(dir_flag);
+  app.add_flag("--async-checkpoint", async, "write checkpoints on a background thread while training goes on")
+      ->needs(dir_flag);
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp&) {
@@ -80,7 +82,7 @@ std::optional<llama3::TrainOptions> parse_flags(int argc, char** argv) {
   o.preset(preset).dtype(dtype).steps(steps).batch_size(batch_size).seq_len(seq_len).lr(lr).seed(seed);
   o.enable_sequence_parallel(!no_sp).enable_loss_parallel(loss_parallel);
   o.enable_mc2(mc2).mc2_scope(mc2_scope).relaxed_mc2_contract(relaxed).mc2_chunks_per_rank(chunks);
-  o.checkpoint_dir(checkpoint_dir).checkpoint_every(checkpoint_every).resume(resume);
+  o.checkpoint_dir(checkpoint_dir).checkpoint_every(checkpoint_every).resume(resume).async_checkpoint(async);
   return o;
 }
 

@@ -41,9 +41,11 @@ def parse_args(argv=None):
     p.add_argument("--resume", action="store_true",
                    help="require a checkpoint in --checkpoint-dir (training continues from its latest one whenever "
                         "there is one)")
+    p.add_argument("--async-checkpoint", action="store_true",
+                   help="write checkpoints on a background thread while training goes on")
     args = p.parse_args(argv)
-    if (args.checkpoint_every or args.resume) and not args.checkpoint_dir:
-        p.error("--checkpoint-every and --resume need --checkpoint-dir")
+    if (args.checkpoint_every or args.resume or args.async_checkpoint) and not args.checkpoint_dir:
+        p.error("--checkpoint-every, --resume and --async-checkpoint need --checkpoint-dir")
     if args.mc2_scope != "ffn" and not args.enable_mc2:
         p.error("--mc2-scope needs --enable-mc2")
     return args
@@ -108,10 +110,12 @@ def train(args):
         if step < args.steps and comm.agree_on_preemption():
             if not saved and args.checkpoint_dir:
                 save(args, step, model, optimizer, log)
+            finish_save(log)  # published before hp-run hears of it
             if log:
                 print(f"hp-preempted: checkpoint at step {step}" if args.checkpoint_dir else
                       f"hp-preempted: no checkpoint (no --checkpoint-dir); stopped after step {step}", flush=True)
             break
+    finish_save(log)
     return losses
 
 
@@ -133,12 +137,26 @@ def resume(args, model, optimizer, log) -> int:
     return latest + 1
 
 
+def finish_save(log) -> None:
+    """Waits for the asynchronous save in flight, if any (raising its error), and logs it."""
+    done = checkpoint.finish()
+    if done and log:
+        print(f"checkpoint {done['path']}: written in the background in {done['background_seconds']:.2f} s "
+              f"(writer CPU {done['background_cpu_seconds']:.2f} s)", flush=True)
+
+
 def save(args, step, model, optimizer, log) -> None:
+    if args.async_checkpoint:
+        finish_save(log)
     t0 = time.perf_counter()
-    saved = checkpoint.save(args.checkpoint_dir, step, model, optimizer)
-    if log:
-        print(f"checkpoint {saved['path']}: {saved['total_bytes'] / 1e6:.1f} MB in {time.perf_counter() - t0:.2f} s",
-              flush=True)
+    save_fn = checkpoint.async_save if args.async_checkpoint else checkpoint.save
+    saved = save_fn(args.checkpoint_dir, step, model, optimizer)
+    seconds = time.perf_counter() - t0
+    if log and args.async_checkpoint:
+        print(f"checkpoint {saved['path']}: {saved['total_bytes'] / 1e6:.1f} MB, training stalled {seconds:.3f} s "
+              "(snapshot; writing in the background)", flush=True)
+    elif log:
+        print(f"checkpoint {saved['path']}: {saved['total_bytes'] / 1e6:.1f} MB in {seconds:.2f} s", flush=True)
 
 
 def main() -> int:

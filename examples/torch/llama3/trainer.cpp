@@ -137,15 +137,32 @@ StepResult train_step(const Run& run, TransformerImpl& model, torch::optim::Adam
           1000.0 * static_cast<double>(o.batch_size() * run.seq_len) / ms};
 }
 
+// Waits for the asynchronous save in flight, if any (raising its error), and logs it.
+void finish_checkpoint(const Run& run) {
+  const auto done = hp::checkpoint::finish();
+  if (done && run.log) {
+    std::printf("checkpoint %s: written in the background in %.2f s (writer CPU %.2f s)\n",
+                done->path.c_str(), done->background_seconds, done->background_cpu_seconds);
+    std::fflush(stdout);
+  }
+}
+
 void save_checkpoint(const Run& run, const hp::checkpoint::State& state, int64_t step) {
+  const bool async = run.options.async_checkpoint();
+  if (async) finish_checkpoint(run);
   const auto s0 = std::chrono::steady_clock::now();
-  const auto saved =
-      hp::checkpoint::save(run.options.checkpoint_dir(), state, hp::checkpoint::SaveOptions().step(step));
+  const auto saved = hp::checkpoint::save(run.options.checkpoint_dir(), state,
+                                          hp::checkpoint::SaveOptions().step(step).asynchronous(async));
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - s0).count();
   if (run.log) {
     const double mb = static_cast<double>(saved.total_bytes) / 1e6;
-    std::printf("checkpoint %s: %.1f MB in %.2f s (%.1f MB/s)\n", saved.path.c_str(), mb, seconds,
-                mb / std::max(seconds, 1e-9));
+    if (async) {
+      std::printf("checkpoint %s: %.1f MB, training stalled %.3f s (snapshot; writing in the background)\n",
+                  saved.path.c_str(), mb, seconds);
+    } else {
+      std::printf("checkpoint %s: %.1f MB in %.2f s (%.1f MB/s)\n", saved.path.c_str(), mb, seconds,
+                  mb / std::max(seconds, 1e-9));
+    }
     std::fflush(stdout);
   }
 }
@@ -189,6 +206,7 @@ std::vector<StepResult> train(const TrainOptions& options,
         (options.reference() ? hp::comm::preemption_requested() : hp::comm::agree_on_preemption(world));
     if (preempted) {
       if (!saved && !options.checkpoint_dir().empty()) save_checkpoint(run, state, step);
+      finish_checkpoint(run);  // published before hp-run hears of it
       if (run.log) {
         if (options.checkpoint_dir().empty()) {
           std::printf("hp-preempted: no checkpoint (no checkpoint_dir); stopped after step %lld\n",
@@ -201,6 +219,7 @@ std::vector<StepResult> train(const TrainOptions& options,
       break;
     }
   }
+  finish_checkpoint(run);
   return results;
 }
 

@@ -47,6 +47,9 @@ struct TrainOptions {
   /// counter are restored, so steps latest+1 .. steps run as they would have without the
   /// interruption (the data depends only on seed and step). A restarted job continues by itself.
   TORCH_ARG(bool, resume) = false;
+  /// Save asynchronously (checkpoint::SaveOptions::asynchronous): the step loop stalls only for
+  /// a copy of the rank's share of the state; the files are written while training goes on.
+  TORCH_ARG(bool, async_checkpoint) = false;
 };
 
 struct StepResult {

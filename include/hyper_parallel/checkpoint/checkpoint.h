@@ -26,8 +26,11 @@
 // filesystem every rank sees.
 //
 // Fault injection, for tests: HP_CHECKPOINT_FAULT makes save exit the process (status 3) at one
-// point of the protocol:
+// point of the protocol (on the first attempt of a job only, so that a job hp-run restarts runs
+// through):
 //   after_shard     rank 1 (rank 0 in a 1-rank world), right after writing its shard file
+//   async_write     rank 1 (rank 0 in a 1-rank world), halfway through writing its shard file
+//                   on an asynchronous save's background thread (synchronous saves ignore it)
 //   before_rename   rank 0, after writing COMPLETE, before the temporary directory is renamed
 //   before_latest   rank 0, after the rename, before `latest` is replaced
 // In each case the previous checkpoint (the one `latest` names) stays loadable.
@@ -142,12 +145,22 @@ void add_optimizer_state(State& state, torch::optim::AdamW& optimizer, torch::nn
 
 /// Usage:
 ///   save("/ckpt", state, SaveOptions().step(100));
+///   save("/ckpt", state, SaveOptions().step(200).asynchronous(true));  // returns after a copy
+///   ...                                                                 // training goes on
+///   finish();                                                           // before the job ends
 struct SaveOptions {
   /// The training step; the checkpoint is root/step-<step>.
   TORCH_ARG(int64_t, step) = 0;
   /// fsync files and directories so that a crash of the machine cannot lose a checkpoint that
   /// `latest` names. Off only for throwaway directories.
   TORCH_ARG(bool, fsync) = true;
+  /// Return once this rank's share of the state is copied into staging buffers (a snapshot);
+  /// the shard files, their crc32s, the fsyncs and the publication run on a background thread,
+  /// while training goes on. The files are byte for byte those of a synchronous save. Extra
+  /// memory: one snapshot of the tensors this rank writes, kept between saves so that the next
+  /// snapshot is a plain copy. The background thread's collectives run on a group of its own,
+  /// created (collectively) by the first asynchronous save, never on training's groups.
+  TORCH_ARG(bool, asynchronous) = false;
 };
 
 struct SaveResult {
@@ -155,15 +168,31 @@ struct SaveResult {
   std::string path;
   /// Tensor bytes of the whole checkpoint (every rank's shards).
   int64_t total_bytes = 0;
-  /// Tensor bytes this rank wrote.
+  /// Tensor bytes this rank wrote (or, for an asynchronous save in flight, writes).
   int64_t bytes_written = 0;
+  /// The background part of an asynchronous save, as finish() returns it: wall time, and the
+  /// CPU time of the writer thread. 0 for a synchronous save.
+  double background_seconds = 0, background_cpu_seconds = 0;
 };
 
 /// Writes `state` as root/step-<options.step()> and points root/latest at it. Collective over
 /// the world (comm::world()): every rank calls it with the same keys, dtypes and global shapes.
-/// Returns once the checkpoint is published on every rank; an error on any rank (e.g. a full
-/// disk) is raised on every rank, and `latest` then still names the previous checkpoint.
+/// It first waits for an asynchronous save still in flight, and raises that save's error, if
+/// it had one, instead of saving. A synchronous save returns once the checkpoint is published
+/// on every rank; an error on any rank (e.g. a full disk) is raised on every rank, and `latest`
+/// then still names the previous checkpoint. An asynchronous one (SaveOptions::asynchronous)
+/// returns after the plan's agreement and the snapshot; its errors are raised, on every rank, by
+/// the next save or finish().
 SaveResult save(const std::string& root, const State& state, const SaveOptions& options = {});
+
+/// Waits for the asynchronous save in flight, if any, and returns its result; raises its error
+/// (naming the file or the rank that failed), after which no save is in flight. nullopt when
+/// none was in flight. Every rank calls it before the job ends: a process that exits with a save
+/// in flight waits for it at exit, but has no one to raise its error to (it is printed).
+std::optional<SaveResult> finish();
+
+/// Whether an asynchronous save was started and not yet collected by finish() or save().
+bool save_in_flight();
 
 /// Usage:
 ///   load("/ckpt", state, LoadOptions().strict(false));  // ignore checkpoint keys state lacks

@@ -15,7 +15,6 @@ struct Counters {
   std::mutex mutex;
   std::map<std::string, std::array<int64_t, kNumCollectiveKinds>, std::less<>> by_region;
   std::map<std::string, int64_t, std::less<>> bytes_by_region;
-  std::vector<std::string> regions;  // stack of active CommRegion names
   bool debug = std::getenv("HP_COMM_DEBUG") != nullptr;
 };
 
@@ -24,12 +23,21 @@ Counters& counters() {
   return c;
 }
 
+// The calling thread's stack of active CommRegion names: a background thread (the asynchronous
+// checkpoint writer) counts in its own regions, never in the training thread's.
+thread_local std::vector<std::string> t_regions;
+
+const std::string& current_region() {
+  static const std::string kDefault = "default";
+  return t_regions.empty() ? kDefault : t_regions.back();
+}
+
 }  // namespace
 
 void record_collective(CollectiveKind kind, std::string_view detail) {
   auto& c = counters();
   std::lock_guard<std::mutex> lock(c.mutex);
-  const std::string region = c.regions.empty() ? "default" : c.regions.back();
+  const std::string& region = current_region();
   auto it = c.by_region.find(region);
   if (it == c.by_region.end())
     it = c.by_region.emplace(region, std::array<int64_t, kNumCollectiveKinds>{}).first;
@@ -77,7 +85,7 @@ namespace detail {
 void record_payload_bytes(int64_t bytes) {
   auto& c = counters();
   std::lock_guard<std::mutex> lock(c.mutex);
-  c.bytes_by_region[c.regions.empty() ? "default" : c.regions.back()] += bytes;
+  c.bytes_by_region[current_region()] += bytes;
 }
 
 }  // namespace detail
@@ -97,16 +105,8 @@ std::string collective_counts_summary() {
   return out.str();
 }
 
-CommRegion::CommRegion(std::string name) {
-  auto& c = counters();
-  std::lock_guard<std::mutex> lock(c.mutex);
-  c.regions.push_back(std::move(name));
-}
+CommRegion::CommRegion(std::string name) { t_regions.push_back(std::move(name)); }
 
-CommRegion::~CommRegion() {
-  auto& c = counters();
-  std::lock_guard<std::mutex> lock(c.mutex);
-  c.regions.pop_back();
-}
+CommRegion::~CommRegion() { t_regions.pop_back(); }
 
 }  // namespace hyper_parallel::comm

@@ -4,6 +4,7 @@
 #include <atomic>
 #include <chrono>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -18,8 +19,9 @@ struct GroupImpl {
   int64_t rank = 0;  // inside the group
   std::string name;
   std::chrono::milliseconds timeout{0};
-  std::atomic<int64_t> next_op{0};   // tag blocks handed out so far
-  std::atomic<int64_t> next_seq{0};  // ops (OpScope) started on this group so far
+  std::atomic<int64_t> next_op{0};                // tag blocks handed out so far
+  std::atomic<int64_t> next_seq{0};               // ops (OpScope) started on this group so far
+  std::atomic<std::thread::id> issuing_thread{};  // the thread inside an OpScope on it, if any
 };
 
 }  // namespace hyper_parallel::comm::detail

@@ -137,8 +137,27 @@ bool agreement_checks_enabled() {
 
 std::string flight_recorder_dump() { return detail::FlightRecorder::get().dump(); }
 
+void OpScope::claim_group(const Group& group, const OpSignature& signature) {
+  auto& issuing = group.impl().issuing_thread;
+  std::thread::id expected;  // no thread
+  const auto me = std::this_thread::get_id();
+  if (!issuing.compare_exchange_strong(expected, me)) {
+    TORCH_CHECK(expected == me, "OpScope: expected one thread at a time to issue ops on group ", group.name(),
+                ", got a ", to_string(signature.kind), " from a second thread while another thread's op is ",
+                "being issued; a background thread needs a group of its own (comm::new_group)");
+  }
+  previous_thread_ = expected;  // this thread when nested, else none
+  claimed_ = &group.impl();
+}
+
+void OpScope::release_group() {
+  if (claimed_ != nullptr) claimed_->issuing_thread.store(previous_thread_);
+  claimed_ = nullptr;
+}
+
 OpScope::OpScope(const Group& group, const OpSignature& signature, const std::string& detail, bool counted)
     : span_(to_string(signature.kind), detail), uncaught_(std::uncaught_exceptions()) {
+  claim_group(group, signature);
   const int64_t seq = group.impl().next_seq.fetch_add(1);
   auto& recorder = detail::FlightRecorder::get();
   previous_ = detail::FlightRecorder::current();
@@ -152,6 +171,7 @@ OpScope::OpScope(const Group& group, const OpSignature& signature, const std::st
     recorder.end(record_, /*ok=*/false);
     detail::FlightRecorder::set_current(previous_);
     record_.reset();
+    release_group();
     throw;
   }
   recorder.set_running();
@@ -159,6 +179,7 @@ OpScope::OpScope(const Group& group, const OpSignature& signature, const std::st
 }
 
 OpScope::~OpScope() {
+  release_group();
   if (!record_) return;
   detail::FlightRecorder::get().end(record_, std::uncaught_exceptions() == uncaught_);
   detail::FlightRecorder::set_current(previous_);

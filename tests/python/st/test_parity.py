@@ -189,16 +189,22 @@ def test_train_py_resumes_bitwise(mesh):
     assert [loss for _, loss in first + second] == [loss for _, loss in straight]  # bitwise
 
 
+def llama_and_empty_roots(mesh, seed, *roots):
+    """The debug Llama on `mesh` with its AdamW; `roots` removed (by rank 0, before every rank
+    goes on)."""
+    torch.manual_seed(seed)
+    model = llama.Transformer(llama.ModelArgs.debug())
+    parallelize_llama3(model, mesh)
+    if dist.get_rank() == 0:
+        os.system("rm -rf " + " ".join(roots))
+    dist.barrier()
+    return model, torch.optim.AdamW(model.parameters())
+
+
 @multirank
 def test_a_corrupt_checkpoint_is_refused_and_the_model_is_untouched(mesh):
     root = shared_dir("corrupt")
-    torch.manual_seed(11)
-    model = llama.Transformer(llama.ModelArgs.debug())
-    parallelize_llama3(model, mesh)
-    optimizer = torch.optim.AdamW(model.parameters())
-    if dist.get_rank() == 0:
-        os.system(f"rm -rf {root}")
-    dist.barrier()
+    model, optimizer = llama_and_empty_roots(mesh, 11, root)
     checkpoint.save(root, 1, model, optimizer)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     dist.barrier()
@@ -234,3 +240,38 @@ def test_a_corrupt_checkpoint_is_refused_and_the_model_is_untouched(mesh):
     for n, p in model.named_parameters():
         assert torch.equal(p, changed[n]), n
     assert not torch.equal(changed["norm.weight"], before["norm.weight"])
+
+
+@multirank
+def test_async_save_writes_the_same_bytes_and_its_error_surfaces_in_python(mesh):
+    root = shared_dir("async")
+    model, optimizer = llama_and_empty_roots(mesh, 12, root, root + "-sync")
+    checkpoint.save(root + "-sync", 1, model, optimizer)
+    promised = checkpoint.async_save(root, 1, model, optimizer)
+    with torch.no_grad():  # training goes on: the snapshot was taken at the call
+        for p in model.parameters():
+            p.add_(1.0)
+    done = checkpoint.finish()
+    assert done["path"] == promised["path"] == checkpoint.step_dir(root, 1)
+    assert done["background_seconds"] > 0
+    assert checkpoint.finish() is None
+    dist.barrier()
+    if dist.get_rank() == 0:
+        names = sorted(os.listdir(checkpoint.step_dir(root, 1)))
+        assert names == sorted(os.listdir(checkpoint.step_dir(root + "-sync", 1)))
+        for name in names:
+            with open(f"{checkpoint.step_dir(root, 1)}/{name}", "rb") as a, \
+                    open(f"{checkpoint.step_dir(root + '-sync', 1)}/{name}", "rb") as b:
+                assert a.read() == b.read(), name
+        os.system(f"rm -rf {root}")  # the root becomes a plain file: the background write fails
+        with open(root, "w") as f:
+            f.write("not a directory")
+    dist.barrier()
+    checkpoint.async_save(root, 2, model, optimizer)
+    with pytest.raises(RuntimeError, match=r"the asynchronous save of .*step-2 failed.*rank 0 failed creating"):
+        checkpoint.finish()
+    dist.barrier()
+    if dist.get_rank() == 0:
+        os.remove(root)
+        os.system(f"rm -rf {root}-sync")
+    dist.barrier()

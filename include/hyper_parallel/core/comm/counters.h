@@ -33,7 +33,8 @@ namespace detail {
 void record_payload_bytes(int64_t bytes);
 }  // namespace detail
 
-/// Labels the collectives recorded while it is alive (process-wide, nests; the innermost wins).
+/// Labels the collectives the calling thread records while it is alive (nests; the innermost
+/// wins; another thread, e.g. the asynchronous checkpoint writer, has its own regions).
 /// Unlabelled collectives go to region "default".
 ///
 /// Usage:

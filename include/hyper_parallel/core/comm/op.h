@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <thread>
 
 #include <c10/core/ScalarType.h>
 
@@ -45,6 +46,7 @@ const char* to_string(CollectiveKind kind);
 
 namespace detail {
 struct OpRecord;
+struct GroupImpl;
 }  // namespace detail
 
 /// What every rank of the group must agree on for one op: its kind, dtype, up to four extents
@@ -62,9 +64,15 @@ struct OpSignature {
 ///   OpScope op(group, {CollectiveKind::kAllGather, x.scalar_type(), {rows, cols}, {"rows", "cols"}},
 ///              "detail");
 ///   ... post transfers ...
+/// Ops are issued on a group by one thread at a time: the op order and the agreement's control
+/// tag are per group, so two threads issuing on one group would interleave their ops differently
+/// on each rank. A second thread that starts an op while another thread's op on the same group is
+/// being issued gets a c10::Error; a background thread uses a group of its own (new_group), as
+/// the asynchronous checkpoint writer does.
 class OpScope {
  public:
-  /// Agrees with the group's other ranks (throws if they disagree), then records the op.
+  /// Claims the group for the calling thread (throws if another thread is issuing an op on it),
+  /// agrees with the group's other ranks (throws if they disagree), then records the op.
   /// `counted` false: not recorded in the collective counters (transfers-only benchmarks).
   OpScope(const Group& group, const OpSignature& signature, const std::string& detail, bool counted = true);
   ~OpScope();
@@ -72,9 +80,14 @@ class OpScope {
   OpScope& operator=(const OpScope&) = delete;
 
  private:
+  void claim_group(const Group& group, const OpSignature& signature);
+  void release_group();
+
   trace::OpSpan span_;
   std::shared_ptr<detail::OpRecord> record_, previous_;
   int uncaught_ = 0;
+  detail::GroupImpl* claimed_ = nullptr;
+  std::thread::id previous_thread_;
 };
 
 /// Whether ops agree on their signatures before posting payload (HP_COMM_CHECK, default on).
