@@ -3,15 +3,18 @@
 // sequence and loss parallelism on, steps interleaved. For each configuration it also runs a
 // compute-only twin (the same model and shard shapes, transfers skipped), so
 //   exposed communication = step time - compute-only step time,
-// and it counts the payload bytes each rank sends per step. The link's rate is measured in the
-// same run (a send/recv stream), giving the ceiling T_plain / max(T_compute_only, T_wire) for
-// the speedup over plain TP.
+// and it counts the payload bytes each rank sends per step, in the forward and in the backward.
+// The link's rate is measured in the same run (a send/recv stream), giving the step's bound
+// max(T_compute_only, T_wire) and each configuration's step ÷ bound, and the phase-wise bound
+// max(forward compute, forward wire) + max(backward compute, backward wire) + optimizer. It also
+// reports each configuration's peak RSS over its steps (VmHWM, reset before each step).
 //
 //   bash bench/run_bench.sh bench_llama_step 2gbit 2 -- --rates 250mbit 500mbit 2gbit
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <memory>
 #include <string>
 #include <vector>
@@ -61,21 +64,49 @@ Run build(const Config& c, const llama3::ModelArgs& args, int64_t seq_len,
   return run;
 }
 
-// One training step; returns its seconds and the payload bytes this rank sent.
-std::pair<double, int64_t> step(Run& run, const at::Tensor& batch, int64_t seq_len, int64_t vocab,
-                                const hp::dtensor::DeviceMesh& mesh) {
+// One training step, timed by phase (forward with the loss, backward, clipping and optimizer),
+// with the payload bytes this rank sent in the forward and in the backward.
+struct StepTimes {
+  double total = 0, forward = 0, backward = 0, optimizer = 0;
+  int64_t forward_bytes = 0, backward_bytes = 0;
+};
+
+StepTimes step(Run& run, const at::Tensor& batch, int64_t seq_len, int64_t vocab,
+               const hp::dtensor::DeviceMesh& mesh) {
   hp::comm::reset_collective_counts();
   hp::comm::barrier(mesh.get_group(0));
+  StepTimes t;
   const int64_t before = hp::comm::payload_bytes_sent();
-  auto t0 = std::chrono::steady_clock::now();
+  const auto t0 = std::chrono::steady_clock::now();
+  auto since = [](std::chrono::steady_clock::time_point from) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - from).count();
+  };
   run.optimizer->zero_grad();
   auto logits = run.model->forward(batch.narrow(1, 0, seq_len));
   auto loss = tp::vocab_parallel_cross_entropy(logits, batch.narrow(1, 1, seq_len), vocab, mesh);
+  t.forward = since(t0);
+  t.forward_bytes = hp::comm::payload_bytes_sent() - before;
+  const auto t1 = std::chrono::steady_clock::now();
   loss.backward();
+  t.backward = since(t1);
+  t.backward_bytes = hp::comm::payload_bytes_sent() - before - t.forward_bytes;
+  const auto t2 = std::chrono::steady_clock::now();
   tp::clip_grad_norm_(*run.model, 1.0);
   run.optimizer->step();
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  return {seconds, hp::comm::payload_bytes_sent() - before};
+  t.optimizer = since(t2);
+  t.total = since(t0);
+  return t;
+}
+
+// The peak resident set since the last reset (VmHWM), in MB; reset_peak_rss() starts a new peak.
+void reset_peak_rss() { std::ofstream("/proc/self/clear_refs") << "5"; }
+double peak_rss_mb() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("VmHWM:", 0) == 0) return std::stod(line.substr(6)) / 1024.0;
+  }
+  return 0;
 }
 
 // The link's rate: this rank streams `bytes` to the next rank in 1 MiB messages while receiving
@@ -87,11 +118,13 @@ double link_rate(const hp::comm::Group& group, int64_t bytes) {
 }
 
 // One configuration's result at one rate: the slowest rank's step statistics, its compute-only
-// twin's median and the payload bytes a rank sends per step.
+// twin's median (whole step and by phase), the payload bytes a rank sends per step (forward,
+// backward) and the peak RSS over its steps.
 struct Measured {
   bench::Stats step;
-  double compute = 0;
-  int64_t bytes = 0;
+  double compute = 0, compute_forward = 0, compute_backward = 0, compute_optimizer = 0;
+  int64_t bytes = 0, forward_bytes = 0, backward_bytes = 0;
+  double peak_rss_mb = 0;
 };
 
 struct Bench {
@@ -106,32 +139,48 @@ struct Bench {
 // Interleaved steps of every configuration and its compute-only twin.
 std::vector<Measured> measure(Bench& b, const hp::dtensor::DeviceMesh& mesh) {
   const auto group = mesh.get_group(0);
-  std::vector<std::vector<double>> real(b.configs.size()), compute(b.configs.size());
-  std::vector<Measured> out(b.configs.size());
+  const size_t n = b.configs.size();
+  std::vector<std::vector<double>> real(n), compute(n), fwd(n), bwd(n), opt(n);
+  std::vector<Measured> out(n);
   for (int s = 0; s < b.warmup + b.steps; ++s, ++b.step_index) {
     auto batch = llama3::synthetic_batch(42, b.step_index, b.batch_size, b.seq_len, b.args.vocab_size);
-    for (size_t c = 0; c < b.configs.size(); ++c) {
-      auto [seconds, bytes] = step(b.real[c], batch, b.seq_len, b.args.vocab_size, mesh);
-      double compute_seconds;
+    for (size_t c = 0; c < n; ++c) {
+      reset_peak_rss();
+      const auto t = step(b.real[c], batch, b.seq_len, b.args.vocab_size, mesh);
+      out[c].peak_rss_mb = std::max(out[c].peak_rss_mb, peak_rss_mb());
+      StepTimes twin;
       {
         hp::comm::detail::SkipTransfers skip;
-        compute_seconds = step(b.compute_only[c], batch, b.seq_len, b.args.vocab_size, mesh).first;
+        twin = step(b.compute_only[c], batch, b.seq_len, b.args.vocab_size, mesh);
       }
+      // SkipTransfers is the calling thread's: a transfer posted from another thread would escape it.
+      TORCH_CHECK(twin.forward_bytes + twin.backward_bytes == 0,
+                  "bench_llama_step: the compute-only twin of ", b.configs[c].name, " sent ",
+                  twin.forward_bytes + twin.backward_bytes, " payload bytes");
       if (s < b.warmup) continue;
-      real[c].push_back(seconds);
-      compute[c].push_back(compute_seconds);
-      out[c].bytes = bytes;
+      real[c].push_back(t.total);
+      compute[c].push_back(twin.total);
+      fwd[c].push_back(twin.forward);
+      bwd[c].push_back(twin.backward);
+      opt[c].push_back(twin.optimizer);
+      out[c].forward_bytes = t.forward_bytes;
+      out[c].backward_bytes = t.backward_bytes;
+      out[c].bytes = t.forward_bytes + t.backward_bytes;
     }
   }
-  for (size_t c = 0; c < b.configs.size(); ++c) {
+  for (size_t c = 0; c < n; ++c) {
     out[c].step = bench::slowest(real[c], group);
     out[c].compute = bench::slowest(compute[c], group).median;
+    out[c].compute_forward = bench::slowest(fwd[c], group).median;
+    out[c].compute_backward = bench::slowest(bwd[c], group).median;
+    out[c].compute_optimizer = bench::slowest(opt[c], group).median;
   }
   return out;
 }
 
-// Speedups are against the first configuration, plain TP; the ceiling is T_plain over the
-// step's bound, max(compute-only step, bytes sent / measured link rate).
+// Speedups are against the first configuration, plain TP. The bound is max(compute-only step,
+// bytes sent / measured link rate); the phase-wise bound adds max(compute, wire) of the forward
+// and of the backward, and the optimizer's compute.
 void report(const Bench& b, const std::vector<Measured>& results, const std::string& preset,
             const std::string& rate, double rate_bytes, int64_t p) {
   std::printf(
@@ -140,16 +189,19 @@ void report(const Bench& b, const std::vector<Measured>& results, const std::str
       preset.c_str(), static_cast<long long>(p), static_cast<long long>(b.batch_size),
       static_cast<long long>(b.seq_len), b.steps, b.warmup, bench::link_name().c_str(),
       rate.empty() ? "" : (", rate " + rate).c_str(), rate_bytes * 8 / 1e9);
-  std::printf("%-10s %10s %17s %11s %10s %10s %12s %9s %9s\n", "config", "ms/step", "(min..max)", "tokens/s",
-              "compute", "exposed", "MB sent", "speedup", "ceiling");
+  std::printf("%-10s %9s %17s %10s %9s %9s %9s %8s %8s %8s %8s %9s\n", "config", "ms/step", "(min..max)",
+              "tokens/s", "compute", "exposed", "MB sent", "speedup", "÷bound", "phases", "÷phases",
+              "peak RSS");
   const double t_plain = results[0].step.median;
   for (size_t c = 0; c < results.size(); ++c) {
     const auto& m = results[c];
-    const double t = m.step.median, ceiling = t_plain / std::max(m.compute, m.bytes / rate_bytes);
-    std::printf("%-10s %10.1f %8.1f..%-8.1f %11.0f %10.1f %10.1f %12.2f %8.2fx %8.2fx\n",
+    const double t = m.step.median, bound = std::max(m.compute, m.bytes / rate_bytes);
+    const double phases = std::max(m.compute_forward, m.forward_bytes / rate_bytes) +
+                          std::max(m.compute_backward, m.backward_bytes / rate_bytes) + m.compute_optimizer;
+    std::printf("%-10s %9.1f %8.1f..%-8.1f %10.0f %9.1f %9.1f %9.2f %7.2fx %7.2fx %8.1f %7.2fx %6.0f MB\n",
                 b.configs[c].name.c_str(), t * 1e3, m.step.min * 1e3, m.step.max * 1e3,
                 b.batch_size * b.seq_len / t, m.compute * 1e3, (t - m.compute) * 1e3, m.bytes / 1e6,
-                t_plain / t, ceiling);
+                t_plain / t, t / bound, phases * 1e3, t / phases, m.peak_rss_mb);
   }
   std::fflush(stdout);
 }

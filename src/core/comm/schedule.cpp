@@ -131,7 +131,8 @@ void ring_all_gather(const at::Tensor& own, const at::Tensor& gathered, const Bl
 }
 
 at::Tensor ring_reduce_scatter(const BlockLayout& layout, int64_t width, const at::TensorOptions& input,
-                               const Group& group, const ReduceChunkFn& reduce) {
+                               const Group& group, const ReduceChunkFn& reduce,
+                               const InFlightFn& while_in_flight) {
   check_layout("ring_reduce_scatter", layout, group);
   const int64_t p = group.size(), r = group.rank(), chunks = layout.chunks();
   const auto acc = input.dtype(accumulate_type(c10::typeMetaToScalarType(input.dtype())));
@@ -146,9 +147,11 @@ at::Tensor ring_reduce_scatter(const BlockLayout& layout, int64_t width, const a
     for (int64_t j = 0; j < chunks; ++j) {
       store(layout.chunk_of_block(result, 0, j), reduce(0, j, [] { return at::Tensor(); }));
     }
+    if (while_in_flight) while_in_flight();
     return result;
   }
   const Ring ring(group, chunks);
+  bool ran_in_flight = !while_in_flight;
   // incoming[s - 1]: the partial sums of block r - s - 1 arriving at step s; the last one, block
   // r, is the result. All receives are posted up front.
   std::vector<at::Tensor> incoming;
@@ -168,6 +171,10 @@ at::Tensor ring_reduce_scatter(const BlockLayout& layout, int64_t width, const a
     for (int64_t j = 0; j < chunks; ++j) {
       auto arrived = [&]() -> at::Tensor {
         if (s == 0) return at::Tensor();
+        if (!ran_in_flight) {  // step 0's sums are on the wire: the independent work goes first
+          ran_in_flight = true;
+          while_in_flight();
+        }
         detail::FlightRecorder::set_chunk(s, j);
         recvs[(s - 1) * chunks + j].wait();
         return layout.chunk_of_block(incoming[s - 1], block, j);
@@ -184,6 +191,7 @@ at::Tensor ring_reduce_scatter(const BlockLayout& layout, int64_t width, const a
       }
     }
   }
+  if (!ran_in_flight) while_in_flight();  // a callback that never asked for its partial sums
   for (auto& w : sends) w.wait();
   return incoming.back();
 }
@@ -191,7 +199,8 @@ at::Tensor ring_reduce_scatter(const BlockLayout& layout, int64_t width, const a
 bool reduces_directly(at::ScalarType dtype) { return dtype == at::kBFloat16 || dtype == at::kHalf; }
 
 at::Tensor direct_reduce_scatter(const BlockLayout& layout, int64_t width, const at::TensorOptions& input,
-                                 const Group& group, const PartialChunkFn& partial) {
+                                 const Group& group, const PartialChunkFn& partial,
+                                 const InFlightFn& while_in_flight) {
   check_layout("direct_reduce_scatter", layout, group);
   const int64_t p = group.size(), r = group.rank(), chunks = layout.chunks();
   const auto wire = c10::typeMetaToScalarType(input.dtype());
@@ -207,6 +216,7 @@ at::Tensor direct_reduce_scatter(const BlockLayout& layout, int64_t width, const
   };
   if (p == 1) {
     for (int64_t j = 0; j < chunks; ++j) layout.chunk_of_block(result, r, j).copy_(own_partial(j));
+    if (while_in_flight) while_in_flight();
     return result;
   }
   const StepChunkTags tags(group, chunks);
@@ -235,10 +245,13 @@ at::Tensor direct_reduce_scatter(const BlockLayout& layout, int64_t width, const
       outgoing.push_back(std::move(part));
     }
   }
-  // This rank's own partial, computed while the last partials travel; then the sum over ranks
-  // in rank order 0 .. P - 1.
+  // This rank's own partials and then the independent work, computed while the last partials
+  // travel; then the sum over ranks in rank order 0 .. P - 1.
+  std::vector<at::Tensor> own_partials;
+  for (int64_t j = 0; j < chunks; ++j) own_partials.push_back(own_partial(j));
+  if (while_in_flight) while_in_flight();
   for (int64_t j = 0; j < chunks; ++j) {
-    const auto own = own_partial(j);
+    const auto& own = own_partials[static_cast<size_t>(j)];
     auto sum = layout.chunk_of_block(result, r, j);
     for (int64_t q = 0; q < p; ++q) {
       at::Tensor term;

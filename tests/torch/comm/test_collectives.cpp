@@ -257,3 +257,53 @@ TEST(Groups, SubGroupsOfEvenAndOddRanks) {
 }
 
 }  // namespace
+
+namespace {
+
+// The reduce-scatter schedules run `while_in_flight` exactly once, once this rank's partials
+// are on the wire (direct: every one; ring: step 0's), and the result does not depend on it.
+TEST(ReduceScatterSchedules, RunTheInFlightWorkOnceWithTheSameResult) {
+  const auto world = hp::comm::world();
+  const int64_t p = world.size(), r = world.rank();
+  const hp::comm::BlockLayout layout(std::vector<int64_t>(p, 6), /*chunks=*/2);
+  for (auto dtype : {at::kFloat, at::kBFloat16}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    at::manual_seed(40 + r);
+    const auto input = at::randn({layout.total_rows(), 5}).to(dtype);
+    const auto options = input.options();
+    int partials = 0, partials_before_work = -1, runs = 0;
+    auto run = [&](const hp::comm::InFlightFn& work) {
+      if (hp::comm::reduces_directly(dtype)) {
+        return hp::comm::direct_reduce_scatter(
+            layout, 5, options, world,
+            [&](int64_t block, int64_t j) {
+              ++partials;
+              return layout.chunk(input, block, j);
+            },
+            work);
+      }
+      return hp::comm::ring_reduce_scatter(
+          layout, 5, options, world,
+          [&](int64_t block, int64_t j, const std::function<at::Tensor()>& arrived) {
+            ++partials;
+            auto part = layout.chunk(input, block, j).to(at::kFloat);
+            auto sum = arrived();
+            return sum.defined() ? sum.add_(part) : part.contiguous();
+          },
+          work);
+    };
+    const auto plain = run({});
+    partials = 0;
+    const auto with_work = run([&] {
+      ++runs;
+      partials_before_work = partials;
+    });
+    EXPECT_EQ(runs, 1);
+    EXPECT_TRUE(at::equal(plain, with_work)) << "bitwise";
+    // Direct: all P x chunks partials (own last) come first; ring: step 0's chunks and the first
+    // partial of step 1, which the callback computes before it asks for the arrived sum.
+    EXPECT_EQ(partials_before_work, hp::comm::reduces_directly(dtype) || p == 1 ? p * 2 : 3);
+  }
+}
+
+}  // namespace

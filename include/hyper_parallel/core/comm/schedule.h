@@ -98,11 +98,18 @@ void ring_all_gather(const at::Tensor& own, const at::Tensor& gathered, const Bl
 using ReduceChunkFn =
     std::function<at::Tensor(int64_t block, int64_t chunk, const std::function<at::Tensor()>& arrived)>;
 
+/// Independent work for the calling thread while a reduce-scatter's transfers are in flight,
+/// run exactly once per call (e.g. a fused backward's weight gradient, which no transfer waits
+/// for). Empty: nothing.
+using InFlightFn = std::function<void()>;
+
 /// Ring reduce-scatter of rows of `width` columns whose inputs have `input` dtype and device;
 /// returns this rank's reduced block, [block_rows(r), width], in the accumulate dtype. P - 1
-/// transfers of each chunk, each in the accumulate dtype.
+/// transfers of each chunk, each in the accumulate dtype. `while_in_flight` runs when step 0's
+/// partial sums have been sent, before the first arrived partial sum is waited for.
 at::Tensor ring_reduce_scatter(const BlockLayout& layout, int64_t width, const at::TensorOptions& input,
-                               const Group& group, const ReduceChunkFn& reduce);
+                               const Group& group, const ReduceChunkFn& reduce,
+                               const InFlightFn& while_in_flight = {});
 
 /// Called once per chunk, on the calling thread: this rank's partial of chunk `chunk` of block
 /// `block`, in any floating dtype ([chunk_rows, width]). Remote blocks come first, in the order
@@ -114,8 +121,11 @@ using PartialChunkFn = std::function<at::Tensor(int64_t block, int64_t chunk)>;
 /// `input` dtype, to the rank that owns its block (P - 1 transfers per chunk per rank, in
 /// parallel to distinct peers). Returns this rank's reduced block, [block_rows(r), width], in the
 /// accumulate dtype, summed in rank order (deterministic, independent of arrival order).
+/// `while_in_flight` runs when every partial has been sent and this rank's own partial computed,
+/// before the first arrived partial is waited for.
 at::Tensor direct_reduce_scatter(const BlockLayout& layout, int64_t width, const at::TensorOptions& input,
-                                 const Group& group, const PartialChunkFn& partial);
+                                 const Group& group, const PartialChunkFn& partial,
+                                 const InFlightFn& while_in_flight = {});
 
 /// Whether reduce-scatters of `dtype` use the direct schedule: bfloat16 and float16 (16 bits on
 /// the wire, float32 at the destination). Other dtypes keep the ring.

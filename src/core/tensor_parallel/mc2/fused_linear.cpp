@@ -4,6 +4,7 @@
 #include <c10/util/Exception.h>
 
 #include <hyper_parallel/core/comm/schedule.h>
+#include <hyper_parallel/core/comm/trace.h>
 
 #include "../../autograd/attach_backward.h"
 
@@ -41,11 +42,20 @@ MC2LinearGrads mc2_column_backward(const at::Tensor& dy_in, const at::Tensor& d_
   const auto dy =
       dy_in.defined() ? dy_in.contiguous() : at::zeros({gathered.size(0), w.size(0)}, gathered.options());
   MC2LinearGrads grads;
+  // dW from the gathered X saved in forward (no second gather), and the bias's sum: independent
+  // of dX's reduce-scatter, so they run while its partials travel. Who waits on whom: the
+  // reduce-scatter's sends are posted, then dW, then the partials from the peers are waited for.
+  const auto weight_grads = [&] {
+    comm::trace::Span span("wgrad");
+    if (needs.weight) grads.weight = local_matmul(dy.t(), gathered);
+    if (needs.bias) grads.bias = sum_rows(dy);
+  };
   // dX: the dual op, contracting over n_local: reduce_scatter(dY W (+ dG)).
-  if (needs.input) grads.input = mm_reduce_scatter(dy, w, group, options, d_gathered);
-  // dW from the gathered X saved in forward: no second gather.
-  if (needs.weight) grads.weight = local_matmul(dy.t(), gathered);
-  if (needs.bias) grads.bias = sum_rows(dy);
+  if (needs.input) {
+    grads.input = mm_reduce_scatter(dy, w, group, options, d_gathered, weight_grads);
+  } else {
+    weight_grads();
+  }
   return grads;
 }
 
@@ -58,7 +68,9 @@ at::Tensor mc2_row_forward(const at::Tensor& x, const at::Tensor& w, const at::T
 
 MC2LinearGrads mc2_row_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w,
                                 const comm::Group& group, const MC2Options& options, MC2LinearNeeds needs) {
-  // The dual op: gather dY (this rank's rows) while multiplying by W untransposed.
+  // The dual op: gather dY (this rank's rows) while multiplying by W untransposed. dW = dY_fullᵀ X
+  // needs every dY row: one GEMM after the gather. (Summing it per arrived chunk hid more of the
+  // gather but, with bf16 chunk products, broke the bf16 tolerance; see docs/architecture.md.)
   auto [dx, dy_full] = all_gather_mm(dy.contiguous(), w, group, options);
   MC2LinearGrads grads;
   if (needs.input) grads.input = dx;

@@ -104,7 +104,8 @@ std::pair<at::Tensor, at::Tensor> all_gather_mm(const at::Tensor& a_in, const at
 }
 
 at::Tensor mm_reduce_scatter(const at::Tensor& a_in, const at::Tensor& b, const comm::Group& group,
-                             const MC2Options& options, const at::Tensor& addend) {
+                             const MC2Options& options, const at::Tensor& addend,
+                             const comm::InFlightFn& while_in_flight) {
   check_operands("matmul_reduce_scatter", a_in, b);
   check_reduce_rows("matmul_reduce_scatter", a_in, group);
   comm::OpScope op(group, signature(CollectiveKind::kMatmulReduceScatter, a_in, b, options), group.name());
@@ -113,7 +114,11 @@ at::Tensor mm_reduce_scatter(const at::Tensor& a_in, const at::Tensor& b, const 
   TORCH_INTERNAL_ASSERT(!addend.defined() || addend.sizes() == c10::IntArrayRef({a.size(0), n}),
                         "matmul_reduce_scatter: addend of shape ", addend.sizes());
   // One rank: nothing to overlap, one matmul.
-  if (group.size() == 1) return addend.defined() ? local_matmul(a, b) + addend : local_matmul(a, b);
+  if (group.size() == 1) {
+    auto y = addend.defined() ? local_matmul(a, b) + addend : local_matmul(a, b);
+    if (while_in_flight) while_in_flight();
+    return y;
+  }
   const auto layout = fused_layout(a.size(0) / group.size(), group, options);
   const auto acc = comm::accumulate_type(a.scalar_type());
   at::Tensor reduced;
@@ -122,27 +127,31 @@ at::Tensor mm_reduce_scatter(const at::Tensor& a_in, const at::Tensor& b, const 
     // block while the next one is computed; the owner sums in float32. An addend joins each
     // partial in float32 and the sum is rounded once for the wire (this rank's own block
     // never travels and keeps float32).
-    reduced = comm::direct_reduce_scatter(layout, n, a.options(), group, [&](int64_t block, int64_t j) {
-      auto part = local_matmul(layout.chunk(a, block, j), b);
-      if (!addend.defined()) return part;
-      return part.to(acc).add_(layout.chunk(addend, block, j));
-    });
+    reduced = comm::direct_reduce_scatter(
+        layout, n, a.options(), group,
+        [&](int64_t block, int64_t j) {
+          auto part = local_matmul(layout.chunk(a, block, j), b);
+          if (!addend.defined()) return part;
+          return part.to(acc).add_(layout.chunk(addend, block, j));
+        },
+        while_in_flight);
   } else {
     // The partial product of a chunk is computed before its arrived partial sum is waited for,
     // so the matmul overlaps the transfer.
-    reduced =
-        comm::ring_reduce_scatter(layout, n, a.options(), group,
-                                  [&](int64_t block, int64_t j, const std::function<at::Tensor()>& arrived) {
-                                    auto part = local_matmul(layout.chunk(a, block, j), b);
-                                    auto sum = arrived();
-                                    if (sum.defined()) {
-                                      sum.add_(part);
-                                    } else {
-                                      sum = part.to(acc);
-                                    }
-                                    if (addend.defined()) sum.add_(layout.chunk(addend, block, j));
-                                    return sum;
-                                  });
+    reduced = comm::ring_reduce_scatter(
+        layout, n, a.options(), group,
+        [&](int64_t block, int64_t j, const std::function<at::Tensor()>& arrived) {
+          auto part = local_matmul(layout.chunk(a, block, j), b);
+          auto sum = arrived();
+          if (sum.defined()) {
+            sum.add_(part);
+          } else {
+            sum = part.to(acc);
+          }
+          if (addend.defined()) sum.add_(layout.chunk(addend, block, j));
+          return sum;
+        },
+        while_in_flight);
   }
   return reduced.to(a.scalar_type());
 }

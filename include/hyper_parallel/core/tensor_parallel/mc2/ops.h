@@ -30,6 +30,7 @@
 #include <torch/arg.h>
 
 #include <hyper_parallel/core/comm/process_group.h>
+#include <hyper_parallel/core/comm/schedule.h>
 
 namespace hyper_parallel::tensor_parallel {
 
@@ -53,11 +54,14 @@ at::Tensor matmul_reduce_scatter(const at::Tensor& x, const at::Tensor& w, const
 
 /// The same schedules with an explicit right operand: all_gather(a) @ b, and
 /// reduce_scatter(a @ b + addend) (addend [M, n], optional, added to each rank's partial before
-/// the reduction). The backward passes use these (b = W instead of Wᵀ).
+/// the reduction). The backward passes use these (b = W instead of Wᵀ); `while_in_flight` runs
+/// once, on the calling thread, while the reduce-scatter's partials travel (the column
+/// backward's weight gradient).
 std::pair<at::Tensor, at::Tensor> all_gather_mm(const at::Tensor& a, const at::Tensor& b,
                                                 const comm::Group& group, const MC2Options& options = {});
 at::Tensor mm_reduce_scatter(const at::Tensor& a, const at::Tensor& b, const comm::Group& group,
-                             const MC2Options& options = {}, const at::Tensor& addend = {});
+                             const MC2Options& options = {}, const at::Tensor& addend = {},
+                             const comm::InFlightFn& while_in_flight = {});
 
 namespace detail {
 /// a @ b on a's device. libtorch 1.13 has no CPU float16 matmul: there it computes in float32
