@@ -3,7 +3,8 @@
 # runs them:
 #   asan   AddressSanitizer + UndefinedBehaviorSanitizer, on every C++ test (build-asan/)
 #   tsan   ThreadSanitizer, on the tests of the comm engine's threads: collectives, agreement,
-#          MC2, the trace and the flight recorder (build-tsan/)
+#          MC2, the trace, the flight recorder, one thread per group, the preemption signal and
+#          the asynchronous checkpoint writer (build-tsan/)
 #   bash scripts/sanitize.sh [asan|tsan|all]      (default: all)
 # libtorch and Gloo are not instrumented; the suppressions in tests/sanitizers/ cover only frames
 # inside them, each with its reason. Any finding in this project's code fails the run.
@@ -37,9 +38,9 @@ if [[ $what == asan || $what == all ]]; then
 fi
 if [[ $what == tsan || $what == all ]]; then
   configure build-tsan "-fsanitize=thread" hp-run hp-trace test_collectives test_agreement test_mc2_style \
-    test_mc2_distributed trace_overlap_main stuck_rank_main
+    test_mc2_distributed trace_overlap_main stuck_rank_main test_op_scope_threads test_lifecycle test_async_save
   export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$supp/tsan.supp"
   (cd build-tsan && ctest --output-on-failure --parallel 2 --timeout 1800 \
-    -R "test_collectives|test_agreement|test_mc2|trace_overlap|stuck_rank")
+    -R "test_collectives|test_agreement|test_mc2|trace_overlap|stuck_rank|test_op_scope_threads|test_lifecycle|test_async_save")
 fi
 echo "sanitize.sh: $what passed"
