@@ -5,13 +5,14 @@
 
 #include <cstdio>
 #include <cstdlib>
-#include <string>
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
 #include <hyper_parallel/core/comm/collectives.h>
 #include <hyper_parallel/core/comm/counters.h>
+
+#include "env.h"
 
 namespace hyper_parallel::comm {
 namespace {
@@ -20,27 +21,19 @@ volatile sig_atomic_t g_stop_requested = 0;
 
 extern "C" void on_preemption_signal(int) { g_stop_requested = 1; }
 
-std::optional<int64_t> int_env(const char* name) {
-  const char* v = std::getenv(name);
-  if (v == nullptr || *v == '\0') return std::nullopt;
-  char* end = nullptr;
-  const long long value = std::strtoll(v, &end, 10);
-  TORCH_CHECK(*end == '\0', "hyper_parallel::comm: expected an integer in ", name, ", got '", v, "'");
-  return value;
-}
-
 }  // namespace
 
 int64_t restart_count() {
-  if (auto v = int_env("HP_RESTART_COUNT")) return *v;
-  return int_env("TORCHELASTIC_RESTART_COUNT").value_or(0);
+  return detail::int_from_env({"HP_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT"},
+                              "hyper_parallel::comm::restart_count")
+      .value_or(0);
 }
 
 bool preemption_requested() { return g_stop_requested != 0; }
 
 bool agree_on_preemption(const Group& group) {
+  if (group.size() == 1) return preemption_requested();
   auto flag = at::full({1}, preemption_requested() ? 1 : 0, at::kInt);
-  if (group.size() == 1) return flag.item<int>() != 0;
   CommRegion region("preemption");
   // The max over ranks of 0/1 flags: their sum is positive exactly when one of them is set.
   return all_reduce(flag, ReduceOp::kSum, group).item<int>() > 0;

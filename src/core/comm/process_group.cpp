@@ -19,11 +19,19 @@
 #include <hyper_parallel/core/comm/lifecycle.h>
 #include <hyper_parallel/core/comm/trace.h>
 
+#include "env.h"
 #include "flight_recorder.h"
 #include "group_impl.h"
 
 namespace hyper_parallel::comm {
 namespace {
+
+using detail::env;
+using detail::int_from_env;
+using detail::parse_int;
+
+// Every environment variable this file reads is init_process_group's (or its adopting twin's).
+constexpr const char* kInit = "hyper_parallel::comm::init_process_group";
 
 struct World {
   std::mutex mutex;
@@ -38,29 +46,6 @@ struct World {
 World& world_state() {
   static World w;
   return w;
-}
-
-std::optional<std::string> env(const char* name) {
-  const char* v = std::getenv(name);
-  if (v == nullptr || *v == '\0') return std::nullopt;
-  return std::string(v);
-}
-
-int64_t parse_int(const std::string& text, const char* what) {
-  char* end = nullptr;
-  long long v = std::strtoll(text.c_str(), &end, 10);
-  TORCH_CHECK(end != text.c_str() && *end == '\0',
-              "hyper_parallel::comm::init_process_group: expected an integer for ", what, ", got '", text,
-              "'");
-  return v;
-}
-
-// The first of `names` that is set, parsed as an integer.
-std::optional<int64_t> int_from_env(std::initializer_list<const char*> names) {
-  for (const char* n : names) {
-    if (auto v = env(n)) return parse_int(*v, n);
-  }
-  return std::nullopt;
 }
 
 // The local address whose route reaches `host` (no packet is sent: UDP connect only picks the
@@ -111,7 +96,7 @@ void wait_until_listening(const std::string& host, int64_t port, std::chrono::mi
 
 std::chrono::milliseconds default_timeout() {
   if (auto v = env("HP_TIMEOUT_S")) {
-    int64_t s = parse_int(*v, "HP_TIMEOUT_S");
+    int64_t s = parse_int(*v, "HP_TIMEOUT_S", kInit);
     TORCH_CHECK(s > 0, "hyper_parallel::comm::init_process_group: expected HP_TIMEOUT_S > 0, got ", s);
     return std::chrono::seconds(s);
   }
@@ -148,9 +133,10 @@ void init_process_group(const InitOptions& options) {
               "destroy_process_group() first");
 
   auto rank =
-      options.rank() ? options.rank() : int_from_env({"RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"});
-  auto size = options.world_size() ? options.world_size()
-                                   : int_from_env({"WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS"});
+      options.rank() ? options.rank() : int_from_env({"RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"}, kInit);
+  auto size = options.world_size()
+                  ? options.world_size()
+                  : int_from_env({"WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS"}, kInit);
   TORCH_CHECK(rank.has_value(),
               "hyper_parallel::comm::init_process_group: expected the rank in RANK (or "
               "OMPI_COMM_WORLD_RANK / SLURM_PROCID), got none; launch with hp-run");
@@ -169,7 +155,7 @@ void init_process_group(const InitOptions& options) {
     TORCH_CHECK(text.has_value(),
                 "hyper_parallel::comm::init_process_group: expected MASTER_PORT to be set, got "
                 "none");
-    port = parse_int(*text, "MASTER_PORT");
+    port = parse_int(*text, "MASTER_PORT", kInit);
   }
   TORCH_CHECK(*port > 0 && *port < 65536,
               "hyper_parallel::comm::init_process_group: expected MASTER_PORT in [1, 65535], got ", *port);
@@ -224,7 +210,7 @@ void init_process_group_from(c10::intrusive_ptr<c10d::ProcessGroup> world_backen
     w.device = c10d::ProcessGroupGloo::createDeviceForInterface(*iface);
   } else if (master) {
     w.device = c10d::ProcessGroupGloo::createDeviceForHostname(
-        local_address_towards(*master, int_from_env({"MASTER_PORT"}).value_or(0)));
+        local_address_towards(*master, int_from_env({"MASTER_PORT"}, kInit).value_or(0)));
   } else {
     w.device = c10d::ProcessGroupGloo::createDefaultDevice();
   }

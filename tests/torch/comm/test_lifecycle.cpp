@@ -92,7 +92,8 @@ TEST(RestartCount, ReadsHpRunsVariableThenTorchElastics) {
     EXPECT_EQ(hp::comm::restart_count(), 2);
   }
   ScopedEnv hp("HP_RESTART_COUNT", "two");
-  HP_EXPECT_THROW_MSG(hp::comm::restart_count(), "expected an integer in HP_RESTART_COUNT, got 'two'");
+  HP_EXPECT_THROW_MSG(hp::comm::restart_count(),
+                      "restart_count: expected an integer for HP_RESTART_COUNT, got 'two'");
 }
 
 TEST(FaultKillAtStep, MalformedValueIsAnError) {
