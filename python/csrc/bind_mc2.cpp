@@ -130,38 +130,28 @@ void bind_linear(py::module& m) {
       });
 }
 
+// The two MC2 styles take the same options (their own options type each).
+template <typename Style, typename Options>
+void bind_mc2_style(py::module& m, const char* name) {
+  py::class_<Style, tp::MC2Style, std::shared_ptr<Style>>(m, name).def(
+      py::init([](dtensor::Placement in, dtensor::Placement out, bool local, tp::MC2Contract c,
+                  tp::MC2Options o) {
+        return Style(
+            Options().input_layouts(in).output_layouts(out).use_local_output(local).contract(c).mc2_options(
+                o));
+      }),
+      py::arg("input_layouts"), py::arg("output_layouts"), py::arg("use_local_output"), py::arg("contract"),
+      py::arg("mc2_options"));
+}
+
 void bind_styles(py::module& m) {
   py::class_<tp::MC2Style, tp::ParallelStyle, std::shared_ptr<tp::MC2Style>>(m, "MC2Style")
       .def_property_readonly("mc2_mode", [](const tp::MC2Style& s) { return tp::to_string(s.mc2_mode()); })
       .def_property_readonly("sequence_dim", &tp::MC2Style::sequence_dim)
       .def("prepare_input", &tp::MC2Style::prepare_input)
       .def("prepare_output", &tp::MC2Style::prepare_output);
-  py::class_<tp::MC2ColwiseParallel, tp::MC2Style, std::shared_ptr<tp::MC2ColwiseParallel>>(
-      m, "MC2ColwiseParallel")
-      .def(py::init([](dtensor::Placement in, dtensor::Placement out, bool local, tp::MC2Contract c,
-                       tp::MC2Options o) {
-             return tp::MC2ColwiseParallel(tp::MC2ColwiseParallelOptions()
-                                               .input_layouts(in)
-                                               .output_layouts(out)
-                                               .use_local_output(local)
-                                               .contract(c)
-                                               .mc2_options(o));
-           }),
-           py::arg("input_layouts"), py::arg("output_layouts"), py::arg("use_local_output"),
-           py::arg("contract"), py::arg("mc2_options"));
-  py::class_<tp::MC2RowwiseParallel, tp::MC2Style, std::shared_ptr<tp::MC2RowwiseParallel>>(
-      m, "MC2RowwiseParallel")
-      .def(py::init([](dtensor::Placement in, dtensor::Placement out, bool local, tp::MC2Contract c,
-                       tp::MC2Options o) {
-             return tp::MC2RowwiseParallel(tp::MC2RowwiseParallelOptions()
-                                               .input_layouts(in)
-                                               .output_layouts(out)
-                                               .use_local_output(local)
-                                               .contract(c)
-                                               .mc2_options(o));
-           }),
-           py::arg("input_layouts"), py::arg("output_layouts"), py::arg("use_local_output"),
-           py::arg("contract"), py::arg("mc2_options"));
+  bind_mc2_style<tp::MC2ColwiseParallel, tp::MC2ColwiseParallelOptions>(m, "MC2ColwiseParallel");
+  bind_mc2_style<tp::MC2RowwiseParallel, tp::MC2RowwiseParallelOptions>(m, "MC2RowwiseParallel");
 }
 
 }  // namespace
