@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstdio>
 #include <numeric>
+#include <utility>
 
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
@@ -68,9 +69,7 @@ SaveResult AsyncWriter::start(const char* fn, const std::string& root, SavePlan 
   snapshot(state, plan);
   SaveResult promised{step_dir(root, step), plan.total_bytes, 0};
   for (const auto& b : buffers_) promised.bytes_written += b.numel() * static_cast<int64_t>(b.element_size());
-  path_ = promised.path;
-  result_.reset();
-  error_ = nullptr;
+  path_ = promised.path;  // result_ and error_ are empty: wait() collected the last save
   thread_ = std::thread([this, fn, root, plan = std::move(plan), step, durable, fault] {
     lower_priority();
     const auto t0 = std::chrono::steady_clock::now();

@@ -32,10 +32,6 @@ namespace {
 constexpr int kUsageExitCode = 2;
 constexpr int kRuntimeErrorExitCode = 1;
 
-}  // namespace
-
-namespace {
-
 // Sleeps `seconds` unless hp-run is asked to stop meanwhile; returns that signal, or 0.
 int backoff(hp_run::SignalPipe& signals, int seconds) {
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(seconds);
