@@ -275,3 +275,11 @@ def test_async_save_writes_the_same_bytes_and_its_error_surfaces_in_python(mesh)
         os.remove(root)
         os.system(f"rm -rf {root}-sync")
     dist.barrier()
+
+
+def test_train_py_checkpoint_flags_need_a_checkpoint_dir(capsys):
+    for flag in (["--async-checkpoint"], ["--resume"], ["--checkpoint-every", "2"]):
+        with pytest.raises(SystemExit) as exit_info:
+            trainer.parse_args(flag)
+        assert exit_info.value.code == 2
+        assert "--checkpoint-every, --resume and --async-checkpoint need --checkpoint-dir" in capsys.readouterr().err

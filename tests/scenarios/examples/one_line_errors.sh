@@ -33,4 +33,19 @@ grep -q "llama3_train: Attention: expected seq_len <= max_seq_len 8, got 9" "$ou
 code=$?
 [[ $code -eq 2 ]] || fail "expected exit status 2 for a bad flag, got $code"
 grep -q -- "--preset: nope" "$out" || fail "expected the message to name --preset and 'nope'"
+# --async-checkpoint without --checkpoint-dir: a usage error naming both flags.
+"$train" --async-checkpoint >"$out" 2>&1
+code=$?
+[[ $code -eq 2 ]] || fail "expected exit status 2 for --async-checkpoint alone, got $code"
+grep -q -- "--async-checkpoint requires --checkpoint-dir" "$out" || fail "expected the flag dependency named"
+
+# An unknown HP_CHECKPOINT_FAULT is one line naming every fault point and the value.
+dir=$(mktemp -d)
+HP_CHECKPOINT_FAULT=bogus "$hp_run" --nproc-per-node 1 --timeout 60 -- "$train" --preset tiny --steps 1 \
+  --checkpoint-dir "$dir" --checkpoint-every 1 >"$out" 2>&1
+code=$?
+rm -rf "$dir"
+[[ $code -eq 1 ]] || fail "expected exit status 1 for a bad HP_CHECKPOINT_FAULT, got $code"
+grep -q "llama3_train: checkpoint::save: expected HP_CHECKPOINT_FAULT to be after_shard, async_write, before_rename or before_latest, got 'bogus'" "$out" \
+  || fail "expected the fault points named"
 echo "PASS"
