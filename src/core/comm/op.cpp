@@ -155,7 +155,8 @@ void OpScope::release_group() {
   claimed_ = nullptr;
 }
 
-OpScope::OpScope(const Group& group, const OpSignature& signature, const std::string& detail, bool counted)
+OpScope::OpScope(const Group& group, const OpSignature& signature, const std::string& detail, bool counted,
+                 Agreement agreement)
     : span_(to_string(signature.kind), detail), uncaught_(std::uncaught_exceptions()) {
   claim_group(group, signature);
   const int64_t seq = group.impl().next_seq.fetch_add(1);
@@ -164,7 +165,8 @@ OpScope::OpScope(const Group& group, const OpSignature& signature, const std::st
   record_ = recorder.begin(to_string(signature.kind), seq, group.name(),
                            describe(fields_of(signature, seq, group.size()), signature.names));
   try {
-    if (group.size() > 1 && agreement_checks_enabled() && !detail::transfers_skipped()) {
+    if (agreement == Agreement::kPerOp && group.size() > 1 && agreement_checks_enabled() &&
+        !detail::transfers_skipped()) {
       agree(group, signature, seq);
     }
   } catch (...) {

@@ -60,6 +60,15 @@ struct OpSignature {
   int64_t chunks = 1;
 };
 
+/// Whether an op makes the ranks agree on its signature before it posts payload.
+enum class Agreement {
+  /// A round trip with every other rank of the group, before the first payload transfer.
+  kPerOp,
+  /// None per op: the caller has made the ranks agree beforehand on the shape and order of every
+  /// such op (a gradient reducer's bucket layout), so starting one never waits for a peer.
+  kAgreedInAdvance,
+};
+
 /// Usage (inside a collective):
 ///   OpScope op(group, {CollectiveKind::kAllGather, x.scalar_type(), {rows, cols}, {"rows", "cols"}},
 ///              "detail");
@@ -74,7 +83,8 @@ class OpScope {
   /// Claims the group for the calling thread (throws if another thread is issuing an op on it),
   /// agrees with the group's other ranks (throws if they disagree), then records the op.
   /// `counted` false: not recorded in the collective counters (transfers-only benchmarks).
-  OpScope(const Group& group, const OpSignature& signature, const std::string& detail, bool counted = true);
+  OpScope(const Group& group, const OpSignature& signature, const std::string& detail, bool counted = true,
+          Agreement agreement = Agreement::kPerOp);
   ~OpScope();
   OpScope(const OpScope&) = delete;
   OpScope& operator=(const OpScope&) = delete;

@@ -1,0 +1,29 @@
+#pragma once
+// data_parallel: a module's replicas over the data-parallel dimension of a mesh. Each replica
+// runs its share of the batch; the gradients are averaged over the dimension during the
+// backward (GradientReducer). Parameters already sharded over a tensor-parallel dimension are
+// averaged shard by shard, each over the ranks that hold that shard.
+//
+// Usage (2-D mesh: tensor parallel inside, data parallel across):
+//   auto mesh = init_device_mesh("cpu", {2, 2}, {"dp", "tp"});
+//   parallelize_module(*model, mesh["tp"], plan);
+//   auto reducer = data_parallel(*model, mesh["dp"]);
+//   loss.backward();    // gradients averaged over dp when it returns
+//   optimizer.step();
+
+#include <memory>
+
+#include <torch/nn/module.h>
+
+#include <hyper_parallel/core/data_parallel/gradient_reducer.h>
+#include <hyper_parallel/core/dtensor/device_mesh.h>
+
+namespace hyper_parallel::data_parallel {
+
+/// Averages `module`'s gradients over `mesh` (1-D: the dp dimension). Parallelize the module
+/// over its other dimensions first: the buckets are laid out from the parameters' shapes now.
+/// The reducer stays active while the returned pointer lives.
+std::shared_ptr<GradientReducer> data_parallel(torch::nn::Module& module, const dtensor::DeviceMesh& mesh,
+                                               GradientReducerOptions options = {});
+
+}  // namespace hyper_parallel::data_parallel

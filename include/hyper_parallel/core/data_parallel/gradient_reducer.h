@@ -1,0 +1,88 @@
+#pragma once
+// GradientReducer: averages the gradients of a set of parameters over a data-parallel group,
+// in buckets whose all-reduces run while the backward goes on (as DDP does):
+//   - the parameters are laid out in buckets of at most `bucket_cap_bytes`, one dtype each, in
+//     reverse order (the order a backward produces their gradients);
+//   - a hook on each parameter's gradient accumulator marks it ready; bucket b is started
+//     (comm::start_all_reduce) once its gradients and those of buckets 0..b-1 are all ready, so
+//     every rank starts the same buckets in the same order whatever its graph's timing;
+//   - the autograd engine's final callback of that backward starts the buckets still waiting
+//     (a parameter without a gradient contributes zeros) and waits for all of them, so the
+//     gradients are averaged when backward() returns: an optimizer step may follow at once.
+// A parameter that got no gradient on any rank keeps its .grad (undefined stays undefined); one
+// that got it on some ranks only gets the average on all of them.
+//
+// The ranks agree on the bucket layout once, at construction (a rank that builds another layout
+// gets an error there, not a hang); the per-bucket all-reduces then start without a round trip.
+//
+// Contract: all ranks of the group construct their reducers in the same order, and run the same
+// backward passes (the same number, with or without no_sync) on them.
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <torch/arg.h>
+
+#include <hyper_parallel/core/comm/process_group.h>
+
+namespace hyper_parallel::data_parallel {
+
+/// Usage:
+///   GradientReducer reducer(params, mesh["dp"].get_group(),
+///                           GradientReducerOptions().bucket_cap_bytes(8 << 20));
+struct GradientReducerOptions {
+  /// Largest bucket, in bytes of gradient (DDP's default, 25 MiB).
+  TORCH_ARG(int64_t, bucket_cap_bytes) = int64_t{25} << 20;
+  /// true: buckets reduce while the backward goes on. false: each bucket is reduced, blocking,
+  /// when it is ready (the same arithmetic, bitwise; for comparison).
+  TORCH_ARG(bool, overlap) = true;
+};
+
+class GradientReducer {
+ public:
+  /// `params`: the parameters to average (those not requiring grad are skipped, repeats are
+  /// counted once). Registers the hooks; the destructor removes them.
+  GradientReducer(const std::vector<at::Tensor>& params, comm::Group group,
+                  GradientReducerOptions options = {});
+  ~GradientReducer();
+  GradientReducer(const GradientReducer&) = delete;
+  GradientReducer& operator=(const GradientReducer&) = delete;
+
+  /// While sync is off, backward passes only accumulate gradients locally; the first backward
+  /// with sync on averages the accumulated sums (gradient accumulation, DDP's no_sync).
+  void set_sync(bool sync);
+  bool sync() const;
+
+  /// Bucket b's parameters, as indices into the parameters kept (reverse order).
+  std::vector<std::vector<int64_t>> bucket_parameters() const;
+  /// The parameters kept: `params` without repeats and frozen ones, in their order.
+  const std::vector<at::Tensor>& parameters() const;
+
+  struct Impl;
+
+ private:
+  std::shared_ptr<Impl> impl_;
+};
+
+/// Turns sync off while it lives (GradientReducer::set_sync), restoring the previous setting.
+///
+/// Usage:
+///   { NoSyncGuard no_sync(*reducer); loss1.backward(); }  // accumulate only
+///   loss2.backward();                                       // averages the sum
+class NoSyncGuard {
+ public:
+  explicit NoSyncGuard(GradientReducer& reducer) : reducer_(reducer), previous_(reducer.sync()) {
+    reducer_.set_sync(false);
+  }
+  ~NoSyncGuard() { reducer_.set_sync(previous_); }
+  NoSyncGuard(const NoSyncGuard&) = delete;
+  NoSyncGuard& operator=(const NoSyncGuard&) = delete;
+
+ private:
+  GradientReducer& reducer_;
+  bool previous_;
+};
+
+}  // namespace hyper_parallel::data_parallel

@@ -1,0 +1,155 @@
+#include <hyper_parallel/core/comm/pending_all_reduce.h>
+
+#include <condition_variable>
+#include <exception>
+#include <mutex>
+#include <optional>
+#include <sstream>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <hyper_parallel/core/comm/chunks.h>
+#include <hyper_parallel/core/comm/p2p.h>
+#include <hyper_parallel/core/comm/schedule.h>
+#include <hyper_parallel/core/comm/skip_transfers.h>
+#include <hyper_parallel/core/comm/work.h>
+
+#include "completion_thread.h"
+
+namespace hyper_parallel::comm {
+
+namespace detail {
+
+struct PendingAllReduceState {
+  PendingAllReduceState(at::Tensor b, ReduceOp o, Group g)
+      : buffer(std::move(b)), op(o), group(std::move(g)), tags(reserve_tags(group)) {}
+
+  at::Tensor block(int64_t b) const {
+    const int64_t n = buffer.numel(), p = group.size();
+    return buffer.narrow(0, chunk_offset(n, p, b), chunk_size(n, p, b));
+  }
+
+  // Phase 1, on the calling thread: block b to its owner b; the other ranks' partials of this
+  // rank's block arrive.
+  void post_reduce() {
+    const int64_t p = group.size(), r = group.rank();
+    partials.resize(p);
+    partials[r] = block(r);
+    for (int64_t q = 0; q < p; ++q) {
+      if (q == r) continue;
+      partials[q] = at::empty_like(partials[r]);
+      receives.push_back(irecv(partials[q], q, group, tags.step(0)));
+    }
+    for (int64_t s = 1; s < p; ++s) {
+      const int64_t owner = (r + s) % p;  // each rank starts with a different peer
+      sends.push_back(isend(block(owner), owner, group, tags.step(0)));
+    }
+  }
+
+  // Phase 2, on the completion thread: this rank's block, summed in rank order, to every other
+  // rank; theirs into place. Their memory was sent from in phase 1, so its sends are waited first.
+  void gather() {
+    const int64_t p = group.size(), r = group.rank();
+    wait_all();
+    auto sum = partials[0].to(accumulate_type(buffer.scalar_type()), /*non_blocking=*/false, /*copy=*/true);
+    for (int64_t q = 1; q < p; ++q) sum.add_(partials[q]);
+    if (op == ReduceOp::kAvg) sum.div_(p);
+    partials[r].copy_(sum);
+    partials.clear();
+    for (int64_t q = 0; q < p; ++q) {
+      if (q != r) receives.push_back(irecv(block(q), q, group, tags.step(1)));
+    }
+    for (int64_t s = 1; s < p; ++s) sends.push_back(isend(block(r), (r + s) % p, group, tags.step(1)));
+    wait_all();
+  }
+
+  void wait_all() {
+    for (auto& w : receives) w.wait();
+    for (auto& w : sends) w.wait();
+    receives.clear();
+    sends.clear();
+  }
+
+  void complete(std::exception_ptr failure) {
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      error = std::move(failure);
+      done = true;
+    }
+    cv.notify_all();
+  }
+
+  at::Tensor buffer;
+  ReduceOp op;
+  Group group;
+  OpTags tags;
+  std::vector<at::Tensor> partials;
+  std::vector<Work> receives, sends;
+  std::mutex mutex;
+  std::condition_variable cv;
+  bool done = false;
+  std::exception_ptr error;
+};
+
+}  // namespace detail
+
+PendingAllReduce::PendingAllReduce(std::shared_ptr<detail::PendingAllReduceState> state)
+    : state_(std::move(state)) {}
+
+bool PendingAllReduce::is_completed() const {
+  if (!state_) return true;
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  return state_->done;
+}
+
+void PendingAllReduce::wait() {
+  if (!state_) return;
+  auto state = std::move(state_);
+  std::unique_lock<std::mutex> lock(state->mutex);
+  state->cv.wait(lock, [&] { return state->done; });
+  if (state->error) std::rethrow_exception(state->error);
+}
+
+PendingAllReduce start_all_reduce(const at::Tensor& buffer, ReduceOp op, const Group& group,
+                                  Agreement agreement) {
+  TORCH_CHECK(buffer.defined() && at::isFloatingType(buffer.scalar_type()),
+              "hyper_parallel::comm::start_all_reduce: expected a floating-point tensor, got ",
+              buffer.defined() ? c10::toString(buffer.scalar_type()) : "an undefined tensor");
+  TORCH_CHECK(buffer.is_contiguous(),
+              "hyper_parallel::comm::start_all_reduce: expected a contiguous buffer, got ", "strides ",
+              buffer.strides());
+  TORCH_CHECK(group.size() <= OpTags::kMaxSteps,
+              "hyper_parallel::comm::start_all_reduce: expected a group of at most ", OpTags::kMaxSteps,
+              " ranks, got ", group.size());
+  std::ostringstream what;
+  what << buffer.scalar_type() << buffer.sizes() << " on " << group.name() << " (started)";
+  OpScope scope(group,
+                {CollectiveKind::kAllReduce,
+                 buffer.scalar_type(),
+                 {buffer.numel(), static_cast<int64_t>(op == ReduceOp::kAvg)},
+                 {"numel", "avg"}},
+                what.str(), /*counted=*/true, agreement);
+  auto state = std::make_shared<detail::PendingAllReduceState>(buffer.view({-1}), op, group);
+  if (group.size() == 1) {
+    state->done = true;  // the sum and the average of one rank's tensor: itself
+    return PendingAllReduce(std::move(state));
+  }
+  state->post_reduce();
+  const bool skipped = detail::transfers_skipped();  // thread-local: carried to the completion thread
+  detail::CompletionThread::get().submit([state, skipped] {
+    std::exception_ptr failure;
+    try {
+      std::optional<detail::SkipTransfers> skip;
+      if (skipped) skip.emplace();
+      state->gather();
+    } catch (...) {
+      failure = std::current_exception();
+    }
+    state->complete(std::move(failure));
+  });
+  return PendingAllReduce(std::move(state));
+}
+
+}  // namespace hyper_parallel::comm

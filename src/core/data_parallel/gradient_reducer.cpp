@@ -1,0 +1,255 @@
+#include <hyper_parallel/core/data_parallel/gradient_reducer.h>
+
+#include <sstream>
+#include <unordered_set>
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/graph_task.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <hyper_parallel/core/comm/collectives.h>
+#include <hyper_parallel/core/comm/counters.h>
+#include <hyper_parallel/core/comm/pending_all_reduce.h>
+
+#include "bucket_layout.h"
+
+namespace hyper_parallel::data_parallel {
+
+namespace {
+
+std::vector<at::Tensor> kept_parameters(const std::vector<at::Tensor>& params) {
+  std::vector<at::Tensor> kept;
+  std::unordered_set<const void*> seen;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const auto& p = params[i];
+    TORCH_CHECK_VALUE(p.defined(),
+                      "GradientReducer: expected defined parameters, got an undefined one at index ", i);
+    if (!p.requires_grad() || !seen.insert(p.unsafeGetTensorImpl()).second) continue;
+    TORCH_CHECK_VALUE(p.is_leaf(),
+                      "GradientReducer: expected leaf parameters, got a non-leaf tensor at index ", i);
+    TORCH_CHECK_TYPE(at::isFloatingType(p.scalar_type()),
+                     "GradientReducer: expected floating-point parameters, got ", p.scalar_type(),
+                     " at index ", i);
+    kept.push_back(p);
+  }
+  return kept;
+}
+
+// Every rank must lay out the same buckets: compared once, here, so that the buckets can start
+// later without a round trip each.
+void check_layout_agrees(const std::string& mine, const comm::Group& group) {
+  const auto all = comm::all_gather_strings(mine, group);
+  for (const auto& other : all) {
+    if (other == mine) continue;
+    std::ostringstream ranks;
+    for (size_t q = 0; q < all.size(); ++q) ranks << (q ? "; " : "") << "rank " << q << ": " << all[q];
+    TORCH_CHECK_VALUE(false, "GradientReducer: expected every rank of ", group.name(),
+                      " to lay out the same gradient buckets (the same parameters, shapes, dtypes and "
+                      "bucket_cap_bytes), got ",
+                      ranks.str());
+  }
+}
+
+}  // namespace
+
+struct GradientReducer::Impl : std::enable_shared_from_this<GradientReducer::Impl> {
+  struct Bucket {
+    detail::BucketSpan span;
+    int64_t waiting = 0;  // parameters whose gradient this backward has not produced yet
+    bool launched = false, copied_back = false;
+    at::Tensor buffer;  // the gradients, then one flag per parameter: 1 where it had a gradient
+    comm::PendingAllReduce reduce;
+  };
+
+  std::vector<at::Tensor> params;
+  comm::Group group;
+  GradientReducerOptions options;
+  std::vector<Bucket> buckets;
+  std::vector<int64_t> bucket_of;
+  std::vector<bool> ready;
+  int64_t next_launch = 0;
+  bool in_backward = false, sync = true;
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;
+  std::vector<uintptr_t> hook_keys;
+
+  void on_gradient(int64_t param);
+  void begin_backward();
+  void launch(Bucket& bucket);
+  void copy_back(Bucket& bucket);
+  void finish_backward();
+  void reset();
+};
+
+namespace {
+
+// Runs after a parameter's gradient accumulator has written .grad.
+class GradientReadyHook final : public torch::autograd::FunctionPostHook {
+ public:
+  GradientReadyHook(std::weak_ptr<GradientReducer::Impl> reducer, int64_t param)
+      : reducer_(std::move(reducer)), param_(param) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list& /*inputs*/) override {
+    if (auto reducer = reducer_.lock()) reducer->on_gradient(param_);
+    return outputs;
+  }
+
+ private:
+  std::weak_ptr<GradientReducer::Impl> reducer_;
+  int64_t param_;
+};
+
+}  // namespace
+
+// At a backward's first gradient: queue the end-of-backward callback, and mark ready the
+// parameters this backward's graph does not reach (they get no gradient, and would otherwise
+// hold their bucket, and every later one, back until the end).
+void GradientReducer::Impl::begin_backward() {
+  in_backward = true;
+  std::weak_ptr<Impl> self = shared_from_this();
+  torch::autograd::Engine::get_default_engine().queue_callback([self] {
+    if (auto reducer = self.lock()) reducer->finish_backward();
+  });
+  const auto* nodes = torch::autograd::get_current_graph_task_nodes_in_graph();
+  if (nodes == nullptr || nodes->empty()) return;
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (nodes->count(accumulators[i].get()) == 0) ready[i] = true, --buckets[bucket_of[i]].waiting;
+  }
+}
+
+void GradientReducer::Impl::on_gradient(int64_t param) {
+  if (!sync) return;
+  if (!in_backward) begin_backward();
+  if (ready[param]) {
+    TORCH_CHECK(!buckets[bucket_of[param]].launched, "GradientReducer: parameter ", param, " (",
+                params[param].sizes(),
+                ") received a second gradient in one backward after its bucket had started; expected one "
+                "accumulation per parameter per backward (reentrant checkpointing is not supported)");
+    return;
+  }
+  ready[param] = true;
+  --buckets[bucket_of[param]].waiting;
+  comm::CommRegion region("grad_sync");
+  while (next_launch < static_cast<int64_t>(buckets.size()) && buckets[next_launch].waiting == 0) {
+    launch(buckets[next_launch++]);
+  }
+}
+
+void GradientReducer::Impl::launch(Bucket& bucket) {
+  const auto& span = bucket.span;
+  bucket.buffer =
+      at::empty({span.numel + static_cast<int64_t>(span.params.size())}, params[span.params[0]].options());
+  for (size_t j = 0; j < span.params.size(); ++j) {
+    const auto& grad = params[span.params[j]].grad();
+    auto slot = bucket.buffer.narrow(0, span.offsets[j], params[span.params[j]].numel());
+    if (grad.defined()) {
+      TORCH_CHECK_VALUE(grad.numel() == slot.numel(), "GradientReducer: expected parameter ", span.params[j],
+                        "'s gradient to have the ", slot.numel(), " elements laid out at construction, got ",
+                        grad.sizes(), "; build the reducer after the parameters have their final shapes");
+      slot.view(grad.sizes()).copy_(grad);
+    } else {
+      slot.zero_();
+    }
+    bucket.buffer[span.numel + static_cast<int64_t>(j)].fill_(grad.defined() ? 1 : 0);
+  }
+  bucket.launched = true;
+  bucket.reduce =
+      comm::start_all_reduce(bucket.buffer, comm::ReduceOp::kAvg, group, comm::Agreement::kAgreedInAdvance);
+  if (!options.overlap()) copy_back(bucket);
+}
+
+void GradientReducer::Impl::copy_back(Bucket& bucket) {
+  bucket.reduce.wait();
+  const auto& span = bucket.span;
+  const auto flags =
+      bucket.buffer.narrow(0, span.numel, static_cast<int64_t>(span.params.size())).to(at::kFloat);
+  const float* had = flags.data_ptr<float>();
+  at::NoGradGuard no_grad;
+  for (size_t j = 0; j < span.params.size(); ++j) {
+    if (had[j] == 0) continue;  // no rank had a gradient: .grad stays as it is
+    auto& param = params[span.params[j]];
+    auto reduced = bucket.buffer.narrow(0, span.offsets[j], param.numel()).view(param.sizes());
+    auto& grad = param.mutable_grad();
+    if (grad.defined()) {
+      grad.copy_(reduced);
+    } else {
+      grad = reduced.clone();
+    }
+  }
+  bucket.copied_back = true;
+  bucket.buffer = at::Tensor();
+}
+
+void GradientReducer::Impl::finish_backward() {
+  struct ResetOnExit {
+    Impl* impl;
+    ~ResetOnExit() { impl->reset(); }
+  } reset_on_exit{this};
+  comm::CommRegion region("grad_sync");
+  while (next_launch < static_cast<int64_t>(buckets.size())) launch(buckets[next_launch++]);
+  for (auto& bucket : buckets) {
+    if (!bucket.copied_back) copy_back(bucket);
+  }
+}
+
+void GradientReducer::Impl::reset() {
+  in_backward = false;
+  next_launch = 0;
+  std::fill(ready.begin(), ready.end(), false);
+  for (auto& bucket : buckets) {
+    bucket.waiting = static_cast<int64_t>(bucket.span.params.size());
+    bucket.launched = bucket.copied_back = false;
+    bucket.buffer = at::Tensor();
+    bucket.reduce = comm::PendingAllReduce();
+  }
+}
+
+GradientReducer::GradientReducer(const std::vector<at::Tensor>& params, comm::Group group,
+                                 GradientReducerOptions options)
+    : impl_(std::make_shared<Impl>()) {
+  TORCH_CHECK_VALUE(group.is_member(),
+                    "GradientReducer: expected a group this rank is a member of, got a non-member");
+  TORCH_CHECK_VALUE(options.bucket_cap_bytes() > 0, "GradientReducer: expected bucket_cap_bytes > 0, got ",
+                    options.bucket_cap_bytes());
+  auto& impl = *impl_;
+  impl.params = kept_parameters(params);
+  impl.group = std::move(group);
+  impl.options = options;
+  const auto spans = detail::lay_out_buckets(impl.params, options.bucket_cap_bytes());
+  check_layout_agrees(detail::describe_buckets(spans, impl.params, options.bucket_cap_bytes()), impl.group);
+  impl.bucket_of.assign(impl.params.size(), 0);
+  impl.ready.assign(impl.params.size(), false);
+  for (const auto& span : spans) {
+    for (auto p : span.params) impl.bucket_of[p] = static_cast<int64_t>(impl.buckets.size());
+    impl.buckets.emplace_back();
+    impl.buckets.back().span = span;
+  }
+  impl.reset();
+  for (size_t i = 0; i < impl.params.size(); ++i) {
+    auto accumulator = torch::autograd::impl::grad_accumulator(impl.params[i]);
+    impl.hook_keys.push_back(
+        accumulator->add_post_hook(std::make_unique<GradientReadyHook>(impl_, static_cast<int64_t>(i))));
+    impl.accumulators.push_back(std::move(accumulator));
+  }
+}
+
+GradientReducer::~GradientReducer() {
+  for (size_t i = 0; i < impl_->accumulators.size(); ++i)
+    impl_->accumulators[i]->del_post_hook(impl_->hook_keys[i]);
+}
+
+void GradientReducer::set_sync(bool sync) { impl_->sync = sync; }
+bool GradientReducer::sync() const { return impl_->sync; }
+
+std::vector<std::vector<int64_t>> GradientReducer::bucket_parameters() const {
+  std::vector<std::vector<int64_t>> out;
+  for (const auto& bucket : impl_->buckets) out.push_back(bucket.span.params);
+  return out;
+}
+
+const std::vector<at::Tensor>& GradientReducer::parameters() const { return impl_->params; }
+
+}  // namespace hyper_parallel::data_parallel
