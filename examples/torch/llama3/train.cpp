@@ -20,7 +20,7 @@ namespace {
 std::optional<llama3::TrainOptions> parse_flags(int argc, char** argv) {
   llama3::TrainOptions o;
   std::string preset = o.preset(), dtype = o.dtype(), mc2_scope = o.mc2_scope();
-  int64_t steps = o.steps(), batch_size = o.batch_size(), chunks = o.mc2_chunks_per_rank();
+  int64_t steps = o.steps(), batch_size = o.batch_size(), chunks = o.mc2_chunks_per_rank(), dp = o.dp();
   std::optional<int64_t> seq_len;
   double lr = o.lr();
   uint64_t seed = o.seed();
@@ -29,14 +29,17 @@ std::optional<llama3::TrainOptions> parse_flags(int argc, char** argv) {
   int64_t checkpoint_every = o.checkpoint_every();
 
   CLI::App app(
-      "Trains Llama 3 with tensor (+ sequence) parallelism on synthetic data; run it "
-      "under hp-run, one rank per TP shard.",
+      "Trains Llama 3 with tensor (+ sequence) and data parallelism on synthetic data; run it "
+      "under hp-run: world = dp x TP ranks.",
       "llama3_train");
   app.add_option("--preset", preset, "model size")
       ->capture_default_str()
       ->check(CLI::IsMember({"debug", "tiny", "small", "bench", "llama3_8b", "llama3_8b_1layer"}));
   app.add_option("--steps", steps, "training steps")->capture_default_str()->check(CLI::PositiveNumber);
-  app.add_option("--batch-size", batch_size, "sequences per step")
+  app.add_option("--batch-size", batch_size, "sequences per step (the global batch, split over --dp)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--dp", dp, "data-parallel replicas (TP = world size / dp)")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
   app.add_option("--seq-len", seq_len, "tokens per sequence (default: the preset's)")
@@ -79,7 +82,7 @@ std::optional<llama3::TrainOptions> parse_flags(int argc, char** argv) {
     std::printf("%s", app.help().c_str());
     return std::nullopt;
   }
-  o.preset(preset).dtype(dtype).steps(steps).batch_size(batch_size).seq_len(seq_len).lr(lr).seed(seed);
+  o.preset(preset).dtype(dtype).steps(steps).batch_size(batch_size).dp(dp).seq_len(seq_len).lr(lr).seed(seed);
   o.enable_sequence_parallel(!no_sp).enable_loss_parallel(loss_parallel);
   o.enable_mc2(mc2).mc2_scope(mc2_scope).relaxed_mc2_contract(relaxed).mc2_chunks_per_rank(chunks);
   o.checkpoint_dir(checkpoint_dir).checkpoint_every(checkpoint_every).resume(resume).async_checkpoint(async);

@@ -10,6 +10,7 @@
 
 #include <hyper_parallel/checkpoint.h>
 #include <hyper_parallel/core/comm.h>
+#include <hyper_parallel/core/data_parallel.h>
 #include <hyper_parallel/core/dtensor.h>
 #include <hyper_parallel/core/tensor_parallel.h>
 
@@ -36,9 +37,24 @@ struct Run {
   ModelArgs args;
   int64_t seq_len = 0;
   at::ScalarType dtype = at::kFloat;
-  hp::dtensor::DeviceMesh mesh;
+  hp::dtensor::DeviceMesh mesh;  // tensor parallel: the whole world, or mesh["tp"] of {dp, tp}
+  std::optional<hp::dtensor::DeviceMesh> dp_mesh;  // with dp > 1
   bool log = false;
 };
+
+// {tp} over the world, or {dp, tp} with dp > 1 (the TP groups are consecutive ranks).
+std::pair<hp::dtensor::DeviceMesh, std::optional<hp::dtensor::DeviceMesh>> make_meshes(
+    const TrainOptions& o) {
+  const int64_t world = hp::comm::world_size();
+  TORCH_CHECK_VALUE(o.dp() >= 1 && world % o.dp() == 0,
+                    "llama3::train: expected dp to divide the world size (", world, "), got ", o.dp());
+  TORCH_CHECK_VALUE(o.batch_size() % o.dp() == 0, "llama3::train: expected batch_size divisible by dp (",
+                    o.dp(), "), got ", o.batch_size());
+  if (o.dp() == 1 || o.reference())
+    return {hp::dtensor::init_device_mesh("cpu", {world}, {"tp"}), std::nullopt};
+  auto mesh = hp::dtensor::init_device_mesh("cpu", {o.dp(), world / o.dp()}, {"dp", "tp"});
+  return {mesh["tp"], mesh["dp"]};
+}
 
 Run make_run(const TrainOptions& options) {
   TORCH_CHECK(options.dtype() == "fp32" || options.dtype() == "bf16",
@@ -48,11 +64,13 @@ Run make_run(const TrainOptions& options) {
   TORCH_CHECK(!options.checkpoint_dir().empty() || (options.checkpoint_every() == 0 && !options.resume()),
               "llama3::train: expected a checkpoint_dir with checkpoint_every or resume");
   const auto args = options.model_args().value_or(ModelArgs::from_preset(options.preset()));
+  auto [mesh, dp_mesh] = make_meshes(options);
   return {options,
           args,
           options.seq_len().value_or(args.max_seq_len),
           options.dtype() == "bf16" ? at::kBFloat16 : at::kFloat,
-          hp::dtensor::init_device_mesh("cpu", {hp::comm::world_size()}, {"tp"}),
+          mesh,
+          dp_mesh,
           options.log() && hp::comm::global_rank() == 0};
 }
 
@@ -81,12 +99,13 @@ Transformer build_model(const Run& run) {
 void print_banner(const Run& run) {
   const auto& o = run.options;
   const int64_t tp_size = o.reference() ? 1 : run.mesh.size(0);
+  const int64_t dp_size = run.dp_mesh ? run.dp_mesh->size(0) : 1;
   const std::string mc2 = o.enable_mc2() && !o.reference() ? "on (" + o.mc2_scope() + ")" : "off";
   std::printf(
-      "llama3 %s: %lld layers, dim %lld, TP %lld, SP %s, MC2 %s, loss parallel %s, %s, batch %lld x seq "
-      "%lld\n",
+      "llama3 %s: %lld layers, dim %lld, DP %lld, TP %lld, SP %s, MC2 %s, loss parallel %s, %s, batch %lld x "
+      "seq %lld\n",
       o.model_args() ? "custom" : o.preset().c_str(), static_cast<long long>(run.args.n_layers),
-      static_cast<long long>(run.args.dim), static_cast<long long>(tp_size),
+      static_cast<long long>(run.args.dim), static_cast<long long>(dp_size), static_cast<long long>(tp_size),
       o.enable_sequence_parallel() ? "on" : "off", mc2.c_str(), o.enable_loss_parallel() ? "on" : "off",
       o.dtype().c_str(), static_cast<long long>(o.batch_size()), static_cast<long long>(run.seq_len));
   std::fflush(stdout);
@@ -119,6 +138,10 @@ StepResult train_step(const Run& run, TransformerImpl& model, torch::optim::Adam
   const auto& o = run.options;
   const auto t0 = std::chrono::steady_clock::now();
   auto batch = synthetic_batch(o.seed(), step, o.batch_size(), run.seq_len, run.args.vocab_size);
+  if (run.dp_mesh) {  // this replica's rows of the global batch
+    const int64_t rows = o.batch_size() / run.dp_mesh->size(0);
+    batch = batch.narrow(0, run.dp_mesh->get_local_rank(0) * rows, rows);
+  }
   auto inputs = batch.narrow(1, 0, run.seq_len), targets = batch.narrow(1, 1, run.seq_len);
   optimizer.zero_grad();
   auto logits = model.forward(inputs);
@@ -132,8 +155,12 @@ StepResult train_step(const Run& run, TransformerImpl& model, torch::optim::Adam
   if (inspect) inspect(step, model);
   const double grad_norm = hp::tensor_parallel::clip_grad_norm_(model, o.max_norm());
   optimizer.step();
+  // The global batch's loss: the replicas' mean losses averaged (float32, deterministic).
+  auto global_loss = loss.detach().to(at::kFloat).reshape({1});
+  if (run.dp_mesh)
+    global_loss = hp::comm::all_reduce(global_loss, hp::comm::ReduceOp::kAvg, run.dp_mesh->get_group(0));
   const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-  return {step, loss.item<double>(), grad_norm, ms,
+  return {step, global_loss.item<double>(), grad_norm, ms,
           1000.0 * static_cast<double>(o.batch_size() * run.seq_len) / ms};
 }
 
@@ -173,6 +200,8 @@ std::vector<StepResult> train(const TrainOptions& options,
                               const std::function<void(int64_t, TransformerImpl&)>& inspect) {
   const Run run = make_run(options);
   auto model = build_model(run);
+  std::shared_ptr<hp::data_parallel::GradientReducer> reducer;  // averages gradients over dp
+  if (run.dp_mesh) reducer = hp::data_parallel::data_parallel(*model, *run.dp_mesh);
   torch::optim::AdamW optimizer(
       model->parameters(),
       torch::optim::AdamWOptions(options.lr()).weight_decay(options.weight_decay()).betas({0.9, 0.95}));

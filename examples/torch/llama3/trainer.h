@@ -19,7 +19,11 @@ struct TrainOptions {
   /// A model that is not a preset (overrides `preset`).
   TORCH_ARG(std::optional<ModelArgs>, model_args) = std::nullopt;
   TORCH_ARG(int64_t, steps) = 20;
+  /// The global batch: with dp > 1 each data-parallel replica runs batch_size / dp of its rows.
   TORCH_ARG(int64_t, batch_size) = 4;
+  /// Data-parallel replicas (TP = world size / dp): a {dp, tp} mesh, the plan on mesh["tp"],
+  /// gradients averaged over mesh["dp"] during the backward (data_parallel).
+  TORCH_ARG(int64_t, dp) = 1;
   TORCH_ARG(std::optional<int64_t>, seq_len) = std::nullopt;  // default: the preset's max_seq_len
   TORCH_ARG(std::string, dtype) = "fp32";                     // "fp32" or "bf16"
   TORCH_ARG(double, lr) = 1e-3;
@@ -60,7 +64,8 @@ struct StepResult {
   double tokens_per_s;
 };
 
-/// Trains on a 1-d TP mesh over the whole world (TP = world size). Calls `inspect` (if set) after
+/// Trains on a 1-d TP mesh over the whole world (TP = world size), or with dp > 1 on a {dp, tp}
+/// mesh (losses and gradient norms are the global batch's). Calls `inspect` (if set) after
 /// each backward, before the optimizer step, e.g. to compare gradients. Returns the steps this
 /// call ran (after a checkpoint: latest+1 .. steps). At every step boundary the ranks agree on
 /// whether one was asked to stop (comm::agree_on_preemption: hp-run's SIGUSR1); if so they save a

@@ -39,11 +39,13 @@ void expect_same_training(const llama3::TrainOptions& options) {
   auto [ref, ref_grads] = run(llama3::TrainOptions(options).reference(true));
   EXPECT_EQ(hp::comm::total_collective_count(), 0) << "the reference is single-process";
   auto [par, par_grads] = run(options);
-  // 5 steps, each with the plan's all-gathers (SP) or all-reduces (no SP) in every block.
+  // 5 steps, each with the plan's all-gathers (SP) or all-reduces (no SP) in every block; with
+  // TP 1 (all ranks data-parallel), the gradient buckets' all-reduces.
+  const bool tp = hp_test::world_size() > options.dp();
   const auto kind =
-      options.enable_sequence_parallel() ? CollectiveKind::kAllGather : CollectiveKind::kAllReduce;
-  EXPECT_GE(hp::comm::collective_count(kind), 5 * 2 * llama3::ModelArgs::debug().n_layers)
-      << "the TP run really is parallel: " << hp::comm::collective_counts_summary();
+      options.enable_sequence_parallel() && tp ? CollectiveKind::kAllGather : CollectiveKind::kAllReduce;
+  EXPECT_GE(hp::comm::collective_count(kind), 5 * (tp ? 2 * llama3::ModelArgs::debug().n_layers : 1))
+      << "the run really is parallel: " << hp::comm::collective_counts_summary();
   ASSERT_EQ(ref.size(), par.size());
   for (size_t i = 0; i < ref.size(); ++i) {
     EXPECT_NEAR(par[i].loss, ref[i].loss, kLossRtol * std::abs(ref[i].loss)) << "step " << i + 1;
@@ -67,6 +69,24 @@ TEST(Llama3, SequenceParallelTrainingEqualsSingleProcess) { expect_same_training
 
 TEST(Llama3, TensorParallelWithoutSequenceParallelEqualsSingleProcess) {
   expect_same_training(llama3::TrainOptions().enable_sequence_parallel(false));
+}
+
+// Data parallelism: 2 replicas, each with half of the global batch (TP 1 at 2 ranks, TP 2 at 4),
+// train like the single-process model over the whole batch; with loss parallel and MC2 too.
+TEST(Llama3, DataParallelTimesTensorParallelEqualsSingleProcess) {
+  expect_same_training(llama3::TrainOptions().dp(2));
+  if (hp_test::world_size() == 4) {
+    expect_same_training(
+        llama3::TrainOptions().dp(2).enable_loss_parallel(true).enable_mc2(true).relaxed_mc2_contract(true));
+  }
+}
+
+TEST(Llama3, DataParallelRejectsDegreesThatDoNotDivide) {
+  HP_EXPECT_THROW_MSG(llama3::train(llama3::TrainOptions().dp(3).steps(1).log(false)),
+                      "llama3::train: expected dp to divide the world size (" +
+                          std::to_string(hp_test::world_size()) + "), got 3");
+  HP_EXPECT_THROW_MSG(llama3::train(llama3::TrainOptions().dp(2).batch_size(3).steps(1).log(false)),
+                      "llama3::train: expected batch_size divisible by dp (2), got 3");
 }
 
 TEST(Llama3, LossParallelEqualsGatheredLoss) {
