@@ -1,4 +1,5 @@
-"""hyper_parallel: tensor parallelism with MC2 (matmul fused with its collective) for PyTorch.
+"""hyper_parallel: tensor parallelism with MC2 (matmul fused with its collective), and data
+parallelism over a mesh dimension, for PyTorch.
 
 The work is done by the C++ core (the extension ``hyper_parallel._C``); this package gives it
 PyTorch's shapes: ``init_device_mesh``, ``parallelize_module`` and the parallel styles, acting on
@@ -13,6 +14,7 @@ Usage (under ``hp-run --nproc-per-node 2 -- /usr/bin/python3 train.py``)::
     parallelize_module(mlp, mesh, {"fc1": MC2ColwiseParallel(), "fc2": MC2RowwiseParallel()})
 """
 
+from hyper_parallel.core.data_parallel import data_parallel, no_sync
 from hyper_parallel.core.dtensor import DeviceMesh, init_device_mesh
 from hyper_parallel.core.tensor_parallel import (
     ColwiseParallel,
@@ -45,9 +47,11 @@ __all__ = [
     "SequenceParallel",
     "checkpoint",
     "clip_grad_norm_",
+    "data_parallel",
     "full_tensor",
     "init_device_mesh",
     "layout_of",
     "loss_parallel",
+    "no_sync",
     "parallelize_module",
 ]

@@ -1,7 +1,8 @@
-"""Trains the Python Llama 3 with tensor (+ sequence) parallelism on synthetic data, the twin of
-llama3_train (same presets, data, optimizer, plan and checkpoint files). Run one process per TP
-rank (PYTHONPATH=build/python):
+"""Trains the Python Llama 3 with tensor (+ sequence) and data parallelism on synthetic data, the
+twin of llama3_train (same presets, data, optimizer, plan and checkpoint files). Run dp x TP
+processes (PYTHONPATH=build/python):
     hp-run --nproc-per-node 2 -- /usr/bin/python3 examples/torch/llama3/train.py --enable-mc2
+    hp-run --nproc-per-node 4 -- /usr/bin/python3 examples/torch/llama3/train.py --dp 2 --batch-size 4
     ... train.py --steps 20 --checkpoint-dir /tmp/ckpt --checkpoint-every 5     (then --resume)"""
 
 import argparse
@@ -18,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import model as llama  # noqa: E402
 from parallelize import parallelize_llama3  # noqa: E402
 
-from hyper_parallel import checkpoint, clip_grad_norm_, init_device_mesh, loss_parallel  # noqa: E402
+from hyper_parallel import checkpoint, clip_grad_norm_, data_parallel, init_device_mesh, loss_parallel  # noqa: E402
 from hyper_parallel.core import comm  # noqa: E402
 from hyper_parallel.core.tensor_parallel.mc2 import MC2Contract  # noqa: E402
 
@@ -27,7 +28,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split(". Run")[0].replace("\n", " ") + ".")
     p.add_argument("--preset", default="small", choices=["debug", "tiny", "small", "bench"], help="model size")
     p.add_argument("--steps", type=int, default=10, help="training steps")
-    p.add_argument("--batch-size", type=int, default=2, help="sequences per step")
+    p.add_argument("--batch-size", type=int, default=2, help="sequences per step (the global batch, split over --dp)")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas (TP = world size / dp)")
     p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
     p.add_argument("--seed", type=int, default=42, help="weights and data")
@@ -48,7 +50,20 @@ def parse_args(argv=None):
         p.error("--checkpoint-every, --resume and --async-checkpoint need --checkpoint-dir")
     if args.mc2_scope != "ffn" and not args.enable_mc2:
         p.error("--mc2-scope needs --enable-mc2")
+    if args.dp < 1 or args.batch_size % args.dp:
+        p.error(f"--batch-size ({args.batch_size}) must be divisible by --dp ({args.dp})")
     return args
+
+
+def make_meshes(args):
+    """The TP mesh (the whole world, or mesh["tp"] of a {dp, tp} mesh) and the dp mesh or None."""
+    world = dist.get_world_size()
+    if world % args.dp:
+        raise ValueError(f"train.py: expected --dp to divide the world size ({world}), got {args.dp}")
+    if args.dp == 1:
+        return init_device_mesh("cpu", (world,), mesh_dim_names=("tp",)), None
+    mesh = init_device_mesh("cpu", (args.dp, world // args.dp), mesh_dim_names=("dp", "tp"))
+    return mesh["tp"], mesh["dp"]
 
 
 def build(args, mesh):
@@ -63,11 +78,15 @@ def build(args, mesh):
     return model, optimizer
 
 
-def train_step(args, model, optimizer, step):
-    """One step: forward, loss (vocabulary-parallel with --loss-parallel), backward, clipping
-    over the global parameters, AdamW. Returns (loss, grad norm)."""
+def train_step(args, model, optimizer, step, dp_mesh=None):
+    """One step: forward, loss (vocabulary-parallel with --loss-parallel), backward (gradients
+    averaged over dp), clipping over the global parameters, AdamW. Returns the global batch's
+    (loss, grad norm)."""
     a = model.args
     batch = llama.synthetic_batch(args.seed, step, args.batch_size, a.max_seq_len, a.vocab_size)
+    if dp_mesh is not None:  # this replica's rows of the global batch
+        rows = args.batch_size // args.dp
+        batch = batch[dp_mesh.get_local_rank(0) * rows:][:rows]
     inputs, targets = batch[:, :a.max_seq_len], batch[:, 1:]
     optimizer.zero_grad()
     logits = model(inputs)
@@ -79,17 +98,22 @@ def train_step(args, model, optimizer, step):
     loss.backward()
     grad_norm = clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
+    loss = loss.detach().float().reshape(1)
+    if dp_mesh is not None:  # the replicas' mean losses averaged, as llama3_train does
+        loss = comm.all_reduce(loss, comm.ReduceOp.AVG, dp_mesh.get_group(0))
     return loss.item(), grad_norm.item()
 
 
 def train(args):
     """Runs the steps this launch owns; returns [(step, loss)]."""
     rank = dist.get_rank()
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+    mesh, dp_mesh = make_meshes(args)
     model, optimizer = build(args, mesh)
+    if dp_mesh is not None:
+        data_parallel(model, dp_mesh)
     log = rank == 0
     if log:
-        print(f"llama3 (Python) {args.preset}, TP {mesh.size(0)}, SP {'off' if args.no_sequence_parallel else 'on'}, "
+        print(f"llama3 (Python) {args.preset}, DP {args.dp}, TP {mesh.size(0)}, SP {'off' if args.no_sequence_parallel else 'on'}, "
               f"MC2 {'on (' + args.mc2_scope + ')' if args.enable_mc2 else 'off'}, loss parallel "
               f"{'on' if args.loss_parallel else 'off'}, {args.dtype}, batch {args.batch_size}", flush=True)
     first = resume(args, model, optimizer, log)
@@ -97,7 +121,7 @@ def train(args):
     for step in range(first, args.steps + 1):
         comm.maybe_kill_at_step(step)
         t0 = time.perf_counter()
-        loss, grad_norm = train_step(args, model, optimizer, step)
+        loss, grad_norm = train_step(args, model, optimizer, step, dp_mesh)
         ms = (time.perf_counter() - t0) * 1e3
         losses.append((step, loss))
         if log:

@@ -25,5 +25,9 @@ namespace hyper_parallel::data_parallel {
 /// The reducer stays active while the returned pointer lives.
 std::shared_ptr<GradientReducer> data_parallel(torch::nn::Module& module, const dtensor::DeviceMesh& mesh,
                                                GradientReducerOptions options = {});
+/// The same over a list of parameters (a torch.nn module's, from Python), in their order.
+std::shared_ptr<GradientReducer> data_parallel(const std::vector<at::Tensor>& params,
+                                               const dtensor::DeviceMesh& mesh,
+                                               GradientReducerOptions options = {});
 
 }  // namespace hyper_parallel::data_parallel

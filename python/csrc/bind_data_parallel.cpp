@@ -1,0 +1,24 @@
+// data_parallel: the gradient reducer over a mesh dimension, for torch.nn modules' parameters.
+// Its hooks and its final callback are C++; a Python backward() runs them without the GIL.
+#include "bindings.h"
+
+namespace hp_python {
+
+namespace dp = hyper_parallel::data_parallel;
+
+void bind_data_parallel(py::module& m) {
+  py::class_<dp::GradientReducer, std::shared_ptr<dp::GradientReducer>>(m, "GradientReducer")
+      .def_property("sync", &dp::GradientReducer::sync, &dp::GradientReducer::set_sync)
+      .def("bucket_parameters", &dp::GradientReducer::bucket_parameters)
+      .def("parameters", &dp::GradientReducer::parameters);
+  m.def(
+      "data_parallel",
+      [](const std::vector<at::Tensor>& params, const dtensor::DeviceMesh& mesh, int64_t bucket_cap_bytes,
+         bool overlap) {
+        return dp::data_parallel(
+            params, mesh, dp::GradientReducerOptions().bucket_cap_bytes(bucket_cap_bytes).overlap(overlap));
+      },
+      py::arg("params"), py::arg("mesh"), py::arg("bucket_cap_bytes"), py::arg("overlap"));
+}
+
+}  // namespace hp_python

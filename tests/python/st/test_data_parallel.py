@@ -1,0 +1,151 @@
+"""data_parallel for torch.nn modules (2 and 4 ranks): DP over every rank and DP 2 x TP 2 train
+like the single-process model over the global batch; runs are bitwise deterministic and the
+overlapped path equals the blocking one bitwise; no_sync accumulates; unused parameters keep
+no gradient; train.py --dp matches train.py without it; clear errors."""
+
+import copy
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hyper_parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    data_parallel,
+    init_device_mesh,
+    no_sync,
+    parallelize_module,
+)
+from hyper_parallel.core import comm
+from hyper_parallel.core.data_parallel import gradient_reducer
+
+LLAMA = os.path.join(os.path.dirname(__file__), "..", "..", "..", "examples", "torch", "llama3")
+sys.path.insert(0, LLAMA)
+
+import train as trainer  # noqa: E402
+
+GLOBAL_BATCH, DIM, HIDDEN = 8, 16, 32
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(DIM, HIDDEN)
+        self.fc2 = nn.Linear(HIDDEN, DIM)
+        self.spare = nn.Linear(DIM, DIM)  # never used
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def batch(step, micro=0):
+    g = torch.Generator().manual_seed(100 * step + micro + 1)
+    return torch.randn(GLOBAL_BATCH, DIM, generator=g), torch.randn(GLOBAL_BATCH, DIM, generator=g)
+
+
+def loss_of(model, step, replica, replicas, micro=0):
+    x, target = batch(step, micro)
+    rows = GLOBAL_BATCH // replicas
+    return (model(x[replica * rows:][:rows]) - target[replica * rows:][:rows]).pow(2).mean()
+
+
+def train(model, replica, replicas, steps=3):
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(steps):
+        sgd.zero_grad()
+        loss_of(model, step, replica, replicas).backward()
+        sgd.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def reference():
+    torch.manual_seed(7)
+    return MLP()
+
+
+def dp_mesh():
+    return init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
+
+
+def test_data_parallel_trains_like_the_single_process_model():
+    mesh = dp_mesh()
+    model = data_parallel(reference(), mesh, bucket_cap_mb=1 / 1024)
+    params = train(model, mesh.get_local_rank(0), mesh.size(0))
+    expected = train(reference(), 0, 1)
+    for p, e in zip(params, expected):
+        torch.testing.assert_close(p, e, rtol=1e-5, atol=1e-6)
+    assert model.spare.weight.grad is None  # no rank used it
+    assert len(gradient_reducer(model).bucket_parameters()) > 3
+
+
+def test_runs_are_bitwise_deterministic_and_overlap_equals_blocking():
+    mesh = dp_mesh()
+    r, p = mesh.get_local_rank(0), mesh.size(0)
+    runs = [train(data_parallel(reference(), mesh, bucket_cap_mb=1 / 1024, overlap=overlap), r, p)
+            for overlap in (True, True, False)]
+    for other in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], other))
+
+
+def test_no_sync_accumulates_and_the_next_backward_averages_the_sum():
+    mesh = dp_mesh()
+    r, p = mesh.get_local_rank(0), mesh.size(0)
+    model = data_parallel(reference(), mesh)
+    comm.reset_collective_counts()
+    with no_sync(model):
+        loss_of(model, 0, r, p, micro=0).backward()
+    assert comm.collective_count("all_reduce") == 0
+    loss_of(model, 0, r, p, micro=1).backward()
+    assert comm.collective_count("all_reduce") == len(gradient_reducer(model).bucket_parameters())
+    ref = reference()
+    for q in range(p):  # the average over replicas of both micro-batches' gradients
+        loss_of(ref, 0, q, p, micro=0).backward()
+        loss_of(ref, 0, q, p, micro=1).backward()
+    for got, want in zip(model.parameters(), ref.parameters()):
+        if want.grad is None:
+            assert got.grad is None
+        else:
+            torch.testing.assert_close(got.grad, want.grad / p, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(int(os.environ.get("WORLD_SIZE", "1")) != 4, reason="runs on 4 ranks (2 x 2 mesh)")
+def test_data_times_tensor_parallel_trains_like_the_single_process_model():
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = reference()
+    parallelize_module(model, mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    data_parallel(model, mesh["dp"], bucket_cap_mb=1 / 1024)
+    params = train(model, mesh["dp"].get_local_rank(0), 2)
+    expected = train(reference(), 0, 1)
+    t, h = mesh["tp"].get_local_rank(0), HIDDEN // 2
+    slices = [expected[0][t * h:][:h], expected[1][t * h:][:h], expected[2][:, t * h:][:, :h]] + expected[3:]
+    for p, e in zip(params, slices):
+        torch.testing.assert_close(p, e, rtol=1e-5, atol=1e-6)
+
+
+def test_train_py_with_dp_matches_train_py_without():
+    args = ["--preset", "debug", "--dtype", "fp32", "--steps", "3", "--batch-size", "4"]
+    without = trainer.train(trainer.parse_args(args))
+    with_dp = trainer.train(trainer.parse_args(args + ["--dp", "2"]))
+    for (s1, l1), (s2, l2) in zip(without, with_dp):
+        assert s1 == s2 and l2 == pytest.approx(l1, rel=1e-4)
+
+
+def test_errors_name_what_was_expected(capsys):
+    with pytest.raises(ValueError, match=r"data_parallel: expected a 1-D mesh \(the data-parallel dimension"):
+        data_parallel(reference(), init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("a", "b")))
+    with pytest.raises(TypeError, match="data_parallel: expected a torch.nn.Module, got list"):
+        data_parallel([], dp_mesh())
+    with pytest.raises(ValueError, match="expected a module made data-parallel by data_parallel"):
+        with no_sync(reference()):
+            pass
+    model = data_parallel(reference(), dp_mesh())
+    with pytest.raises(ValueError, match="data_parallel: expected a module data_parallel has not been applied to"):
+        data_parallel(model, dp_mesh())
+    with pytest.raises(SystemExit) as exit_info:
+        trainer.parse_args(["--dp", "3", "--batch-size", "4"])
+    assert exit_info.value.code == 2
+    assert "--batch-size (4) must be divisible by --dp (3)" in capsys.readouterr().err
