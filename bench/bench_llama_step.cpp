@@ -8,14 +8,19 @@
 // max(T_compute_only, T_wire) and each configuration's step ÷ bound, and the phase-wise bound
 // max(forward compute, forward wire) + max(backward compute, backward wire) + optimizer. It also
 // reports each configuration's peak RSS over its steps (VmHWM, reset before each step).
+// With --dp N (TP = world / N) it compares data parallelism with blocking gradient reductions
+// against the overlapped buckets of data_parallel (with MC2 all when TP > 1); each replica runs
+// batch / N sequences.
 //
 //   bash bench/run_bench.sh bench_llama_step 2gbit 2 -- --rates 250mbit 500mbit 2gbit
+//   bash bench/run_bench.sh bench_llama_step 2gbit 2 -- --dp 2 --rates 500mbit 2gbit
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -37,20 +42,33 @@ namespace tp = hp::tensor_parallel;
 
 namespace {
 
+enum class GradientSync { kNone, kBlocking, kOverlapped };
+
 struct Config {
   std::string name;
   bool mc2;
   llama3::MC2Scope scope;
+  GradientSync dp = GradientSync::kNone;
+};
+
+// The meshes: TP over the world, or {dp, tp}.
+struct Meshes {
+  hp::dtensor::DeviceMesh tp;
+  std::optional<hp::dtensor::DeviceMesh> dp;
+  hp::comm::Group world;
+  int64_t replica() const { return dp ? dp->get_local_rank(0) : 0; }
+  int64_t replicas() const { return dp ? dp->size(0) : 1; }
 };
 
 // One configuration's model and optimizer.
 struct Run {
   llama3::Transformer model{nullptr};
   std::unique_ptr<torch::optim::AdamW> optimizer;
+  std::shared_ptr<hp::data_parallel::GradientReducer> reducer;
 };
 
-Run build(const Config& c, const llama3::ModelArgs& args, int64_t seq_len,
-          const hp::dtensor::DeviceMesh& mesh) {
+Run build(const Config& c, const llama3::ModelArgs& args, int64_t seq_len, const Meshes& meshes) {
+  const auto& mesh = meshes.tp;
   at::manual_seed(42);  // the same full weights in every configuration
   Run run;
   run.model = llama3::Transformer(args);
@@ -59,6 +77,11 @@ Run build(const Config& c, const llama3::ModelArgs& args, int64_t seq_len,
       *run.model, mesh,
       llama3::ParallelizeOptions().enable_loss_parallel(true).enable_mc2(c.mc2).mc2_scope(c.scope).seq_len(
           seq_len));
+  if (c.dp != GradientSync::kNone) {
+    run.reducer = hp::data_parallel::data_parallel(
+        *run.model, *meshes.dp,
+        hp::data_parallel::GradientReducerOptions().overlap(c.dp == GradientSync::kOverlapped));
+  }
   run.optimizer = std::make_unique<torch::optim::AdamW>(
       run.model->parameters(), torch::optim::AdamWOptions(1e-3).weight_decay(0.1).betas({0.9, 0.95}));
   return run;
@@ -71,10 +94,12 @@ struct StepTimes {
   int64_t forward_bytes = 0, backward_bytes = 0;
 };
 
-StepTimes step(Run& run, const at::Tensor& batch, int64_t seq_len, int64_t vocab,
-               const hp::dtensor::DeviceMesh& mesh) {
+StepTimes step(Run& run, at::Tensor batch, int64_t seq_len, int64_t vocab, const Meshes& meshes) {
+  const auto& mesh = meshes.tp;
+  const int64_t rows = batch.size(0) / meshes.replicas();
+  batch = batch.narrow(0, meshes.replica() * rows, rows);  // this replica's share
   hp::comm::reset_collective_counts();
-  hp::comm::barrier(mesh.get_group(0));
+  hp::comm::barrier(meshes.world);
   StepTimes t;
   const int64_t before = hp::comm::payload_bytes_sent();
   const auto t0 = std::chrono::steady_clock::now();
@@ -137,8 +162,8 @@ struct Bench {
 };
 
 // Interleaved steps of every configuration and its compute-only twin.
-std::vector<Measured> measure(Bench& b, const hp::dtensor::DeviceMesh& mesh) {
-  const auto group = mesh.get_group(0);
+std::vector<Measured> measure(Bench& b, const Meshes& mesh) {
+  const auto group = mesh.world;
   const size_t n = b.configs.size();
   std::vector<std::vector<double>> real(n), compute(n), fwd(n), bwd(n), opt(n);
   std::vector<Measured> out(n);
@@ -178,17 +203,17 @@ std::vector<Measured> measure(Bench& b, const hp::dtensor::DeviceMesh& mesh) {
   return out;
 }
 
-// Speedups are against the first configuration, plain TP. The bound is max(compute-only step,
-// bytes sent / measured link rate); the phase-wise bound adds max(compute, wire) of the forward
-// and of the backward, and the optimizer's compute.
+// Speedups are against the first configuration (plain TP, or DP blocking). The bound is max(compute-only
+// step, bytes sent / measured link rate); the phase-wise bound adds max(compute, wire) of the forward and of
+// the backward, and the optimizer's compute.
 void report(const Bench& b, const std::vector<Measured>& results, const std::string& preset,
-            const std::string& rate, double rate_bytes, int64_t p) {
+            const std::string& rate, double rate_bytes, const Meshes& meshes) {
   std::printf(
-      "Llama 3 %s, TP %lld, bf16, SP + loss parallel, batch %lld x seq %lld, %d steps after %d "
+      "Llama 3 %s, DP %lld x TP %lld, bf16, SP + loss parallel, batch %lld x seq %lld, %d steps after %d "
       "warm-up, interleaved; link: %s%s (measured %.2f Gbit/s)\n",
-      preset.c_str(), static_cast<long long>(p), static_cast<long long>(b.batch_size),
-      static_cast<long long>(b.seq_len), b.steps, b.warmup, bench::link_name().c_str(),
-      rate.empty() ? "" : (", rate " + rate).c_str(), rate_bytes * 8 / 1e9);
+      preset.c_str(), static_cast<long long>(meshes.replicas()), static_cast<long long>(meshes.tp.size(0)),
+      static_cast<long long>(b.batch_size), static_cast<long long>(b.seq_len), b.steps, b.warmup,
+      bench::link_name().c_str(), rate.empty() ? "" : (", rate " + rate).c_str(), rate_bytes * 8 / 1e9);
   std::printf("%-10s %9s %17s %10s %9s %9s %9s %8s %8s %8s %8s %9s\n", "config", "ms/step", "(min..max)",
               "tokens/s", "compute", "exposed", "MB sent", "speedup", "÷bound", "phases", "÷phases",
               "peak RSS");
@@ -206,6 +231,30 @@ void report(const Bench& b, const std::vector<Measured>& results, const std::str
   std::fflush(stdout);
 }
 
+// {tp} over the world, or {dp, tp}: the TP groups are consecutive ranks.
+Meshes make_meshes(int64_t dp) {
+  const int64_t p = hp::comm::world_size();
+  TORCH_CHECK_VALUE(dp >= 1 && p % dp == 0, "bench_llama_step: expected --dp to divide the world size (", p,
+                    "), got ", dp);
+  if (dp == 1) return {hp::dtensor::init_device_mesh("cpu", {p}, {"tp"}), std::nullopt, hp::comm::world()};
+  auto mesh = hp::dtensor::init_device_mesh("cpu", {dp, p / dp}, {"dp", "tp"});
+  return {mesh["tp"], mesh["dp"], hp::comm::world()};
+}
+
+// TP alone: plain, MC2 ffn, MC2 all. With DP: blocking against overlapped gradient reductions
+// (MC2 all inside each replica when TP > 1).
+std::vector<Config> configs_for(const Meshes& meshes) {
+  if (!meshes.dp) {
+    return {{"plain TP", false, llama3::MC2Scope::kFfn},
+            {"MC2 ffn", true, llama3::MC2Scope::kFfn},
+            {"MC2 all", true, llama3::MC2Scope::kAll}};
+  }
+  const bool mc2 = meshes.tp.size(0) > 1;
+  const auto scope = mc2 ? llama3::MC2Scope::kAll : llama3::MC2Scope::kFfn;
+  return {{"DP blocking", mc2, scope, GradientSync::kBlocking},
+          {"DP overlap", mc2, scope, GradientSync::kOverlapped}};
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -213,15 +262,20 @@ int main(int argc, char** argv) {
   b.steps = 10;
   b.warmup = 3;
   b.batch_size = 8;
+  int64_t dp = 1;
   std::string preset = "bench";
   std::vector<std::string> rates;
-  CLI::App app("Llama 3 training steps: plain TP, MC2 ffn and MC2 all, interleaved in one launch.",
-               "bench_llama_step");
+  CLI::App app(
+      "Llama 3 training steps: plain TP, MC2 ffn and MC2 all (or, with --dp, blocking and overlapped "
+      "gradient reductions), interleaved in one launch.",
+      "bench_llama_step");
   app.add_option("--steps", b.steps, "measured steps per configuration")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
   app.add_option("--warmup", b.warmup, "steps before measuring")->capture_default_str();
-  app.add_option("--batch-size", b.batch_size, "sequences per step")->capture_default_str();
+  app.add_option("--batch-size", b.batch_size, "sequences per step (the global batch)")
+      ->capture_default_str();
+  app.add_option("--dp", dp, "data-parallel replicas (TP = world / dp)")->capture_default_str();
   app.add_option("--preset", preset, "model size")->capture_default_str();
   app.add_option("--rates", rates, "link rates to measure at, e.g. 250mbit (needs HP_BENCH_RATE_CMD)");
   CLI11_PARSE(app, argc, argv);
@@ -229,17 +283,14 @@ int main(int argc, char** argv) {
   return hp_examples::run_main("bench_llama_step", [&] {
     bench::keep_freed_memory();
     hp::comm::init_process_group();
-    const int64_t p = hp::comm::world_size();
-    auto mesh = hp::dtensor::init_device_mesh("cpu", {p}, {"tp"});
-    auto group = mesh.get_group(0);
+    const auto meshes = make_meshes(dp);
+    const auto group = meshes.world;
     b.args = llama3::ModelArgs::from_preset(preset);
     b.seq_len = b.args.max_seq_len;
-    b.configs = {{"plain TP", false, llama3::MC2Scope::kFfn},
-                 {"MC2 ffn", true, llama3::MC2Scope::kFfn},
-                 {"MC2 all", true, llama3::MC2Scope::kAll}};
+    b.configs = configs_for(meshes);
     for (const auto& c : b.configs) {
-      b.real.push_back(build(c, b.args, b.seq_len, mesh));
-      b.compute_only.push_back(build(c, b.args, b.seq_len, mesh));
+      b.real.push_back(build(c, b.args, b.seq_len, meshes));
+      b.compute_only.push_back(build(c, b.args, b.seq_len, meshes));
     }
     const bool print = group.rank() == 0;
     const auto rate_cmd = bench::rate_command();
@@ -251,15 +302,15 @@ int main(int argc, char** argv) {
     if (rates.empty()) rates.push_back("");
     for (const auto& rate : rates) {
       if (!rate.empty()) bench::set_rate("bench_llama_step", rate_cmd, rate, group);
-      const auto results = measure(b, mesh);
+      const auto results = measure(b, meshes);
       const double rate_bytes = link_rate(group, std::max<int64_t>(results[0].bytes, int64_t{8} << 20));
-      if (print) report(b, results, preset, rate, rate_bytes, p);
+      if (print) report(b, results, preset, rate, rate_bytes, meshes);
       // What the trainers add to every step to stop together on a preemption notice.
       const auto agree = bench::time_calls(group, 50, [&] { hp::comm::agree_on_preemption(group); });
       if (print) {
-        std::printf(
-            "per-step preemption agreement (one 4-byte all_reduce): %.1f us = %.3f%% of a plain TP step\n",
-            agree.median * 1e6, 100 * agree.median / results[0].step.median);
+        std::printf("per-step preemption agreement (one 4-byte all_reduce): %.1f us = %.3f%% of a %s step\n",
+                    agree.median * 1e6, 100 * agree.median / results[0].step.median,
+                    b.configs[0].name.c_str());
       }
     }
     hp::comm::destroy_process_group();

@@ -82,6 +82,8 @@ int64_t payload_bytes_sent(std::string_view region) {
 
 namespace detail {
 
+const std::string& current_region() { return comm::current_region(); }
+
 void record_payload_bytes(int64_t bytes) {
   auto& c = counters();
   std::lock_guard<std::mutex> lock(c.mutex);

@@ -11,6 +11,7 @@
 #include <c10/util/Exception.h>
 
 #include <hyper_parallel/core/comm/chunks.h>
+#include <hyper_parallel/core/comm/counters.h>
 #include <hyper_parallel/core/comm/p2p.h>
 #include <hyper_parallel/core/comm/schedule.h>
 #include <hyper_parallel/core/comm/skip_transfers.h>
@@ -137,10 +138,13 @@ PendingAllReduce start_all_reduce(const at::Tensor& buffer, ReduceOp op, const G
     return PendingAllReduce(std::move(state));
   }
   state->post_reduce();
-  const bool skipped = detail::transfers_skipped();  // thread-local: carried to the completion thread
-  detail::CompletionThread::get().submit([state, skipped] {
+  // Thread-local settings, carried to the completion thread: skipped transfers (benchmarks'
+  // compute-only twins) and the counters' region.
+  const bool skipped = detail::transfers_skipped();
+  detail::CompletionThread::get().submit([state, skipped, region = detail::current_region()] {
     std::exception_ptr failure;
     try {
+      CommRegion counted_in(region);
       std::optional<detail::SkipTransfers> skip;
       if (skipped) skip.emplace();
       state->gather();

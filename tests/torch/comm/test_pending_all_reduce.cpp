@@ -82,6 +82,21 @@ TEST(PendingAllReduce, SeveralInFlightCompleteOnTheirOwnAndCountOneAllReduceEach
   }
 }
 
+// Both phases' bytes count in the starting thread's region, though the second phase is sent
+// from the completion thread: (P - 1) / P of the tensor each.
+TEST(PendingAllReduce, CountsBothPhasesInTheStartingThreadsRegion) {
+  const int64_t p = hp_test::world_size(), r = hp_test::rank(), numel = 1001;
+  auto buffer = input_of(r, numel, at::kFloat);
+  comm::reset_collective_counts();
+  {
+    comm::CommRegion region("grads");
+    comm::start_all_reduce(buffer, comm::ReduceOp::kAvg, world()).wait();
+  }
+  const int64_t own = comm::chunk_size(numel, p, r);
+  EXPECT_EQ(comm::payload_bytes_sent("grads"), 4 * ((numel - own) + (p - 1) * own));
+  EXPECT_EQ(comm::payload_bytes_sent(), comm::payload_bytes_sent("grads"));
+}
+
 TEST(PendingAllReduce, RejectsWhatItCannotReduce) {
   HP_EXPECT_THROW_MSG(comm::start_all_reduce(at::ones({4}, at::kLong), comm::ReduceOp::kSum, world()),
                       "hyper_parallel::comm::start_all_reduce: expected a floating-point tensor, got Long");

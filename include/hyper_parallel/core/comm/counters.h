@@ -31,6 +31,9 @@ std::string collective_counts_summary();
 namespace detail {
 /// Records `bytes` of payload sent in the current region. Called by comm's send.
 void record_payload_bytes(int64_t bytes);
+/// The calling thread's innermost region ("default" outside any), so that work handed to
+/// another thread for this thread (a pending all-reduce's second phase) is counted under it.
+const std::string& current_region();
 }  // namespace detail
 
 /// Labels the collectives the calling thread records while it is alive (nests; the innermost
