@@ -67,7 +67,8 @@ struct Run {
   std::shared_ptr<hp::data_parallel::GradientReducer> reducer;
 };
 
-Run build(const Config& c, const llama3::ModelArgs& args, int64_t seq_len, const Meshes& meshes) {
+Run build(const Config& c, const llama3::ModelArgs& args, int64_t seq_len, const Meshes& meshes,
+          double bucket_mb) {
   const auto& mesh = meshes.tp;
   at::manual_seed(42);  // the same full weights in every configuration
   Run run;
@@ -78,9 +79,11 @@ Run build(const Config& c, const llama3::ModelArgs& args, int64_t seq_len, const
       llama3::ParallelizeOptions().enable_loss_parallel(true).enable_mc2(c.mc2).mc2_scope(c.scope).seq_len(
           seq_len));
   if (c.dp != GradientSync::kNone) {
-    run.reducer = hp::data_parallel::data_parallel(
-        *run.model, *meshes.dp,
-        hp::data_parallel::GradientReducerOptions().overlap(c.dp == GradientSync::kOverlapped));
+    run.reducer =
+        hp::data_parallel::data_parallel(*run.model, *meshes.dp,
+                                         hp::data_parallel::GradientReducerOptions()
+                                             .overlap(c.dp == GradientSync::kOverlapped)
+                                             .bucket_cap_bytes(static_cast<int64_t>(bucket_mb * (1 << 20))));
   }
   run.optimizer = std::make_unique<torch::optim::AdamW>(
       run.model->parameters(), torch::optim::AdamWOptions(1e-3).weight_decay(0.1).betas({0.9, 0.95}));
@@ -91,6 +94,7 @@ Run build(const Config& c, const llama3::ModelArgs& args, int64_t seq_len, const
 // with the payload bytes this rank sent in the forward and in the backward.
 struct StepTimes {
   double total = 0, forward = 0, backward = 0, optimizer = 0;
+  double cpu = 0;  // user + system seconds of every thread of the process
   int64_t forward_bytes = 0, backward_bytes = 0;
 };
 
@@ -102,6 +106,7 @@ StepTimes step(Run& run, at::Tensor batch, int64_t seq_len, int64_t vocab, const
   hp::comm::barrier(meshes.world);
   StepTimes t;
   const int64_t before = hp::comm::payload_bytes_sent();
+  const double cpu0 = bench::process_cpu_seconds();
   const auto t0 = std::chrono::steady_clock::now();
   auto since = [](std::chrono::steady_clock::time_point from) {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - from).count();
@@ -120,6 +125,7 @@ StepTimes step(Run& run, at::Tensor batch, int64_t seq_len, int64_t vocab, const
   run.optimizer->step();
   t.optimizer = since(t2);
   t.total = since(t0);
+  t.cpu = bench::process_cpu_seconds() - cpu0;
   return t;
 }
 
@@ -136,10 +142,18 @@ double peak_rss_mb() {
 
 // The link's rate: this rank streams `bytes` to the next rank in 1 MiB messages while receiving
 // as much from the previous one; the slowest rank's bytes per second.
-double link_rate(const hp::comm::Group& group, int64_t bytes) {
+// Also the transport's own CPU cost: the process's CPU seconds over the stream's runs (a warm-up
+// and 3 timed) per MB this rank sent (as many arrived), in ms/MB.
+struct LinkRate {
+  double bytes_per_s = 0, cpu_ms_per_mb = 0;
+};
+LinkRate link_rate(const hp::comm::Group& group, int64_t bytes) {
   const int64_t elems = (int64_t{1} << 20) / 2;
   const bench::NeighbourStream stream(group, bytes / (2 * elems), elems);
-  return stream.bytes() / bench::time_calls(group, 3, [&] { stream.run(); }).median;
+  const double cpu0 = bench::process_cpu_seconds();
+  const double seconds = bench::time_calls(group, 3, [&] { stream.run(); }).median;
+  const double cpu = bench::process_cpu_seconds() - cpu0;
+  return {stream.bytes() / seconds, cpu * 1e3 / (4 * stream.bytes() / 1e6)};
 }
 
 // One configuration's result at one rate: the slowest rank's step statistics, its compute-only
@@ -150,6 +164,7 @@ struct Measured {
   double compute = 0, compute_forward = 0, compute_backward = 0, compute_optimizer = 0;
   int64_t bytes = 0, forward_bytes = 0, backward_bytes = 0;
   double peak_rss_mb = 0;
+  double transport_cpu_ms_per_mb = 0;  // (step CPU - compute-only CPU) / MB sent, median
 };
 
 struct Bench {
@@ -158,6 +173,7 @@ struct Bench {
   llama3::ModelArgs args;
   int64_t seq_len = 0, batch_size = 0;
   int steps = 0, warmup = 0;
+  double bucket_mb = 25;   // data_parallel's bucket cap
   int64_t step_index = 0;  // the data of every step differs, across rates too
 };
 
@@ -165,7 +181,7 @@ struct Bench {
 std::vector<Measured> measure(Bench& b, const Meshes& mesh) {
   const auto group = mesh.world;
   const size_t n = b.configs.size();
-  std::vector<std::vector<double>> real(n), compute(n), fwd(n), bwd(n), opt(n);
+  std::vector<std::vector<double>> real(n), compute(n), fwd(n), bwd(n), opt(n), cpu_per_mb(n);
   std::vector<Measured> out(n);
   for (int s = 0; s < b.warmup + b.steps; ++s, ++b.step_index) {
     auto batch = llama3::synthetic_batch(42, b.step_index, b.batch_size, b.seq_len, b.args.vocab_size);
@@ -188,6 +204,9 @@ std::vector<Measured> measure(Bench& b, const Meshes& mesh) {
       fwd[c].push_back(twin.forward);
       bwd[c].push_back(twin.backward);
       opt[c].push_back(twin.optimizer);
+      if (t.forward_bytes + t.backward_bytes > 0) {
+        cpu_per_mb[c].push_back((t.cpu - twin.cpu) * 1e3 / ((t.forward_bytes + t.backward_bytes) / 1e6));
+      }
       out[c].forward_bytes = t.forward_bytes;
       out[c].backward_bytes = t.backward_bytes;
       out[c].bytes = t.forward_bytes + t.backward_bytes;
@@ -199,6 +218,7 @@ std::vector<Measured> measure(Bench& b, const Meshes& mesh) {
     out[c].compute_forward = bench::slowest(fwd[c], group).median;
     out[c].compute_backward = bench::slowest(bwd[c], group).median;
     out[c].compute_optimizer = bench::slowest(opt[c], group).median;
+    if (!cpu_per_mb[c].empty()) out[c].transport_cpu_ms_per_mb = bench::slowest(cpu_per_mb[c], group).median;
   }
   return out;
 }
@@ -207,27 +227,33 @@ std::vector<Measured> measure(Bench& b, const Meshes& mesh) {
 // step, bytes sent / measured link rate); the phase-wise bound adds max(compute, wire) of the forward and of
 // the backward, and the optimizer's compute.
 void report(const Bench& b, const std::vector<Measured>& results, const std::string& preset,
-            const std::string& rate, double rate_bytes, const Meshes& meshes) {
+            const std::string& rate, const LinkRate& link, const Meshes& meshes) {
+  const double rate_bytes = link.bytes_per_s;
   std::printf(
       "Llama 3 %s, DP %lld x TP %lld, bf16, SP + loss parallel, batch %lld x seq %lld, %d steps after %d "
       "warm-up, interleaved; link: %s%s (measured %.2f Gbit/s)\n",
       preset.c_str(), static_cast<long long>(meshes.replicas()), static_cast<long long>(meshes.tp.size(0)),
       static_cast<long long>(b.batch_size), static_cast<long long>(b.seq_len), b.steps, b.warmup,
       bench::link_name().c_str(), rate.empty() ? "" : (", rate " + rate).c_str(), rate_bytes * 8 / 1e9);
-  std::printf("%-10s %9s %17s %10s %9s %9s %9s %8s %8s %8s %8s %9s\n", "config", "ms/step", "(min..max)",
+  std::printf("%-10s %9s %17s %10s %9s %9s %9s %8s %8s %8s %8s %9s %9s\n", "config", "ms/step", "(min..max)",
               "tokens/s", "compute", "exposed", "MB sent", "speedup", "÷bound", "phases", "÷phases",
-              "peak RSS");
+              "peak RSS", "CPU ms/MB");
   const double t_plain = results[0].step.median;
   for (size_t c = 0; c < results.size(); ++c) {
     const auto& m = results[c];
     const double t = m.step.median, bound = std::max(m.compute, m.bytes / rate_bytes);
     const double phases = std::max(m.compute_forward, m.forward_bytes / rate_bytes) +
                           std::max(m.compute_backward, m.backward_bytes / rate_bytes) + m.compute_optimizer;
-    std::printf("%-10s %9.1f %8.1f..%-8.1f %10.0f %9.1f %9.1f %9.2f %7.2fx %7.2fx %8.1f %7.2fx %6.0f MB\n",
-                b.configs[c].name.c_str(), t * 1e3, m.step.min * 1e3, m.step.max * 1e3,
-                b.batch_size * b.seq_len / t, m.compute * 1e3, (t - m.compute) * 1e3, m.bytes / 1e6,
-                t_plain / t, t / bound, phases * 1e3, t / phases, m.peak_rss_mb);
+    std::printf(
+        "%-10s %9.1f %8.1f..%-8.1f %10.0f %9.1f %9.1f %9.2f %7.2fx %7.2fx %8.1f %7.2fx %6.0f MB %9.2f\n",
+        b.configs[c].name.c_str(), t * 1e3, m.step.min * 1e3, m.step.max * 1e3, b.batch_size * b.seq_len / t,
+        m.compute * 1e3, (t - m.compute) * 1e3, m.bytes / 1e6, t_plain / t, t / bound, phases * 1e3,
+        t / phases, m.peak_rss_mb, m.transport_cpu_ms_per_mb);
   }
+  std::printf(
+      "CPU ms/MB: (step CPU - compute-only CPU) / MB sent, all threads; the link alone (a 1 MiB "
+      "send/recv stream) costs %.2f ms of CPU per MB sent\n",
+      link.cpu_ms_per_mb);
   std::fflush(stdout);
 }
 
@@ -276,6 +302,7 @@ int main(int argc, char** argv) {
   app.add_option("--batch-size", b.batch_size, "sequences per step (the global batch)")
       ->capture_default_str();
   app.add_option("--dp", dp, "data-parallel replicas (TP = world / dp)")->capture_default_str();
+  app.add_option("--bucket-mb", b.bucket_mb, "data_parallel's bucket cap, MiB")->capture_default_str();
   app.add_option("--preset", preset, "model size")->capture_default_str();
   app.add_option("--rates", rates, "link rates to measure at, e.g. 250mbit (needs HP_BENCH_RATE_CMD)");
   CLI11_PARSE(app, argc, argv);
@@ -289,8 +316,8 @@ int main(int argc, char** argv) {
     b.seq_len = b.args.max_seq_len;
     b.configs = configs_for(meshes);
     for (const auto& c : b.configs) {
-      b.real.push_back(build(c, b.args, b.seq_len, meshes));
-      b.compute_only.push_back(build(c, b.args, b.seq_len, meshes));
+      b.real.push_back(build(c, b.args, b.seq_len, meshes, b.bucket_mb));
+      b.compute_only.push_back(build(c, b.args, b.seq_len, meshes, b.bucket_mb));
     }
     const bool print = group.rank() == 0;
     const auto rate_cmd = bench::rate_command();
@@ -303,8 +330,8 @@ int main(int argc, char** argv) {
     for (const auto& rate : rates) {
       if (!rate.empty()) bench::set_rate("bench_llama_step", rate_cmd, rate, group);
       const auto results = measure(b, meshes);
-      const double rate_bytes = link_rate(group, std::max<int64_t>(results[0].bytes, int64_t{8} << 20));
-      if (print) report(b, results, preset, rate, rate_bytes, meshes);
+      const auto link = link_rate(group, std::max<int64_t>(results[0].bytes, int64_t{8} << 20));
+      if (print) report(b, results, preset, rate, link, meshes);
       // What the trainers add to every step to stop together on a preemption notice.
       const auto agree = bench::time_calls(group, 50, [&] { hp::comm::agree_on_preemption(group); });
       if (print) {

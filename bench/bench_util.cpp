@@ -1,6 +1,7 @@
 #include "bench_util.h"
 
 #include <malloc.h>
+#include <sys/resource.h>
 
 #include <algorithm>
 #include <chrono>
@@ -14,6 +15,15 @@
 namespace bench {
 
 namespace comm = hyper_parallel::comm;
+
+double process_cpu_seconds() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  auto seconds = [](const timeval& t) {
+    return static_cast<double>(t.tv_sec) + 1e-6 * static_cast<double>(t.tv_usec);
+  };
+  return seconds(usage.ru_utime) + seconds(usage.ru_stime);
+}
 
 void keep_freed_memory() {
   mallopt(M_MMAP_THRESHOLD, 1 << 30);

@@ -17,6 +17,9 @@ namespace bench {
 /// allocation is a fresh mmap whose page faults get timed (they can cost more than a transfer).
 void keep_freed_memory();
 
+/// User + system CPU seconds this process (all its threads) has used so far.
+double process_cpu_seconds();
+
 /// Median and spread (min, max) in seconds; each is the slowest rank's.
 struct Stats {
   double median = 0, min = 0, max = 0;
