@@ -125,14 +125,17 @@ at::Tensor mm_reduce_scatter(const at::Tensor& a_in, const at::Tensor& b, const 
   if (comm::reduces_directly(a.scalar_type())) {
     // 16-bit: each partial product is computed and sent straight to the rank that owns its
     // block while the next one is computed; the owner sums in float32. An addend joins each
-    // partial in float32 and the sum is rounded once for the wire (this rank's own block
-    // never travels and keeps float32).
+    // partial in float32 and the sum is rounded for the wire: at::add of two 16-bit tensors
+    // adds in float32 and rounds to 16 bits, in one pass with no float32 copies (this rank's
+    // own block never travels and keeps its float32 sum).
     reduced = comm::direct_reduce_scatter(
         layout, n, a.options(), group,
         [&](int64_t block, int64_t j) {
           auto part = local_matmul(layout.chunk(a, block, j), b);
           if (!addend.defined()) return part;
-          return part.to(acc).add_(layout.chunk(addend, block, j));
+          const auto extra = layout.chunk(addend, block, j);
+          if (block != group.rank() && extra.scalar_type() == part.scalar_type()) return at::add(part, extra);
+          return part.to(acc).add_(extra);
         },
         while_in_flight);
   } else {
