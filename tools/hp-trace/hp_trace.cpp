@@ -1,13 +1,14 @@
 // hp-trace: reads the Chrome trace files that HP_TRACE=DIR makes every rank write and reports,
-// per op, how much of its transfer time was covered by matmuls.
+// per op, how much of its transfer time was covered by matmuls (or by other compute spans).
 //
-//   hp-trace overlap DIR          one line per op name: instances, transfer ms, covered ms, share
-//   hp-trace overlap DIR --json   the same as JSON (for scripts and tests)
+//   hp-trace overlap DIR             one line per op name: instances, transfer ms, covered ms, share
+//   hp-trace overlap DIR --json      the same as JSON (for scripts and tests)
+//   hp-trace overlap DIR --by wgrad  covered by the spans named wgrad instead (repeatable)
 //
 // For one op instance (one args.op id on one rank): T = union of its transfer spans (post to
-// completion, observed by the transport's waiter threads), M = union of its matmul spans on the
-// compute thread; overlap = |T ∩ M| / |T|. Per op name the covered and transfer times are summed
-// over instances and ranks. The files are merged by reading them all; no libtorch needed.
+// completion, observed by the transport's waiter threads), M = union of its spans named by --by
+// (default: matmul) on the compute thread; overlap = |T ∩ M| / |T|. Per op name the covered and transfer
+// times are summed over instances and ranks. The files are merged by reading them all; no libtorch needed.
 
 #include <algorithm>
 #include <cstdio>
@@ -66,7 +67,7 @@ struct Totals {
   int64_t instances = 0, transfer_us = 0, covered_us = 0;
 };
 
-int overlap(const std::string& dir, bool as_json) {
+int overlap(const std::string& dir, bool as_json, const std::vector<std::string>& by) {
   std::vector<std::filesystem::path> files;
   if (std::filesystem::is_directory(dir)) {
     for (const auto& entry : std::filesystem::directory_iterator(dir)) {
@@ -105,7 +106,7 @@ int overlap(const std::string& dir, bool as_json) {
         inst.name = name;
       } else if (cat == "transfer") {
         inst.transfers.emplace_back(ts, ts + dur);
-      } else if (name == "matmul") {
+      } else if (std::find(by.begin(), by.end(), name) != by.end()) {
         inst.matmuls.emplace_back(ts, ts + dur);
       }
     }
@@ -145,13 +146,15 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   std::string dir;
   bool as_json = false;
+  std::vector<std::string> by{"matmul"};
   auto* cmd = app.add_subcommand("overlap", "per op: the share of transfer time covered by matmuls");
   cmd->add_option("dir", dir, "the HP_TRACE directory")->required();
   cmd->add_flag("--json", as_json, "print JSON");
+  cmd->add_option("--by", by, "names of the compute spans that count as covering (default: matmul)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
-  return overlap(dir, as_json);
+  return overlap(dir, as_json, by);
 }

@@ -245,11 +245,12 @@ at::Tensor direct_reduce_scatter(const BlockLayout& layout, int64_t width, const
       outgoing.push_back(std::move(part));
     }
   }
-  // This rank's own partials and then the independent work, computed while the last partials
-  // travel; then the sum over ranks in rank order 0 .. P - 1.
+  // The independent work and then this rank's own partials, computed while the partials travel
+  // (the independent work first: the longer of the two, it starts as soon as the link is busy);
+  // then the sum over ranks in rank order 0 .. P - 1.
+  if (while_in_flight) while_in_flight();
   std::vector<at::Tensor> own_partials;
   for (int64_t j = 0; j < chunks; ++j) own_partials.push_back(own_partial(j));
-  if (while_in_flight) while_in_flight();
   for (int64_t j = 0; j < chunks; ++j) {
     const auto& own = own_partials[static_cast<size_t>(j)];
     auto sum = layout.chunk_of_block(result, r, j);

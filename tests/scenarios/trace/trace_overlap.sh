@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # On 2 ranks over a rate-limited link (network namespaces of this test's own, veth + tc tbf),
 # HP_TRACE's files parse, the fused MC2 ops' transfers are covered by matmuls (overlap >= 0.5)
-# and a serial control's are not (overlap < 0.1). Needs root (namespaces); skipped otherwise.
+# and a serial control's are not (overlap < 0.1); the column Linear's fused backward has its
+# reduce-scatter covered by its weight gradient (spans "wgrad" >= 0.5) and a serial backward
+# does not (< 0.1). Needs root (namespaces); skipped otherwise.
 #   trace_overlap.sh HP_RUN HP_TRACE_TOOL PROGRAM NETNS_SH
 set -uo pipefail
 hp_run=$1 hp_trace=$2 program=$3 netns=$4
@@ -25,17 +27,21 @@ for f in "$dir"/rank*.json; do
 done
 "$hp_trace" overlap "$dir"
 "$hp_trace" overlap "$dir" --json >"$dir/overlap.json" || fail "hp-trace overlap failed"
-/usr/bin/python3 - "$dir/overlap.json" <<'PY' || exit 1
+"$hp_trace" overlap "$dir" --by wgrad
+"$hp_trace" overlap "$dir" --by wgrad --json >"$dir/wgrad.json" || fail "hp-trace overlap --by wgrad failed"
+/usr/bin/python3 - "$dir/overlap.json" "$dir/wgrad.json" <<'PY' || exit 1
 import json, sys
-ops = json.load(open(sys.argv[1]))
-def check(name, ok, text):
+by_matmul, by_wgrad = (json.load(open(f)) for f in sys.argv[1:3])
+def check(ops, name, ok, text, by="matmul"):
     if name not in ops:
         print(f"FAIL: no {name} in the trace"); sys.exit(1)
     v = ops[name]["overlap"]
-    print(f"{name}: overlap {v:.2f} (expected {text})")
+    print(f"{name}: covered by {by} {v:.2f} (expected {text})")
     if not ok(v): print("FAIL"); sys.exit(1)
-check("all_gather_matmul", lambda v: v >= 0.5, ">= 0.5")
-check("matmul_reduce_scatter", lambda v: v >= 0.5, ">= 0.5")
-check("serial_all_gather_then_matmul", lambda v: v < 0.1, "< 0.1")
+check(by_matmul, "all_gather_matmul", lambda v: v >= 0.5, ">= 0.5")
+check(by_matmul, "matmul_reduce_scatter", lambda v: v >= 0.5, ">= 0.5")
+check(by_matmul, "serial_all_gather_then_matmul", lambda v: v < 0.1, "< 0.1")
+check(by_wgrad, "column_backward", lambda v: v >= 0.4, ">= 0.4", "wgrad")
+check(by_wgrad, "serial_column_backward", lambda v: v < 0.1, "< 0.1", "wgrad")
 PY
 echo "PASS"

@@ -1,11 +1,14 @@
 // Runs, with HP_TRACE set, the two fused MC2 ops and a serial control (all_gather, then the
 // matmul) a few times on 2 ranks, so that trace_overlap.sh can read the traces: the fused ops'
-// transfers must be covered by matmuls, the control's must not.
+// transfers must be covered by matmuls, the control's must not. Also the column Linear's fused
+// backward, whose reduce-scatter must be covered by its weight gradient (spans "wgrad"), and a
+// serial control that computes the weight gradient after the reduce-scatter.
 #include <cstdio>
 
 #include <ATen/ATen.h>
 
 #include <hyper_parallel/core/comm.h>
+#include <hyper_parallel/core/tensor_parallel/mc2/fused_linear.h>
 #include <hyper_parallel/core/tensor_parallel/mc2/ops.h>
 
 namespace hp = hyper_parallel;
@@ -25,17 +28,37 @@ int main() {
     auto gathered = hp::comm::all_gather(x, 0, group);
     tp::detail::local_matmul(gathered, w.t());
   };
+  // The column backward of a Linear with n_l = n_col output features per rank over the gathered
+  // rows G [P m, k]: dX = reduce_scatter(dY W), dW = dYᵀ G. Sized so that a partial's transfer
+  // outlasts the matmul that makes it: the weight gradient has something to hide.
+  const int64_t n_col = 512;
+  auto dy = at::randn({p * m, n_col}).to(at::kBFloat16), gathered = at::randn({p * m, k}).to(at::kBFloat16);
+  auto w_col = at::randn({n_col, k}).to(at::kBFloat16);
+  auto fused_backward = [&] {
+    hp::comm::trace::OpSpan op("column_backward");
+    tp::mc2_column_backward(dy, {}, gathered, w_col, group, options, {});
+  };
+  auto serial_backward = [&] {
+    hp::comm::trace::OpSpan op("serial_column_backward");
+    tp::matmul_reduce_scatter(dy, w_col.t(), group, options);
+    hp::comm::trace::Span span("wgrad");
+    at::mm(dy.t(), gathered);
+  };
   {
     // Warm-up (first matmuls, the transport's waiter threads), reported as its own op.
     hp::comm::trace::OpSpan warmup("warmup");
     tp::all_gather_matmul(x, w, group, options);
     tp::matmul_reduce_scatter(xr, w, group, options);
     serial_control();
+    fused_backward();
+    serial_backward();
   }
   for (int i = 0; i < 3; ++i) {
     tp::all_gather_matmul(x, w, group, options);
     tp::matmul_reduce_scatter(xr, w, group, options);
     serial_control();
+    fused_backward();
+    serial_backward();
     hp::comm::barrier(group);
   }
   std::printf("rank %lld done\n", static_cast<long long>(group.rank()));

@@ -121,8 +121,8 @@ using PartialChunkFn = std::function<at::Tensor(int64_t block, int64_t chunk)>;
 /// `input` dtype, to the rank that owns its block (P - 1 transfers per chunk per rank, in
 /// parallel to distinct peers). Returns this rank's reduced block, [block_rows(r), width], in the
 /// accumulate dtype, summed in rank order (deterministic, independent of arrival order).
-/// `while_in_flight` runs when every partial has been sent and this rank's own partial computed,
-/// before the first arrived partial is waited for.
+/// `while_in_flight` runs when every remote partial has been sent, before this rank's own
+/// partial is computed and the first arrived partial waited for.
 at::Tensor direct_reduce_scatter(const BlockLayout& layout, int64_t width, const at::TensorOptions& input,
                                  const Group& group, const PartialChunkFn& partial,
                                  const InFlightFn& while_in_flight = {});
