@@ -212,14 +212,16 @@ GradientReducer::GradientReducer(const std::vector<at::Tensor>& params, comm::Gr
     : impl_(std::make_shared<Impl>()) {
   TORCH_CHECK_VALUE(group.is_member(),
                     "GradientReducer: expected a group this rank is a member of, got a non-member");
-  TORCH_CHECK_VALUE(options.bucket_cap_bytes() > 0, "GradientReducer: expected bucket_cap_bytes > 0, got ",
-                    options.bucket_cap_bytes());
+  TORCH_CHECK_VALUE(options.bucket_cap_bytes() > 0 && options.first_bucket_cap_bytes() > 0,
+                    "GradientReducer: expected bucket_cap_bytes > 0 and first_bucket_cap_bytes > 0, got ",
+                    options.bucket_cap_bytes(), " and ", options.first_bucket_cap_bytes());
   auto& impl = *impl_;
   impl.params = kept_parameters(params);
   impl.group = std::move(group);
   impl.options = options;
-  const auto spans = detail::lay_out_buckets(impl.params, options.bucket_cap_bytes());
-  check_layout_agrees(detail::describe_buckets(spans, impl.params, options.bucket_cap_bytes()), impl.group);
+  const auto spans =
+      detail::lay_out_buckets(impl.params, options.bucket_cap_bytes(), options.first_bucket_cap_bytes());
+  check_layout_agrees(detail::describe_buckets(spans, impl.params), impl.group);
   impl.bucket_of.assign(impl.params.size(), 0);
   impl.ready.assign(impl.params.size(), false);
   for (const auto& span : spans) {

@@ -151,6 +151,16 @@ TEST(DataParallel, StartsBucketsBeforeTheBackwardEnds) {
   EXPECT_EQ(hp::comm::collective_count(hp::comm::CollectiveKind::kAllReduce), buckets);
 }
 
+// The first bucket has a cap of its own (DDP's 1 MiB by default), so the link starts early.
+TEST(DataParallel, TheFirstBucketHasItsOwnCap) {
+  Net net(7);
+  auto reducer = dp::data_parallel(net, dp_mesh(), dp::GradientReducerOptions().first_bucket_cap_bytes(64));
+  const auto buckets = reducer->bucket_parameters();
+  ASSERT_EQ(buckets.size(), 2u);  // spare's bias (64 bytes) alone; the other 9 in one 25 MiB bucket
+  EXPECT_EQ(buckets[0], std::vector<int64_t>{9});
+  EXPECT_EQ(buckets[1].size(), 9u);
+}
+
 // The average over the ranks of each rank's own gradients, from plain copies of the model.
 std::vector<at::Tensor> expected_average(const std::function<void(Net&, int64_t q)>& backward_of) {
   const int64_t p = hp_test::world_size();
@@ -238,8 +248,10 @@ TEST(DataParallel, RejectsWhatItCannotUse) {
       dp::data_parallel(net, init_device_mesh("cpu", {1, hp_test::world_size()}, {"a", "b"})),
       "data_parallel: expected a 1-D mesh (the data-parallel dimension, e.g. mesh[\"dp\"]), got "
       "a 2-D mesh");
-  HP_EXPECT_THROW_MSG(dp::data_parallel(net, dp_mesh(), dp::GradientReducerOptions().bucket_cap_bytes(0)),
-                      "GradientReducer: expected bucket_cap_bytes > 0, got 0");
+  HP_EXPECT_THROW_MSG(
+      dp::data_parallel(net, dp_mesh(), dp::GradientReducerOptions().bucket_cap_bytes(0)),
+      "GradientReducer: expected bucket_cap_bytes > 0 and first_bucket_cap_bytes > 0, got 0 and "
+      "1048576");
 }
 
 // DP 2 x TP 2: the TP plan on mesh["tp"], the reducer on mesh["dp"]; each dp replica runs half

@@ -1,8 +1,9 @@
 #pragma once
 // GradientReducer: averages the gradients of a set of parameters over a data-parallel group,
 // in buckets whose all-reduces run while the backward goes on (as DDP does):
-//   - the parameters are laid out in buckets of at most `bucket_cap_bytes`, one dtype each, in
-//     reverse order (the order a backward produces their gradients);
+//   - the parameters are laid out in buckets of at most `bucket_cap_bytes` (the first one of at
+//     most `first_bucket_cap_bytes`), one dtype each, in reverse order (the order a backward
+//     produces their gradients);
 //   - a hook on each parameter's gradient accumulator marks it ready; bucket b is started
 //     (comm::start_all_reduce) once its gradients and those of buckets 0..b-1 are all ready, so
 //     every rank starts the same buckets in the same order whatever its graph's timing;
@@ -35,6 +36,9 @@ namespace hyper_parallel::data_parallel {
 struct GradientReducerOptions {
   /// Largest bucket, in bytes of gradient (DDP's default, 25 MiB).
   TORCH_ARG(int64_t, bucket_cap_bytes) = int64_t{25} << 20;
+  /// Largest first bucket (the last layers' gradients, ready first): small, so the link starts
+  /// early in the backward (DDP's default, 1 MiB). A parameter larger than a cap is a bucket alone.
+  TORCH_ARG(int64_t, first_bucket_cap_bytes) = int64_t{1} << 20;
   /// true: buckets reduce while the backward goes on. false: each bucket is reduced, blocking,
   /// when it is ready (the same arithmetic, bitwise; for comparison).
   TORCH_ARG(bool, overlap) = true;
