@@ -38,9 +38,10 @@ if [[ $what == asan || $what == all ]]; then
 fi
 if [[ $what == tsan || $what == all ]]; then
   configure build-tsan "-fsanitize=thread" hp-run hp-trace test_collectives test_agreement test_mc2_style \
-    test_mc2_distributed trace_overlap_main stuck_rank_main test_op_scope_threads test_lifecycle test_async_save
+    test_mc2_distributed trace_overlap_main stuck_rank_main test_op_scope_threads test_lifecycle test_async_save \
+    test_pending_all_reduce test_data_parallel
   export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$supp/tsan.supp"
   (cd build-tsan && ctest --output-on-failure --parallel 2 --timeout 1800 \
-    -R "test_collectives|test_agreement|test_mc2|trace_overlap|stuck_rank|test_op_scope_threads|test_lifecycle|test_async_save")
+    -R "test_collectives|test_agreement|test_mc2|trace_overlap|stuck_rank|test_op_scope_threads|test_lifecycle|test_async_save|test_pending_all_reduce|test_data_parallel")
 fi
 echo "sanitize.sh: $what passed"
