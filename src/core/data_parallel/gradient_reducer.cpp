@@ -109,9 +109,21 @@ class GradientReadyHook final : public torch::autograd::FunctionPostHook {
 // hold their bucket, and every later one, back until the end).
 void GradientReducer::Impl::begin_backward() {
   in_backward = true;
-  std::weak_ptr<Impl> self = shared_from_this();
-  torch::autograd::Engine::get_default_engine().queue_callback([self] {
-    if (auto reducer = self.lock()) reducer->finish_backward();
+  // The engine drops its final callbacks unrun when the backward fails: the guard's destructor
+  // then abandons this pass (its started buckets complete on their own), so the next backward
+  // starts clean instead of finding every flag of this one still set.
+  struct PassGuard {
+    std::weak_ptr<Impl> reducer;
+    bool ran = false;
+    ~PassGuard() {
+      if (auto impl = reducer.lock(); impl && !ran) impl->reset();
+    }
+  };
+  auto guard = std::make_shared<PassGuard>();
+  guard->reducer = weak_from_this();
+  torch::autograd::Engine::get_default_engine().queue_callback([guard] {
+    guard->ran = true;
+    if (auto reducer = guard->reducer.lock()) reducer->finish_backward();
   });
   const auto* nodes = torch::autograd::get_current_graph_task_nodes_in_graph();
   if (nodes == nullptr || nodes->empty()) return;

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <functional>
+#include <stdexcept>
 
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
@@ -227,6 +228,25 @@ TEST(DataParallel, AccumulatesTwoBackwardPassesWithAndWithoutNoSync) {
               no_sync ? buckets : 2 * buckets);
     expect_gradients(net, expected);
   }
+}
+
+// A backward that fails part-way (after some buckets started) leaves the reducer ready for the
+// next one, which averages as usual.
+TEST(DataParallel, AFailedBackwardLeavesTheNextOneCorrect) {
+  auto mesh = dp_mesh();
+  const int64_t p = mesh.size(0), r = mesh.get_local_rank(0);
+  Net net(7);
+  auto reducer = dp::data_parallel(net, mesh, small_buckets());
+  {
+    auto [x, target] = global_batch(0);
+    x.requires_grad_(true);
+    x.register_hook([](const at::Tensor&) -> at::Tensor { throw std::runtime_error("failing on purpose"); });
+    auto loss = (net.forward(x) - target).pow(2).mean();
+    EXPECT_THROW(loss.backward(), std::exception);
+  }
+  for (auto& param : net.parameters()) param.mutable_grad() = at::Tensor();
+  loss_of(net, 0, r, p).backward();
+  expect_gradients(net, expected_average([&](Net& copy, int64_t q) { loss_of(copy, 0, q, p).backward(); }));
 }
 
 TEST(DataParallel, RanksWithDifferentBucketLayoutsGetAnErrorNotAHang) {
