@@ -300,9 +300,11 @@ TEST(ReduceScatterSchedules, RunTheInFlightWorkOnceWithTheSameResult) {
     });
     EXPECT_EQ(runs, 1);
     EXPECT_TRUE(at::equal(plain, with_work)) << "bitwise";
-    // Direct: all P x chunks partials (own last) come first; ring: step 0's chunks and the first
-    // partial of step 1, which the callback computes before it asks for the arrived sum.
-    EXPECT_EQ(partials_before_work, hp::comm::reduces_directly(dtype) || p == 1 ? p * 2 : 3);
+    // Direct: the (P - 1) x chunks remote partials come first, this rank's own after the work;
+    // ring: step 0's chunks and the first partial of step 1, which the callback computes before
+    // it asks for the arrived sum; one rank: its own partials, then the work.
+    const int64_t expected = p == 1 ? 2 : (hp::comm::reduces_directly(dtype) ? (p - 1) * 2 : 3);
+    EXPECT_EQ(partials_before_work, expected);
   }
 }
 
