@@ -42,7 +42,7 @@ def gradient_reducer(module: torch.nn.Module):
     """The reducer data_parallel installed on ``module`` (its buckets, its sync flag)."""
     reducer = getattr(module, _REDUCER, None)
     if reducer is None:
-        raise ValueError(f"expected a module made data-parallel by data_parallel(), got a plain "
+        raise ValueError(f"gradient_reducer: expected a module made data-parallel by data_parallel(), got a plain "
                          f"{type(module).__name__}")
     return reducer
 

@@ -115,15 +115,15 @@ void PendingAllReduce::wait() {
 
 PendingAllReduce start_all_reduce(const at::Tensor& buffer, ReduceOp op, const Group& group,
                                   Agreement agreement) {
-  TORCH_CHECK(buffer.defined() && at::isFloatingType(buffer.scalar_type()),
-              "hyper_parallel::comm::start_all_reduce: expected a floating-point tensor, got ",
-              buffer.defined() ? c10::toString(buffer.scalar_type()) : "an undefined tensor");
-  TORCH_CHECK(buffer.is_contiguous(),
-              "hyper_parallel::comm::start_all_reduce: expected a contiguous buffer, got ", "strides ",
-              buffer.strides());
-  TORCH_CHECK(group.size() <= OpTags::kMaxSteps,
-              "hyper_parallel::comm::start_all_reduce: expected a group of at most ", OpTags::kMaxSteps,
-              " ranks, got ", group.size());
+  TORCH_CHECK_TYPE(buffer.defined() && at::isFloatingType(buffer.scalar_type()),
+                   "hyper_parallel::comm::start_all_reduce: expected a floating-point tensor, got ",
+                   buffer.defined() ? c10::toString(buffer.scalar_type()) : "an undefined tensor");
+  TORCH_CHECK_VALUE(buffer.is_contiguous(),
+                    "hyper_parallel::comm::start_all_reduce: expected a contiguous buffer, got ", "strides ",
+                    buffer.strides());
+  TORCH_CHECK_VALUE(group.size() <= OpTags::kMaxSteps,
+                    "hyper_parallel::comm::start_all_reduce: expected a group of at most ", OpTags::kMaxSteps,
+                    " ranks, got ", group.size());
   std::ostringstream what;
   what << buffer.scalar_type() << buffer.sizes() << " on " << group.name() << " (started)";
   OpScope scope(group,
@@ -132,7 +132,8 @@ PendingAllReduce start_all_reduce(const at::Tensor& buffer, ReduceOp op, const G
                  {buffer.numel(), static_cast<int64_t>(op == ReduceOp::kAvg)},
                  {"numel", "avg"}},
                 what.str(), /*counted=*/true, agreement);
-  auto state = std::make_shared<detail::PendingAllReduceState>(buffer.view({-1}), op, group);
+  // Detached: the in-place sums on the completion thread never touch autograd's metadata.
+  auto state = std::make_shared<detail::PendingAllReduceState>(buffer.detach().view({-1}), op, group);
   if (group.size() == 1) {
     state->done = true;  // the sum and the average of one rank's tensor: itself
     return PendingAllReduce(std::move(state));
@@ -145,6 +146,7 @@ PendingAllReduce start_all_reduce(const at::Tensor& buffer, ReduceOp op, const G
     std::exception_ptr failure;
     try {
       CommRegion counted_in(region);
+      at::NoGradGuard no_grad;
       std::optional<detail::SkipTransfers> skip;
       if (skipped) skip.emplace();
       state->gather();

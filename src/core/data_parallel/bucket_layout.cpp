@@ -17,6 +17,7 @@ std::vector<BucketSpan> lay_out_buckets(const std::vector<at::Tensor>& params, i
     auto& bucket = buckets.back();
     bucket.params.push_back(i);
     bucket.offsets.push_back(bucket.numel);
+    bucket.numels.push_back(p.numel());
     bucket.numel += p.numel();
   }
   return buckets;

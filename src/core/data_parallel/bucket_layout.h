@@ -9,10 +9,11 @@
 
 namespace hyper_parallel::data_parallel::detail {
 
-/// One bucket: parameters (indices) of one dtype, each at an element offset of a flat buffer.
+/// One bucket: parameters (indices) of one dtype, each with the element count it had when laid
+/// out, at an element offset of a flat buffer.
 struct BucketSpan {
   std::vector<int64_t> params;
-  std::vector<int64_t> offsets;
+  std::vector<int64_t> offsets, numels;
   int64_t numel = 0;
 };
 

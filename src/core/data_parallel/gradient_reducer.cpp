@@ -78,7 +78,9 @@ struct GradientReducer::Impl : std::enable_shared_from_this<GradientReducer::Imp
 
   void on_gradient(int64_t param);
   void begin_backward();
+  void start(Bucket& bucket);
   void launch(Bucket& bucket);
+  void abandon() noexcept;
   void copy_back(Bucket& bucket);
   void finish_backward();
   void reset();
@@ -110,13 +112,13 @@ class GradientReadyHook final : public torch::autograd::FunctionPostHook {
 void GradientReducer::Impl::begin_backward() {
   in_backward = true;
   // The engine drops its final callbacks unrun when the backward fails: the guard's destructor
-  // then abandons this pass (its started buckets complete on their own), so the next backward
-  // starts clean instead of finding every flag of this one still set.
+  // then abandons this pass (abandon()), so the next backward starts clean instead of finding
+  // every flag of this one still set.
   struct PassGuard {
     std::weak_ptr<Impl> reducer;
     bool ran = false;
     ~PassGuard() {
-      if (auto impl = reducer.lock(); impl && !ran) impl->reset();
+      if (auto impl = reducer.lock(); impl && !ran) impl->abandon();
     }
   };
   auto guard = std::make_shared<PassGuard>();
@@ -125,6 +127,14 @@ void GradientReducer::Impl::begin_backward() {
     guard->ran = true;
     if (auto reducer = guard->reducer.lock()) reducer->finish_backward();
   });
+  for (size_t i = 0; i < params.size(); ++i) {
+    const auto current = torch::autograd::impl::try_get_grad_accumulator(params[i]);
+    TORCH_CHECK_VALUE(current == nullptr || current == accumulators[i],
+                      "GradientReducer::on_gradient: expected ", "parameter ", i,
+                      " to keep the gradient accumulator it had when the reducer was built, got a ",
+                      "new one (its dtype or storage changed after data_parallel); change parameters before "
+                      "data_parallel, not after");
+  }
   const auto* nodes = torch::autograd::get_current_graph_task_nodes_in_graph();
   if (nodes == nullptr || nodes->empty()) return;
   for (size_t i = 0; i < params.size(); ++i) {
@@ -136,10 +146,11 @@ void GradientReducer::Impl::on_gradient(int64_t param) {
   if (!sync) return;
   if (!in_backward) begin_backward();
   if (ready[param]) {
-    TORCH_CHECK(!buckets[bucket_of[param]].launched, "GradientReducer: parameter ", param, " (",
-                params[param].sizes(),
-                ") received a second gradient in one backward after its bucket had started; expected one "
-                "accumulation per parameter per backward (reentrant checkpointing is not supported)");
+    TORCH_CHECK_VALUE(
+        !buckets[bucket_of[param]].launched, "GradientReducer::on_gradient: expected one ",
+        "accumulation per parameter per backward (reentrant checkpointing is not supported), got a ",
+        "second gradient for parameter ", param, " (", params[param].sizes(),
+        ") after its bucket had started");
     return;
   }
   ready[param] = true;
@@ -150,18 +161,25 @@ void GradientReducer::Impl::on_gradient(int64_t param) {
   }
 }
 
-void GradientReducer::Impl::launch(Bucket& bucket) {
+// Copies the bucket's gradients (zeros and flag 0 where none) and starts its all-reduce.
+void GradientReducer::Impl::start(Bucket& bucket) {
+  at::NoGradGuard no_grad;  // the buffer never joins a graph, even under create_graph
   const auto& span = bucket.span;
   bucket.buffer =
       at::empty({span.numel + static_cast<int64_t>(span.params.size())}, params[span.params[0]].options());
   for (size_t j = 0; j < span.params.size(); ++j) {
-    const auto& grad = params[span.params[j]].grad();
-    auto slot = bucket.buffer.narrow(0, span.offsets[j], params[span.params[j]].numel());
+    const auto& param = params[span.params[j]];
+    const auto& grad = param.grad();
+    TORCH_CHECK_VALUE(param.numel() == span.numels[j], "GradientReducer::launch: expected parameter ",
+                      span.params[j], " to have the ", span.numels[j],
+                      " elements laid out at construction, got ", param.sizes(),
+                      "; change parameters before data_parallel, not after");
+    TORCH_CHECK_TYPE(!grad.defined() || !grad.is_sparse(),
+                     "GradientReducer::launch: expected dense gradients, got ", "a sparse one for parameter ",
+                     span.params[j]);
+    auto slot = bucket.buffer.narrow(0, span.offsets[j], span.numels[j]);
     if (grad.defined()) {
-      TORCH_CHECK_VALUE(grad.numel() == slot.numel(), "GradientReducer: expected parameter ", span.params[j],
-                        "'s gradient to have the ", slot.numel(), " elements laid out at construction, got ",
-                        grad.sizes(), "; build the reducer after the parameters have their final shapes");
-      slot.view(grad.sizes()).copy_(grad);
+      slot.view(param.sizes()).copy_(grad);
     } else {
       slot.zero_();
     }
@@ -170,7 +188,24 @@ void GradientReducer::Impl::launch(Bucket& bucket) {
   bucket.launched = true;
   bucket.reduce =
       comm::start_all_reduce(bucket.buffer, comm::ReduceOp::kAvg, group, comm::Agreement::kAgreedInAdvance);
+}
+
+void GradientReducer::Impl::launch(Bucket& bucket) {
+  start(bucket);
   if (!options.overlap()) copy_back(bucket);
+}
+
+// A pass whose backward failed: its remaining buckets are started all the same (their results
+// are dropped), so every pass uses as many tag blocks on every rank, whichever bucket each
+// rank's failure stopped at, and peers whose backward succeeded are not left waiting.
+void GradientReducer::Impl::abandon() noexcept {
+  try {
+    comm::CommRegion region("grad_sync");
+    while (next_launch < static_cast<int64_t>(buckets.size())) start(buckets[next_launch++]);
+  } catch (const std::exception& e) {
+    TORCH_WARN("GradientReducer: could not start the remaining buckets of a failed backward: ", e.what());
+  }
+  reset();
 }
 
 void GradientReducer::Impl::copy_back(Bucket& bucket) {

@@ -254,7 +254,7 @@ TEST(DataParallel, RanksWithDifferentBucketLayoutsGetAnErrorNotAHang) {
   Net net(7);
   auto mesh = dp_mesh();
   const int64_t cap = hp_test::rank() == 0 ? 1024 : 4096;
-  HP_EXPECT_THROW_MSG(dp::data_parallel(net, mesh, dp::GradientReducerOptions().bucket_cap_bytes(cap)),
+  HP_EXPECT_THROW_MSG((void)dp::data_parallel(net, mesh, dp::GradientReducerOptions().bucket_cap_bytes(cap)),
                       "GradientReducer: expected every rank of");
   // The group stays usable, and a matching layout works.
   auto reducer = dp::data_parallel(net, mesh, small_buckets());
@@ -262,14 +262,32 @@ TEST(DataParallel, RanksWithDifferentBucketLayoutsGetAnErrorNotAHang) {
   EXPECT_TRUE(net.fc1->weight.grad().defined());
 }
 
+// A parameter resized after data_parallel (set_data) is refused with a message, not averaged
+// over a stale layout.
+TEST(DataParallel, ParametersChangedAfterwardsAreRefused) {
+  auto mesh = dp_mesh();
+  const int64_t p = mesh.size(0), r = mesh.get_local_rank(0);
+  {
+    Net net(7);
+    auto reducer = dp::data_parallel(net, mesh, small_buckets());
+    {
+      at::NoGradGuard no_grad;
+      net.spare->bias.set_data(at::zeros({kDim + 1}));
+    }
+    HP_EXPECT_THROW_MSG(loss_of(net, 0, r, p).backward(),
+                        "GradientReducer::launch: expected parameter 9 to have the 16 elements laid out at "
+                        "construction, got [17]");
+  }
+}
+
 TEST(DataParallel, RejectsWhatItCannotUse) {
   Net net(7);
   HP_EXPECT_THROW_MSG(
-      dp::data_parallel(net, init_device_mesh("cpu", {1, hp_test::world_size()}, {"a", "b"})),
+      (void)dp::data_parallel(net, init_device_mesh("cpu", {1, hp_test::world_size()}, {"a", "b"})),
       "data_parallel: expected a 1-D mesh (the data-parallel dimension, e.g. mesh[\"dp\"]), got "
       "a 2-D mesh");
   HP_EXPECT_THROW_MSG(
-      dp::data_parallel(net, dp_mesh(), dp::GradientReducerOptions().bucket_cap_bytes(0)),
+      (void)dp::data_parallel(net, dp_mesh(), dp::GradientReducerOptions().bucket_cap_bytes(0)),
       "GradientReducer: expected bucket_cap_bytes > 0 and first_bucket_cap_bytes > 0, got 0 and "
       "1048576");
 }

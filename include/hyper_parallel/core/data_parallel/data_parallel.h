@@ -22,12 +22,14 @@ namespace hyper_parallel::data_parallel {
 
 /// Averages `module`'s gradients over `mesh` (1-D: the dp dimension). Parallelize the module
 /// over its other dimensions first: the buckets are laid out from the parameters' shapes now.
-/// The reducer stays active while the returned pointer lives.
-std::shared_ptr<GradientReducer> data_parallel(torch::nn::Module& module, const dtensor::DeviceMesh& mesh,
-                                               GradientReducerOptions options = {});
+/// The reducer stays active while the returned pointer lives (dropping it turns data parallelism
+/// off: hence [[nodiscard]]).
+[[nodiscard]] std::shared_ptr<GradientReducer> data_parallel(torch::nn::Module& module,
+                                                             const dtensor::DeviceMesh& mesh,
+                                                             GradientReducerOptions options = {});
 /// The same over a list of parameters (a torch.nn module's, from Python), in their order.
-std::shared_ptr<GradientReducer> data_parallel(const std::vector<at::Tensor>& params,
-                                               const dtensor::DeviceMesh& mesh,
-                                               GradientReducerOptions options = {});
+[[nodiscard]] std::shared_ptr<GradientReducer> data_parallel(const std::vector<at::Tensor>& params,
+                                                             const dtensor::DeviceMesh& mesh,
+                                                             GradientReducerOptions options = {});
 
 }  // namespace hyper_parallel::data_parallel
