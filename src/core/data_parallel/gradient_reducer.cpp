@@ -195,15 +195,23 @@ void GradientReducer::Impl::launch(Bucket& bucket) {
   if (!options.overlap()) copy_back(bucket);
 }
 
-// A pass whose backward failed: its remaining buckets are started all the same (their results
-// are dropped), so every pass uses as many tag blocks on every rank, whichever bucket each
-// rank's failure stopped at, and peers whose backward succeeded are not left waiting.
+// A pass whose backward failed: its remaining buckets are started all the same and waited for
+// (their results are dropped), so every pass uses as many tag blocks on every rank, whichever
+// bucket each rank's failure stopped at, and peers whose backward succeeded are not left waiting.
 void GradientReducer::Impl::abandon() noexcept {
   try {
     comm::CommRegion region("grad_sync");
     while (next_launch < static_cast<int64_t>(buckets.size())) start(buckets[next_launch++]);
   } catch (const std::exception& e) {
     TORCH_WARN("GradientReducer: could not start the remaining buckets of a failed backward: ", e.what());
+  }
+  // Waited for, not dropped: their transfers must not outlive the process group.
+  for (auto& bucket : buckets) {
+    try {
+      bucket.reduce.wait();
+    } catch (const std::exception& e) {
+      TORCH_WARN("GradientReducer: a bucket of a failed backward did not complete: ", e.what());
+    }
   }
   reset();
 }
