@@ -3,12 +3,10 @@
 // socket from the thread that posts it, and on a veth link the kernel's TCP work runs there too:
 // posted from the calling thread, a 1 MB send held the matmul thread for milliseconds.
 
-#include <condition_variable>
-#include <deque>
 #include <memory>
-#include <mutex>
 
 #include "transfer.h"
+#include "worker_thread.h"
 
 namespace hyper_parallel::comm::detail {
 
@@ -23,18 +21,7 @@ class SendPoster {
               std::shared_ptr<Transfer> transfer);
 
  private:
-  struct Job {
-    c10::intrusive_ptr<c10d::ProcessGroup> backend;
-    at::Tensor tensor;
-    int dst = 0, tag = 0;
-    std::shared_ptr<Transfer> transfer;
-  };
-  void run();
-
-  std::mutex mutex_;
-  std::condition_variable cv_;
-  std::deque<Job> jobs_;
-  bool started_ = false;
+  WorkerThread worker_;
 };
 
 }  // namespace hyper_parallel::comm::detail
