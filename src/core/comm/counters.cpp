@@ -27,17 +27,21 @@ Counters& counters() {
 // checkpoint writer) counts in its own regions, never in the training thread's.
 thread_local std::vector<std::string> t_regions;
 
+}  // namespace
+
+namespace detail {
+
 const std::string& current_region() {
   static const std::string kDefault = "default";
   return t_regions.empty() ? kDefault : t_regions.back();
 }
 
-}  // namespace
+}  // namespace detail
 
 void record_collective(CollectiveKind kind, std::string_view detail) {
   auto& c = counters();
   std::lock_guard<std::mutex> lock(c.mutex);
-  const std::string& region = current_region();
+  const std::string& region = detail::current_region();
   auto it = c.by_region.find(region);
   if (it == c.by_region.end())
     it = c.by_region.emplace(region, std::array<int64_t, kNumCollectiveKinds>{}).first;
@@ -81,8 +85,6 @@ int64_t payload_bytes_sent(std::string_view region) {
 }
 
 namespace detail {
-
-const std::string& current_region() { return comm::current_region(); }
 
 void record_payload_bytes(int64_t bytes) {
   auto& c = counters();

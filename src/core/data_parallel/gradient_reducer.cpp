@@ -60,7 +60,7 @@ struct GradientReducer::Impl : std::enable_shared_from_this<GradientReducer::Imp
   struct Bucket {
     detail::BucketSpan span;
     int64_t waiting = 0;  // parameters whose gradient this backward has not produced yet
-    bool launched = false, copied_back = false;
+    bool copied_back = false;
     at::Tensor buffer;  // the gradients, then one flag per parameter: 1 where it had a gradient
     comm::PendingAllReduce reduce;
   };
@@ -71,7 +71,7 @@ struct GradientReducer::Impl : std::enable_shared_from_this<GradientReducer::Imp
   std::vector<Bucket> buckets;
   std::vector<int64_t> bucket_of;
   std::vector<bool> ready;
-  int64_t next_launch = 0;
+  int64_t next_launch = 0;  // buckets [0, next_launch) have started in this backward
   bool in_backward = false, sync = true;
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;
   std::vector<uintptr_t> hook_keys;
@@ -130,7 +130,7 @@ void GradientReducer::Impl::begin_backward() {
   for (size_t i = 0; i < params.size(); ++i) {
     const auto current = torch::autograd::impl::try_get_grad_accumulator(params[i]);
     TORCH_CHECK_VALUE(current == nullptr || current == accumulators[i],
-                      "GradientReducer::on_gradient: expected ", "parameter ", i,
+                      "GradientReducer::on_gradient: expected parameter ", i,
                       " to keep the gradient accumulator it had when the reducer was built, got a ",
                       "new one (its dtype or storage changed after data_parallel); change parameters before "
                       "data_parallel, not after");
@@ -147,7 +147,7 @@ void GradientReducer::Impl::on_gradient(int64_t param) {
   if (!in_backward) begin_backward();
   if (ready[param]) {
     TORCH_CHECK_VALUE(
-        !buckets[bucket_of[param]].launched, "GradientReducer::on_gradient: expected one ",
+        bucket_of[param] >= next_launch, "GradientReducer::on_gradient: expected one ",
         "accumulation per parameter per backward (reentrant checkpointing is not supported), got a ",
         "second gradient for parameter ", param, " (", params[param].sizes(),
         ") after its bucket had started");
@@ -185,7 +185,6 @@ void GradientReducer::Impl::start(Bucket& bucket) {
     }
     bucket.buffer[span.numel + static_cast<int64_t>(j)].fill_(grad.defined() ? 1 : 0);
   }
-  bucket.launched = true;
   bucket.reduce =
       comm::start_all_reduce(bucket.buffer, comm::ReduceOp::kAvg, group, comm::Agreement::kAgreedInAdvance);
 }
@@ -226,7 +225,7 @@ void GradientReducer::Impl::copy_back(Bucket& bucket) {
   for (size_t j = 0; j < span.params.size(); ++j) {
     if (had[j] == 0) continue;  // no rank had a gradient: .grad stays as it is
     auto& param = params[span.params[j]];
-    auto reduced = bucket.buffer.narrow(0, span.offsets[j], param.numel()).view(param.sizes());
+    auto reduced = bucket.buffer.narrow(0, span.offsets[j], span.numels[j]).view(param.sizes());
     auto& grad = param.mutable_grad();
     if (grad.defined()) {
       grad.copy_(reduced);
@@ -256,7 +255,7 @@ void GradientReducer::Impl::reset() {
   std::fill(ready.begin(), ready.end(), false);
   for (auto& bucket : buckets) {
     bucket.waiting = static_cast<int64_t>(bucket.span.params.size());
-    bucket.launched = bucket.copied_back = false;
+    bucket.copied_back = false;
     bucket.buffer = at::Tensor();
     bucket.reduce = comm::PendingAllReduce();
   }
