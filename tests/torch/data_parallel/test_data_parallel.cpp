@@ -290,6 +290,22 @@ TEST(DataParallel, RejectsWhatItCannotUse) {
       (void)dp::data_parallel(net, dp_mesh(), dp::GradientReducerOptions().bucket_cap_bytes(0)),
       "GradientReducer: expected bucket_cap_bytes > 0 and first_bucket_cap_bytes > 0, got 0 and "
       "1048576");
+  HP_EXPECT_THROW_MSG(dp::GradientReducer(net.parameters(), hp::comm::Group()),
+                      "GradientReducer: expected a group this rank is a member of, got a non-member");
+  const auto leaf = at::ones({2}).requires_grad_(true);
+  HP_EXPECT_THROW_MSG((void)dp::data_parallel({leaf, at::Tensor()}, dp_mesh()),
+                      "GradientReducer: expected defined parameters, got an undefined one at index 1");
+  HP_EXPECT_THROW_MSG((void)dp::data_parallel({leaf * 2}, dp_mesh()),
+                      "GradientReducer: expected leaf parameters, got a non-leaf tensor at index 0");
+  HP_EXPECT_THROW_MSG(
+      (void)dp::data_parallel({at::ones({2}, at::kComplexFloat).requires_grad_(true)}, dp_mesh()),
+      "GradientReducer: expected floating-point parameters, got ComplexFloat at index 0");
+  // A sparse gradient (here set by hand on a parameter the backward does not reach).
+  auto mesh = dp_mesh();
+  auto reducer = dp::data_parallel(net, mesh, small_buckets());
+  net.spare->bias.mutable_grad() = at::zeros({kDim}).to_sparse();
+  HP_EXPECT_THROW_MSG(loss_of(net, 0, mesh.get_local_rank(0), mesh.size(0)).backward(),
+                      "GradientReducer::launch: expected dense gradients, got a sparse one for parameter 9");
 }
 
 // DP 2 x TP 2: the TP plan on mesh["tp"], the reducer on mesh["dp"]; each dp replica runs half
