@@ -17,9 +17,13 @@ py::tuple grads_tuple(const tp::MC2LinearGrads& g) {
 
 void bind_contract(py::module& m) {
   py::class_<tp::MC2Options>(m, "MC2Options")
-      .def(py::init([](int64_t chunks) { return tp::MC2Options().chunks_per_rank(chunks); }),
-           py::arg("chunks_per_rank") = 2)
-      .def_property_readonly("chunks_per_rank", [](const tp::MC2Options& o) { return o.chunks_per_rank(); });
+      .def(py::init([](int64_t chunks, bool defer) {
+             return tp::MC2Options().chunks_per_rank(chunks).defer_weight_grads(defer);
+           }),
+           py::arg("chunks_per_rank") = 2, py::kw_only(), py::arg("defer_weight_grads") = true)
+      .def_property_readonly("chunks_per_rank", [](const tp::MC2Options& o) { return o.chunks_per_rank(); })
+      .def_property_readonly("defer_weight_grads",
+                             [](const tp::MC2Options& o) { return o.defer_weight_grads(); });
   py::class_<tp::MC2Contract>(m, "MC2Contract")
       .def_static("strict", &tp::MC2Contract::strict)
       .def_static("relaxed", &tp::MC2Contract::relaxed)

@@ -1,6 +1,7 @@
 #include "attach_backward.h"
 
 #include <ATen/ATen.h>
+#include <ATen/SequenceNumber.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/grad_mode.h>
@@ -14,8 +15,13 @@ class FunctionalBackward final : public torch::autograd::Node {
     std::vector<int64_t> sizes;
     at::TensorOptions options;
   };
-  FunctionalBackward(BackwardFn fn, std::string name, std::vector<OutputMeta> outputs, bool materialize)
-      : fn_(std::move(fn)), name_(std::move(name)), outputs_(std::move(outputs)), materialize_(materialize) {}
+  FunctionalBackward(uint64_t sequence_nr, BackwardFn fn, std::string name, std::vector<OutputMeta> outputs,
+                     bool materialize)
+      : Node(sequence_nr),
+        fn_(std::move(fn)),
+        name_(std::move(name)),
+        outputs_(std::move(outputs)),
+        materialize_(materialize) {}
 
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
     TORCH_CHECK(fn_ != nullptr, name_,
@@ -40,14 +46,16 @@ class FunctionalBackward final : public torch::autograd::Node {
 
 std::vector<at::Tensor> attach_backward(const std::vector<at::Tensor>& inputs,
                                         std::vector<at::Tensor> outputs, BackwardFn backward,
-                                        std::string name, bool materialize_grads) {
+                                        std::string name, bool materialize_grads,
+                                        std::optional<uint64_t> sequence_nr) {
   bool any = false;
   for (const auto& t : inputs) any = any || (t.defined() && t.requires_grad());
   if (!any || !torch::autograd::GradMode::is_enabled()) return outputs;
   std::vector<FunctionalBackward::OutputMeta> metas;
   for (auto& out : outputs) metas.push_back({out.sizes().vec(), out.options()});
   std::shared_ptr<FunctionalBackward> node(
-      new FunctionalBackward(std::move(backward), std::move(name), std::move(metas), materialize_grads),
+      new FunctionalBackward(sequence_nr ? *sequence_nr : at::sequence_number::get_and_increment(),
+                             std::move(backward), std::move(name), std::move(metas), materialize_grads),
       torch::autograd::deleteNode);
   node->set_next_edges(torch::autograd::collect_next_edges(inputs));
   for (auto& out : outputs) {
@@ -56,6 +64,11 @@ std::vector<at::Tensor> attach_backward(const std::vector<at::Tensor>& inputs,
     torch::autograd::set_history(out, node);
   }
   return outputs;
+}
+
+std::optional<uint64_t> grad_fn_sequence_nr(const at::Tensor& t) {
+  if (!t.defined() || !t.grad_fn()) return std::nullopt;
+  return t.grad_fn()->sequence_nr();
 }
 
 at::Tensor attach_backward(const at::Tensor& input, at::Tensor output,

@@ -3,7 +3,9 @@
 // differentiable communication (DTensor conversions, MC2 fused ops) needs backward state that is
 // not a tensor (mesh, placements, groups), which torch::autograd::Function cannot carry.
 
+#include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -17,9 +19,16 @@ using BackwardFn = std::function<std::vector<at::Tensor>(std::vector<at::Tensor>
 
 /// Makes `outputs` (computed from `inputs` under no-grad; must not alias them) differentiable
 /// with `backward`. Returns them unchanged when no input requires grad or grad mode is off.
+/// `sequence_nr` sets the node's place in the engine's queue (among ready nodes, the highest
+/// runs first); by default it is the next one, as for any op recorded now.
 std::vector<at::Tensor> attach_backward(const std::vector<at::Tensor>& inputs,
                                         std::vector<at::Tensor> outputs, BackwardFn backward,
-                                        std::string name, bool materialize_grads = true);
+                                        std::string name, bool materialize_grads = true,
+                                        std::optional<uint64_t> sequence_nr = std::nullopt);
+
+/// The sequence number of the node that computes `t`'s gradient; none for a leaf or a tensor
+/// without autograd history.
+std::optional<uint64_t> grad_fn_sequence_nr(const at::Tensor& t);
 
 /// Single-input, single-output convenience.
 at::Tensor attach_backward(const at::Tensor& input, at::Tensor output,

@@ -80,7 +80,7 @@ void check_layout(const char* fn, const BlockLayout& layout, const Group& group)
 }  // namespace
 
 void ring_all_gather(const at::Tensor& own, const at::Tensor& gathered, const BlockLayout& layout,
-                     const Group& group, const GatheredChunkFn& on_chunk) {
+                     const Group& group, const GatheredChunkFn& on_chunk, const InFlightFn& while_in_flight) {
   check_layout("ring_all_gather", layout, group);
   const int64_t p = group.size(), r = group.rank(), chunks = layout.chunks();
   TORCH_CHECK(gathered.is_contiguous() && gathered.size(0) == layout.total_rows(),
@@ -99,6 +99,7 @@ void ring_all_gather(const at::Tensor& own, const at::Tensor& gathered, const Bl
   if (p == 1) {
     copy_own();
     for (int64_t j = 0; j < chunks; ++j) call(0, j);
+    if (while_in_flight) while_in_flight();
     return;
   }
   const Ring ring(group, chunks);
@@ -117,6 +118,7 @@ void ring_all_gather(const at::Tensor& own, const at::Tensor& gathered, const Bl
   for (int64_t s = 0; s < p; ++s) {
     const int64_t block = (r - s + p) % p;
     for (int64_t j = 0; j < chunks; ++j) {
+      if (s == p - 1 && j == 0 && while_in_flight) while_in_flight();
       if (s > 0) {
         detail::FlightRecorder::set_chunk(s, j);
         recvs[(s - 1) * chunks + j].wait();

@@ -16,7 +16,7 @@ import hyper_parallel
 from hyper_parallel import ColwiseParallel, MC2ColwiseParallel, MC2RowwiseParallel, RowwiseParallel, init_device_mesh
 from hyper_parallel.core import comm
 from hyper_parallel.core.dtensor.placement_types import Shard
-from hyper_parallel.core.tensor_parallel.mc2 import MC2Contract
+from hyper_parallel.core.tensor_parallel.mc2 import MC2Contract, MC2Options
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "examples", "torch", "llama3"))
 
@@ -108,6 +108,34 @@ def test_mlp_matches_the_unfused_sequence_parallel_path(mesh):
         gf = comm.all_gather(fused[i].weight.grad, 0 if i == 0 else 1, comm.world())
         gp = comm.all_gather(plain[i].weight.grad, 0 if i == 0 else 1, comm.world())
         close(gf, gp)
+
+
+@needs(2)
+def test_deferred_weight_grads_are_bitwise_the_serial_ones_and_arrive_after_the_hosts(mesh):
+    # row -> column -> SiLU -> row: the last row's dW runs in the first row's gather window.
+    def run(defer):
+        model = nn.Sequential(linear(1024, 512, torch.bfloat16, 10), linear(512, 1024, torch.bfloat16, 11),
+                              nn.SiLU(), linear(1024, 512, torch.bfloat16, 12))
+        options = MC2Options(2, defer_weight_grads=defer)
+        assert options.defer_weight_grads is defer
+        hyper_parallel.parallelize_module(model, mesh, {"0": MC2RowwiseParallel(mc2_options=options),
+                                                        "1": MC2ColwiseParallel(mc2_options=options),
+                                                        "3": MC2RowwiseParallel(mc2_options=options)})
+        order = []
+        for i in (0, 1, 3):
+            model[i].weight.register_hook(lambda g, i=i: order.append(i))
+        torch.manual_seed(13)
+        x = torch.randn(2, 8, 512).bfloat16().requires_grad_(True)  # this rank's 512 of 1024 features
+        y = model(x)
+        (y * y.detach()).sum().backward()
+        return [x.grad] + [p.grad for p in model.parameters()], order
+
+    deferred, deferred_order = run(True)
+    serial, serial_order = run(False)
+    assert serial_order == [3, 1, 0]  # each in its own node, in backward order
+    assert deferred_order == [1, 0, 3]  # the last row's after the first row's gather window
+    for d, s in zip(deferred, serial):
+        assert torch.equal(d, s)
 
 
 @needs(2)

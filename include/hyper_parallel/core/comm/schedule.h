@@ -81,14 +81,6 @@ class BlockLayout {
 /// been forwarded: this rank's own block first, then the others in the order they arrive.
 using GatheredChunkFn = std::function<void(int64_t block, int64_t chunk, const at::Tensor& rows)>;
 
-/// Ring all-gather into `gathered` (contiguous, total_rows() rows): block b receives rank b's
-/// block. This rank's block `own` (contiguous, block_rows(r) rows, the same row width) leaves
-/// at step 0 straight from where it is while it is copied into place. Every receive is posted
-/// before the first is waited for, so transfers run ahead of the callbacks as far as the link
-/// allows. P - 1 transfers of each chunk.
-void ring_all_gather(const at::Tensor& own, const at::Tensor& gathered, const BlockLayout& layout,
-                     const Group& group, const GatheredChunkFn& on_chunk = {});
-
 /// Called once per chunk, on the calling thread, in ring order. `arrived()` blocks until the
 /// partial sum of that chunk from the ranks before this one is here and returns it (in the
 /// accumulate dtype); it returns an undefined tensor at step 0, where this rank starts the
@@ -98,10 +90,21 @@ void ring_all_gather(const at::Tensor& own, const at::Tensor& gathered, const Bl
 using ReduceChunkFn =
     std::function<at::Tensor(int64_t block, int64_t chunk, const std::function<at::Tensor()>& arrived)>;
 
-/// Independent work for the calling thread while a reduce-scatter's transfers are in flight,
+/// Independent work for the calling thread while a collective's transfers are in flight,
 /// run exactly once per call (e.g. a fused backward's weight gradient, which no transfer waits
 /// for). Empty: nothing.
 using InFlightFn = std::function<void()>;
+
+/// Ring all-gather into `gathered` (contiguous, total_rows() rows): block b receives rank b's
+/// block. This rank's block `own` (contiguous, block_rows(r) rows, the same row width) leaves
+/// at step 0 straight from where it is while it is copied into place. Every receive is posted
+/// before the first is waited for, so transfers run ahead of the callbacks as far as the link
+/// allows. P - 1 transfers of each chunk. `while_in_flight` runs once this rank has forwarded
+/// all it forwards, before it waits for the last step's chunks (P = 1: after the callbacks), so
+/// it delays no other rank.
+void ring_all_gather(const at::Tensor& own, const at::Tensor& gathered, const BlockLayout& layout,
+                     const Group& group, const GatheredChunkFn& on_chunk = {},
+                     const InFlightFn& while_in_flight = {});
 
 /// Ring reduce-scatter of rows of `width` columns whose inputs have `input` dtype and device;
 /// returns this rank's reduced block, [block_rows(r), width], in the accumulate dtype. P - 1

@@ -1,12 +1,14 @@
 #include <hyper_parallel/core/tensor_parallel/mc2/fused_linear.h>
 
 #include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
 
 #include <hyper_parallel/core/comm/schedule.h>
 #include <hyper_parallel/core/comm/trace.h>
 
 #include "../../autograd/attach_backward.h"
+#include "deferred_weight_grad.h"
 
 namespace hyper_parallel::tensor_parallel {
 namespace {
@@ -19,6 +21,20 @@ at::Tensor sum_rows(const at::Tensor& t) {
 
 MC2LinearNeeds needs_of(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias) {
   return {x.requires_grad(), w.requires_grad(), bias.defined() && bias.requires_grad()};
+}
+
+// {dW = dYᵀ A, db = Σ_rows dY} as asked for.
+std::vector<at::Tensor> weight_grads_of(const at::Tensor& dy, const at::Tensor& a, MC2LinearNeeds needs) {
+  return {needs.weight ? local_matmul(dy.t(), a) : at::Tensor(), needs.bias ? sum_rows(dy) : at::Tensor()};
+}
+
+// The row node whose gather window a layer's weight gradient can run in, when deferral is on
+// and the layer has a weight gradient to compute.
+std::optional<uint64_t> deferral_host(std::optional<uint64_t> host, const MC2Options& options,
+                                      MC2LinearNeeds needs) {
+  if (!options.defer_weight_grads() || !(needs.weight || needs.bias)) return std::nullopt;
+  if (!c10::GradMode::is_enabled()) return std::nullopt;
+  return host;
 }
 
 }  // namespace
@@ -47,8 +63,9 @@ MC2LinearGrads mc2_column_backward(const at::Tensor& dy_in, const at::Tensor& d_
   // reduce-scatter's sends are posted, then dW, then the partials from the peers are waited for.
   const auto weight_grads = [&] {
     comm::trace::Span span("wgrad");
-    if (needs.weight) grads.weight = local_matmul(dy.t(), gathered);
-    if (needs.bias) grads.bias = sum_rows(dy);
+    auto wb = weight_grads_of(dy, gathered, needs);
+    grads.weight = wb[0];
+    grads.bias = wb[1];
   };
   // dX: the dual op, contracting over n_local: reduce_scatter(dY W (+ dG)).
   if (needs.input) {
@@ -68,15 +85,13 @@ at::Tensor mc2_row_forward(const at::Tensor& x, const at::Tensor& w, const at::T
 
 MC2LinearGrads mc2_row_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w,
                                 const comm::Group& group, const MC2Options& options, MC2LinearNeeds needs) {
-  // The dual op: gather dY (this rank's rows) while multiplying by W untransposed. dW = dY_fullᵀ X
+  // The dual op: gather dY (this rank's rows) while multiplying by W untransposed; the weight
+  // gradients that earlier layers deferred run while the last chunks travel. dW = dY_fullᵀ X
   // needs every dY row: one GEMM after the gather. (Summing it per arrived chunk hid more of the
   // gather but, with bf16 chunk products, broke the bf16 tolerance; see docs/architecture.md.)
-  auto [dx, dy_full] = all_gather_mm(dy.contiguous(), w, group, options);
-  MC2LinearGrads grads;
-  if (needs.input) grads.input = dx;
-  if (needs.weight) grads.weight = local_matmul(dy_full.t(), x);
-  if (needs.bias) grads.bias = sum_rows(dy_full);
-  return grads;
+  auto [dx, dy_full] = all_gather_mm(dy.contiguous(), w, group, options, detail::run_deferred_weight_grads);
+  auto wb = weight_grads_of(dy_full, x, needs);
+  return {needs.input ? dx : at::Tensor(), wb[0], wb[1]};
 }
 
 std::pair<at::Tensor, at::Tensor> mc2_column_linear_gathered(const at::Tensor& x, const at::Tensor& w,
@@ -104,21 +119,38 @@ at::Tensor mc2_column_linear(const at::Tensor& x, const at::Tensor& w, const at:
   return mc2_column_linear_gathered(x, w, bias, group, options).first;
 }
 
-at::Tensor mc2_shared_column_linear(const at::Tensor& gathered, const at::Tensor& w, const at::Tensor& bias) {
+at::Tensor mc2_shared_column_linear(const at::Tensor& gathered, const at::Tensor& w, const at::Tensor& bias,
+                                    const MC2Options& options) {
   at::Tensor y;
   {
     at::NoGradGuard no_grad;
     y = local_matmul(gathered, w.t());
     if (bias.defined()) y.add_(bias);
   }
+  const auto needs = needs_of(gathered, w, bias);
+  // dG = dY W joins the gathering layer's reduce-scatter; dW = dYᵀ G runs in the window of the
+  // row Linear recorded last before this layer (the next gather of the backward).
+  const auto host = deferral_host(detail::gather_host(), options, needs);
+  if (!host) {
+    return hyper_parallel::detail::attach_backward(
+        {gathered, w, bias}, {y},
+        [g = gathered.detach(), w = w.detach(),
+         needs](std::vector<at::Tensor> grads) -> std::vector<at::Tensor> {
+          const auto dy = grads[0].contiguous();
+          auto wb = weight_grads_of(dy, g, needs);
+          return {needs.input ? local_matmul(dy, w) : at::Tensor(), wb[0], wb[1]};
+        },
+        "MC2SharedColumnLinearBackward")[0];
+  }
+  auto slot = std::make_shared<detail::DeferredWeightGrad>();
+  const auto token = detail::deliver_weight_grad(slot, w, bias, *host);
   return hyper_parallel::detail::attach_backward(
-      {gathered, w, bias}, {y},
-      [g = gathered.detach(), w = w.detach(),
-       needs = needs_of(gathered, w, bias)](std::vector<at::Tensor> grads) -> std::vector<at::Tensor> {
-        const auto dy = grads[0].contiguous();
-        return {needs.input ? local_matmul(dy, w) : at::Tensor(),
-                needs.weight ? local_matmul(dy.t(), g) : at::Tensor(),
-                needs.bias ? sum_rows(dy) : at::Tensor()};
+      {gathered, token}, {y},
+      [g = gathered.detach(), w = w.detach(), needs,
+       slot](std::vector<at::Tensor> grads) -> std::vector<at::Tensor> {
+        auto dy = grads[0].contiguous();
+        slot->post([dy, g, needs] { return weight_grads_of(dy, g, needs); });
+        return {needs.input ? local_matmul(dy, w) : at::Tensor(), at::Tensor()};
       },
       "MC2SharedColumnLinearBackward")[0];
 }
@@ -130,14 +162,33 @@ at::Tensor mc2_row_linear(const at::Tensor& x, const at::Tensor& w, const at::Te
     at::NoGradGuard no_grad;
     y = mc2_row_forward(x, w, bias, group, options);
   }
-  return hyper_parallel::detail::attach_backward(
-      {x, w, bias}, {y},
-      [x = x.detach(), w = w.detach(), group, options,
-       needs = needs_of(x, w, bias)](std::vector<at::Tensor> grads) -> std::vector<at::Tensor> {
-        auto g = mc2_row_backward(grads[0], x, w, group, options, needs);
-        return {g.input, g.weight, g.bias};
-      },
-      "MC2RowLinearBackward")[0];
+  const auto needs = needs_of(x, w, bias);
+  const auto host = deferral_host(detail::gather_host(), options, needs);
+  if (!host) {
+    y = hyper_parallel::detail::attach_backward(
+        {x, w, bias}, {y},
+        [x = x.detach(), w = w.detach(), group, options, needs](std::vector<at::Tensor> grads) {
+          auto g = mc2_row_backward(grads[0], x, w, group, options, needs);
+          return std::vector<at::Tensor>{g.input, g.weight, g.bias};
+        },
+        "MC2RowLinearBackward")[0];
+  } else {
+    // dW = dY_fullᵀ X needs the whole gather: it runs in the next row backward's window.
+    auto slot = std::make_shared<detail::DeferredWeightGrad>();
+    const auto token = detail::deliver_weight_grad(slot, w, bias, *host);
+    y = hyper_parallel::detail::attach_backward(
+        {x, token}, {y},
+        [x = x.detach(), w = w.detach(), group, options, needs, slot](std::vector<at::Tensor> grads) {
+          auto [dx, dy_full] =
+              all_gather_mm(grads[0].contiguous(), w, group, options, detail::run_deferred_weight_grads);
+          slot->post([dy_full = dy_full, x, needs] { return weight_grads_of(dy_full, x, needs); });
+          return std::vector<at::Tensor>{needs.input ? dx : at::Tensor(), at::Tensor()};
+        },
+        "MC2RowLinearBackward")[0];
+  }
+  // This row's gather window hosts the weight gradients of the layers recorded after it.
+  detail::remember_gather_host(y);
+  return y;
 }
 
 }  // namespace hyper_parallel::tensor_parallel

@@ -30,7 +30,7 @@ class MC2LinearKernel final : public nn::ForwardKernel {
     if (mode == MC2Mode::kAllGather) {
       at::Tensor y;
       if (auto shared = detail::SharedGather::get().lookup(x, seq, group, this); shared.defined()) {
-        y = mc2_shared_column_linear(shared, w, bias);
+        y = mc2_shared_column_linear(shared, w, bias, options);
       } else {
         at::Tensor gathered;
         std::tie(y, gathered) = mc2_column_linear_gathered(sequence_rows(x, seq), w, bias, group, options);

@@ -58,13 +58,15 @@ comm::BlockLayout fused_layout(int64_t rows_per_rank, const comm::Group& group, 
 // soon as it is here and forwarded.
 at::Tensor gather_rows(
     const at::Tensor& a, const comm::Group& group, const MC2Options& options,
-    const std::function<void(const comm::BlockLayout&, int64_t, int64_t, const at::Tensor&)>& on_chunk) {
+    const std::function<void(const comm::BlockLayout&, int64_t, int64_t, const at::Tensor&)>& on_chunk,
+    const comm::InFlightFn& while_in_flight = {}) {
   const auto layout = fused_layout(a.size(0), group, options);
   auto gathered = at::empty({layout.total_rows(), a.size(1)}, a.options());
   comm::ring_all_gather(
       a, gathered, layout, group,
       on_chunk ? [&](int64_t block, int64_t j, const at::Tensor& rows) { on_chunk(layout, block, j, rows); }
-               : comm::GatheredChunkFn());
+               : comm::GatheredChunkFn(),
+      while_in_flight);
   return gathered;
 }
 
@@ -89,17 +91,19 @@ void check_reduce_rows(const char* fn, const at::Tensor& a, const comm::Group& g
 }  // namespace
 
 std::pair<at::Tensor, at::Tensor> all_gather_mm(const at::Tensor& a_in, const at::Tensor& b,
-                                                const comm::Group& group, const MC2Options& options) {
+                                                const comm::Group& group, const MC2Options& options,
+                                                const comm::InFlightFn& while_in_flight) {
   check_operands("all_gather_matmul", a_in, b);
   comm::OpScope op(group, signature(CollectiveKind::kAllGatherMatmul, a_in, b, options), group.name());
   const auto a = a_in.contiguous();
   auto y = at::empty({group.size() * a.size(0), b.size(1)}, a.options());
   // The chunk's rows of Y are computed while the next chunks travel.
-  auto gathered =
-      gather_rows(a, group, options,
-                  [&](const comm::BlockLayout& layout, int64_t block, int64_t j, const at::Tensor& rows) {
-                    matmul_into(layout.chunk(y, block, j), rows, b);
-                  });
+  auto gathered = gather_rows(
+      a, group, options,
+      [&](const comm::BlockLayout& layout, int64_t block, int64_t j, const at::Tensor& rows) {
+        matmul_into(layout.chunk(y, block, j), rows, b);
+      },
+      while_in_flight);
   return {y, gathered};
 }
 

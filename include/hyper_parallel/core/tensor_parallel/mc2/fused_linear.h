@@ -62,7 +62,8 @@ at::Tensor mc2_column_linear(const at::Tensor& x, const at::Tensor& w, const at:
                              const comm::Group& group, const MC2Options& options = {});
 /// A column Linear on a gather another layer already made: y = G Wᵀ + b, no communication. Its
 /// input gradient dG = dY W stays local and joins the gathering layer's reduce-scatter.
-at::Tensor mc2_shared_column_linear(const at::Tensor& gathered, const at::Tensor& w, const at::Tensor& bias);
+at::Tensor mc2_shared_column_linear(const at::Tensor& gathered, const at::Tensor& w, const at::Tensor& bias,
+                                    const MC2Options& options = {});
 /// The differentiable row Linear.
 at::Tensor mc2_row_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias,
                           const comm::Group& group, const MC2Options& options = {});

@@ -40,6 +40,12 @@ struct MC2Options {
   /// sizes): more chunks pipeline finer (the first matmul starts sooner, the last transfer
   /// hides behind more work) but run smaller GEMMs. Default 2, from bench_mc2 on 2 ranks.
   TORCH_ARG(int64_t, chunks_per_rank) = 2;
+  /// The weight gradients that cannot hide behind their own collective (a row Linear's, which
+  /// needs the whole gather of dY, and those of layers sharing another layer's gather) are
+  /// computed in the next row backward's gather window instead (mc2_row_linear,
+  /// mc2_shared_column_linear; docs/mc2.md). Bitwise the same gradients; dY and the saved input
+  /// live until that window. Off: each is computed in its own backward node, as soon as it can.
+  TORCH_ARG(bool, defer_weight_grads) = true;
 };
 
 /// (Y, G) with G = all_gather(x [m, k], rows) of shape [P·m, k] and Y = G Wᵀ [P·m, n]. Every rank
@@ -55,10 +61,12 @@ at::Tensor matmul_reduce_scatter(const at::Tensor& x, const at::Tensor& w, const
 /// The same schedules with an explicit right operand: all_gather(a) @ b, and
 /// reduce_scatter(a @ b + addend) (addend [M, n], optional, added to each rank's partial before
 /// the reduction). The backward passes use these (b = W instead of Wᵀ); `while_in_flight` runs
-/// once, on the calling thread, while the reduce-scatter's partials travel (the column
-/// backward's weight gradient).
+/// once, on the calling thread, while transfers travel: the reduce-scatter's partials (the
+/// column backward's weight gradient) or the gather's last chunks (the weight gradients
+/// deferred into a row backward's window).
 std::pair<at::Tensor, at::Tensor> all_gather_mm(const at::Tensor& a, const at::Tensor& b,
-                                                const comm::Group& group, const MC2Options& options = {});
+                                                const comm::Group& group, const MC2Options& options = {},
+                                                const comm::InFlightFn& while_in_flight = {});
 at::Tensor mm_reduce_scatter(const at::Tensor& a, const at::Tensor& b, const comm::Group& group,
                              const MC2Options& options = {}, const at::Tensor& addend = {},
                              const comm::InFlightFn& while_in_flight = {});
