@@ -19,6 +19,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -49,6 +50,7 @@ struct Config {
   bool mc2;
   llama3::MC2Scope scope;
   GradientSync dp = GradientSync::kNone;
+  bool defer_weight_grads = true;  // MC2Options::defer_weight_grads
 };
 
 // The meshes: TP over the world, or {dp, tp}.
@@ -74,10 +76,13 @@ Run build(const Config& c, const llama3::ModelArgs& args, int64_t seq_len, const
   Run run;
   run.model = llama3::Transformer(args);
   run.model->to(at::kBFloat16);
-  llama3::parallelize_llama3(
-      *run.model, mesh,
-      llama3::ParallelizeOptions().enable_loss_parallel(true).enable_mc2(c.mc2).mc2_scope(c.scope).seq_len(
-          seq_len));
+  llama3::parallelize_llama3(*run.model, mesh,
+                             llama3::ParallelizeOptions()
+                                 .enable_loss_parallel(true)
+                                 .enable_mc2(c.mc2)
+                                 .mc2_scope(c.scope)
+                                 .mc2_options(tp::MC2Options().defer_weight_grads(c.defer_weight_grads))
+                                 .seq_len(seq_len));
   if (c.dp != GradientSync::kNone) {
     run.reducer =
         hp::data_parallel::data_parallel(*run.model, *meshes.dp,
@@ -96,6 +101,7 @@ struct StepTimes {
   double total = 0, forward = 0, backward = 0, optimizer = 0;
   double cpu = 0;  // user + system seconds of every thread of the process
   int64_t forward_bytes = 0, backward_bytes = 0;
+  std::vector<hp::comm::ExposedWait> waits;  // this rank's blocked time per region and op
 };
 
 StepTimes step(Run& run, at::Tensor batch, int64_t seq_len, int64_t vocab, const Meshes& meshes) {
@@ -112,19 +118,30 @@ StepTimes step(Run& run, at::Tensor batch, int64_t seq_len, int64_t vocab, const
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - from).count();
   };
   run.optimizer->zero_grad();
-  auto logits = run.model->forward(batch.narrow(1, 0, seq_len));
-  auto loss = tp::vocab_parallel_cross_entropy(logits, batch.narrow(1, 1, seq_len), vocab, mesh);
+  at::Tensor loss;
+  {
+    hp::comm::CommRegion region("forward");
+    auto logits = run.model->forward(batch.narrow(1, 0, seq_len));
+    loss = tp::vocab_parallel_cross_entropy(logits, batch.narrow(1, 1, seq_len), vocab, mesh);
+  }
   t.forward = since(t0);
   t.forward_bytes = hp::comm::payload_bytes_sent() - before;
   const auto t1 = std::chrono::steady_clock::now();
-  loss.backward();
+  {
+    hp::comm::CommRegion region("backward");
+    loss.backward();
+  }
   t.backward = since(t1);
   t.backward_bytes = hp::comm::payload_bytes_sent() - before - t.forward_bytes;
   const auto t2 = std::chrono::steady_clock::now();
-  tp::clip_grad_norm_(*run.model, 1.0);
-  run.optimizer->step();
+  {
+    hp::comm::CommRegion region("optimizer");
+    tp::clip_grad_norm_(*run.model, 1.0);
+    run.optimizer->step();
+  }
   t.optimizer = since(t2);
   t.total = since(t0);
+  t.waits = hp::comm::exposed_waits();
   t.cpu = bench::process_cpu_seconds() - cpu0;
   return t;
 }
@@ -165,6 +182,7 @@ struct Measured {
   int64_t bytes = 0, forward_bytes = 0, backward_bytes = 0;
   double peak_rss_mb = 0;
   double transport_cpu_ms_per_mb = 0;  // (step CPU - compute-only CPU) / MB sent, median
+  std::map<std::pair<std::string, std::string>, double> waits;  // rank 0's mean per step
 };
 
 struct Bench {
@@ -207,6 +225,7 @@ std::vector<Measured> measure(Bench& b, const Meshes& mesh) {
       if (t.forward_bytes + t.backward_bytes > 0) {
         cpu_per_mb[c].push_back((t.cpu - twin.cpu) * 1e3 / ((t.forward_bytes + t.backward_bytes) / 1e6));
       }
+      for (const auto& w : t.waits) out[c].waits[{w.region, w.op}] += w.seconds / b.steps;
       out[c].forward_bytes = t.forward_bytes;
       out[c].backward_bytes = t.backward_bytes;
       out[c].bytes = t.forward_bytes + t.backward_bytes;
@@ -223,6 +242,29 @@ std::vector<Measured> measure(Bench& b, const Meshes& mesh) {
   return out;
 }
 
+// Where each configuration's exposed communication is: rank 0's blocked time per step in each
+// region (forward, backward, grad_sync, optimizer) and op, largest first within a region.
+void report_exposed_waits(const Bench& b, const std::vector<Measured>& results) {
+  std::printf("exposed waits (rank 0, ms per step, time blocked on transfers; region: op ms, ...):\n");
+  for (size_t c = 0; c < results.size(); ++c) {
+    std::map<std::string, std::vector<std::pair<double, std::string>>> by_region;
+    double total = 0;
+    for (const auto& [key, seconds] : results[c].waits) {
+      if (seconds * 1e3 < 0.05) continue;
+      by_region[key.first].push_back({seconds * 1e3, key.second});
+      total += seconds * 1e3;
+    }
+    std::printf("  %-17s %7.1f ms =", b.configs[c].name.c_str(), total);
+    for (auto& [region, ops] : by_region) {
+      std::sort(ops.rbegin(), ops.rend());
+      std::printf(" %s:", region.c_str());
+      for (const auto& [ms, op] : ops) std::printf(" %s %.1f", op.c_str(), ms);
+      std::printf(";");
+    }
+    std::printf("\n");
+  }
+}
+
 // Speedups are against the first configuration (plain TP, or DP blocking). The bound is max(compute-only
 // step, bytes sent / measured link rate); the phase-wise bound adds max(compute, wire) of the forward and of
 // the backward, and the optimizer's compute.
@@ -235,7 +277,7 @@ void report(const Bench& b, const std::vector<Measured>& results, const std::str
       preset.c_str(), static_cast<long long>(meshes.replicas()), static_cast<long long>(meshes.tp.size(0)),
       static_cast<long long>(b.batch_size), static_cast<long long>(b.seq_len), b.steps, b.warmup,
       bench::link_name().c_str(), rate.empty() ? "" : (", rate " + rate).c_str(), rate_bytes * 8 / 1e9);
-  std::printf("%-10s %9s %17s %10s %9s %9s %9s %8s %8s %8s %8s %9s %9s\n", "config", "ms/step", "(min..max)",
+  std::printf("%-17s %9s %17s %10s %9s %9s %9s %8s %8s %8s %8s %9s %9s\n", "config", "ms/step", "(min..max)",
               "tokens/s", "compute", "exposed", "MB sent", "speedup", "÷bound", "phases", "÷phases",
               "peak RSS", "CPU ms/MB");
   const double t_plain = results[0].step.median;
@@ -245,7 +287,7 @@ void report(const Bench& b, const std::vector<Measured>& results, const std::str
     const double phases = std::max(m.compute_forward, m.forward_bytes / rate_bytes) +
                           std::max(m.compute_backward, m.backward_bytes / rate_bytes) + m.compute_optimizer;
     std::printf(
-        "%-10s %9.1f %8.1f..%-8.1f %10.0f %9.1f %9.1f %9.2f %7.2fx %7.2fx %8.1f %7.2fx %6.0f MB %9.2f\n",
+        "%-17s %9.1f %8.1f..%-8.1f %10.0f %9.1f %9.1f %9.2f %7.2fx %7.2fx %8.1f %7.2fx %6.0f MB %9.2f\n",
         b.configs[c].name.c_str(), t * 1e3, m.step.min * 1e3, m.step.max * 1e3, b.batch_size * b.seq_len / t,
         m.compute * 1e3, (t - m.compute) * 1e3, m.bytes / 1e6, t_plain / t, t / bound, phases * 1e3,
         t / phases, m.peak_rss_mb, m.transport_cpu_ms_per_mb);
@@ -254,6 +296,7 @@ void report(const Bench& b, const std::vector<Measured>& results, const std::str
       "CPU ms/MB: (step CPU - compute-only CPU) / MB sent, all threads; the link alone (a 1 MiB "
       "send/recv stream) costs %.2f ms of CPU per MB sent\n",
       link.cpu_ms_per_mb);
+  report_exposed_waits(b, results);
   std::fflush(stdout);
 }
 
@@ -267,12 +310,15 @@ Meshes make_meshes(int64_t dp) {
   return {mesh["tp"], mesh["dp"], hp::comm::world()};
 }
 
-// TP alone: plain, MC2 ffn, MC2 all. With DP: blocking against overlapped gradient reductions
+// TP alone: plain, MC2 ffn, MC2 all with each weight gradient in its own node ("serial dW"),
+// MC2 all (row and shared-gather weight gradients deferred into the next reduce-scatter's
+// window). With DP: blocking against overlapped gradient reductions
 // (MC2 all inside each replica when TP > 1).
 std::vector<Config> configs_for(const Meshes& meshes) {
   if (!meshes.dp) {
     return {{"plain TP", false, llama3::MC2Scope::kFfn},
             {"MC2 ffn", true, llama3::MC2Scope::kFfn},
+            {"MC2 all serial dW", true, llama3::MC2Scope::kAll, GradientSync::kNone, false},
             {"MC2 all", true, llama3::MC2Scope::kAll}};
   }
   const bool mc2 = meshes.tp.size(0) > 1;

@@ -15,6 +15,7 @@ struct Counters {
   std::mutex mutex;
   std::map<std::string, std::array<int64_t, kNumCollectiveKinds>, std::less<>> by_region;
   std::map<std::string, int64_t, std::less<>> bytes_by_region;
+  std::map<std::pair<std::string, std::string>, double> exposed;  // (region, op) -> seconds
   bool debug = std::getenv("HP_COMM_DEBUG") != nullptr;
 };
 
@@ -26,6 +27,7 @@ Counters& counters() {
 // The calling thread's stack of active CommRegion names: a background thread (the asynchronous
 // checkpoint writer) counts in its own regions, never in the training thread's.
 thread_local std::vector<std::string> t_regions;
+thread_local bool t_library_thread = false;
 
 }  // namespace
 
@@ -72,6 +74,15 @@ void reset_collective_counts() {
   std::lock_guard<std::mutex> lock(c.mutex);
   c.by_region.clear();
   c.bytes_by_region.clear();
+  c.exposed.clear();
+}
+
+std::vector<ExposedWait> exposed_waits() {
+  auto& c = counters();
+  std::lock_guard<std::mutex> lock(c.mutex);
+  std::vector<ExposedWait> out;
+  for (const auto& [key, seconds] : c.exposed) out.push_back({key.first, key.second, seconds});
+  return out;
 }
 
 int64_t payload_bytes_sent(std::string_view region) {
@@ -91,6 +102,15 @@ void record_payload_bytes(int64_t bytes) {
   std::lock_guard<std::mutex> lock(c.mutex);
   c.bytes_by_region[current_region()] += bytes;
 }
+
+void record_exposed_wait(std::string_view op, double seconds) {
+  if (t_library_thread) return;
+  auto& c = counters();
+  std::lock_guard<std::mutex> lock(c.mutex);
+  c.exposed[{current_region(), std::string(op.empty() ? "other" : op)}] += seconds;
+}
+
+void mark_library_thread() { t_library_thread = true; }
 
 }  // namespace detail
 

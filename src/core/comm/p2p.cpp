@@ -1,6 +1,8 @@
 // Posting a transfer: tags, the checks on a send or receive, and the Work that waits for it.
 #include <hyper_parallel/core/comm/p2p.h>
 
+#include <chrono>
+
 #include <c10/util/Exception.h>
 
 #include <hyper_parallel/core/comm/counters.h>
@@ -52,6 +54,7 @@ class TransferWork final : public detail::WorkImpl {
     auto& recorder = detail::FlightRecorder::get();
     const auto chunk = detail::FlightRecorder::chunk_label();
     recorder.set_waiting(peer_, chunk.empty() ? what_ : what_ + ", " + chunk);
+    const auto start = std::chrono::steady_clock::now();
     try {
       if (traced_) {
         std::unique_lock<std::mutex> lock(transfer_->mutex);
@@ -70,6 +73,10 @@ class TransferWork final : public detail::WorkImpl {
                   " failed: ", e.what());
     }
     recorder.clear_waiting();
+    const auto op = detail::FlightRecorder::current();
+    detail::record_exposed_wait(
+        op ? std::string_view(op->kind) : std::string_view(),
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   }
   bool is_completed() override {
     std::lock_guard<std::mutex> lock(transfer_->mutex);

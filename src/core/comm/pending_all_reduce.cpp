@@ -1,5 +1,6 @@
 #include <hyper_parallel/core/comm/pending_all_reduce.h>
 
+#include <chrono>
 #include <condition_variable>
 #include <exception>
 #include <mutex>
@@ -108,8 +109,13 @@ bool PendingAllReduce::is_completed() const {
 void PendingAllReduce::wait() {
   if (!state_) return;
   auto state = std::move(state_);
-  std::unique_lock<std::mutex> lock(state->mutex);
-  state->cv.wait(lock, [&] { return state->done; });
+  const auto start = std::chrono::steady_clock::now();
+  {
+    std::unique_lock<std::mutex> lock(state->mutex);
+    state->cv.wait(lock, [&] { return state->done; });
+  }
+  detail::record_exposed_wait(
+      "pending all_reduce", std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   if (state->error) std::rethrow_exception(state->error);
 }
 

@@ -2,6 +2,8 @@
 
 #include <thread>
 
+#include <hyper_parallel/core/comm/counters.h>
+
 namespace hyper_parallel::comm::detail {
 
 void WorkerThread::submit(std::function<void()> job) {
@@ -17,6 +19,7 @@ void WorkerThread::submit(std::function<void()> job) {
 }
 
 void WorkerThread::run() {
+  mark_library_thread();  // its waits are not the training thread's
   for (;;) {
     std::function<void()> job;
     {

@@ -4,6 +4,8 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <map>
+#include <string>
 #include <thread>
 
 #include <ATen/ATen.h>
@@ -95,6 +97,55 @@ TEST(PendingAllReduce, CountsBothPhasesInTheStartingThreadsRegion) {
   const int64_t own = comm::chunk_size(numel, p, r);
   EXPECT_EQ(comm::payload_bytes_sent("grads"), 4 * ((numel - own) + (p - 1) * own));
   EXPECT_EQ(comm::payload_bytes_sent(), comm::payload_bytes_sent("grads"));
+}
+
+// The calling thread's blocked seconds in region "late", per op.
+std::map<std::string, double> exposed_in_late_region() {
+  std::map<std::string, double> out;
+  for (const auto& w : comm::exposed_waits()) {
+    if (w.region == "late") out[w.op] += w.seconds;
+  }
+  return out;
+}
+
+// Exposed waits: the time a caller is blocked, under its region and op. Rank 0 arrives 0.3 s
+// late, so every other rank waits at least 0.2 s, in the blocking all_gather and in a started
+// all-reduce's wait(); the completion thread's waits for the late partials are its own and
+// are not counted.
+TEST(PendingAllReduce, ExposedWaitsAreTheCallersBlockedTimeOnly) {
+  const int64_t p = hp_test::world_size(), r = hp_test::rank();
+  auto late = [&] {
+    if (r == 0) std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  };
+  comm::barrier(world());
+  comm::reset_collective_counts();
+  {
+    comm::CommRegion region("late");
+    late();
+    comm::all_gather(at::ones({64}), 0, world());
+    comm::barrier(world());
+    late();
+    comm::start_all_reduce(at::ones({4096}), comm::ReduceOp::kSum, world(), comm::Agreement::kAgreedInAdvance)
+        .wait();
+  }
+  const auto waits = exposed_in_late_region();
+  if (p == 1) {  // nothing travels: nothing to wait for
+    for (const auto& [op, seconds] : waits) EXPECT_LT(seconds, 0.05) << op;
+    return;
+  }
+  for (const auto& [op, seconds] : waits) {
+    if (op != "all_gather" && op != "barrier" && op != "pending all_reduce") {
+      EXPECT_LT(seconds, 0.05) << op << ": another thread's waits were counted as this one's";
+    }
+  }
+  if (r != 0) {
+    ASSERT_EQ(waits.count("all_gather"), 1u);
+    EXPECT_GE(waits.at("all_gather"), 0.2);
+    ASSERT_EQ(waits.count("pending all_reduce"), 1u);
+    EXPECT_GE(waits.at("pending all_reduce"), 0.2);
+  }
+  comm::reset_collective_counts();
+  EXPECT_TRUE(comm::exposed_waits().empty());
 }
 
 TEST(PendingAllReduce, RejectsWhatItCannotReduce) {

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include <hyper_parallel/core/comm/op.h>
 
@@ -23,7 +24,18 @@ int64_t total_collective_count(std::string_view region = {});
 /// headers) in `region` ("" = all) since the last reset. E.g. a bfloat16 matmul_reduce_scatter of
 /// [M, n] sends (P - 1) / P · M · n · 2 bytes.
 int64_t payload_bytes_sent(std::string_view region = {});
-/// Resets the collective counts and the payload bytes.
+/// Time a thread that calls this library's collectives (not the library's own worker threads)
+/// spent blocked waiting for their transfers, under one region and one op: the communication
+/// that computation did not hide.
+struct ExposedWait {
+  std::string region;  // the CommRegion ("default" outside any)
+  std::string op;      // the collective waited in (e.g. "all_gather_matmul"), "pending all_reduce"
+                       // for a started all-reduce's wait, "other" outside any op
+  double seconds = 0;
+};
+/// Every (region, op) with its blocked seconds since the last reset, ordered by region, then op.
+std::vector<ExposedWait> exposed_waits();
+/// Resets the collective counts, the payload bytes and the exposed waits.
 void reset_collective_counts();
 /// "forward: all_gather=1 reduce_scatter=0 ...; backward: ..." for messages and logs.
 std::string collective_counts_summary();
@@ -31,6 +43,12 @@ std::string collective_counts_summary();
 namespace detail {
 /// Records `bytes` of payload sent in the current region. Called by comm's send.
 void record_payload_bytes(int64_t bytes);
+/// Records `seconds` the calling thread was blocked in a wait inside `op`, in the current
+/// region, unless the calling thread is one of the library's own (mark_library_thread).
+void record_exposed_wait(std::string_view op, double seconds);
+/// Marks the calling thread as one of the library's worker threads: its waits hide nothing
+/// from the training thread and are not recorded as exposed.
+void mark_library_thread();
 /// The calling thread's innermost region ("default" outside any), so that work handed to
 /// another thread for this thread (a pending all-reduce's second phase) is counted under it.
 const std::string& current_region();
