@@ -3,7 +3,9 @@
 # HP_TRACE's files parse, the fused MC2 ops' transfers are covered by matmuls (overlap >= 0.5)
 # and a serial control's are not (overlap < 0.1); the column Linear's fused backward has its
 # reduce-scatter covered by its weight gradient (spans "wgrad" >= 0.5) and a serial backward
-# does not (< 0.1). Needs root (namespaces); skipped otherwise.
+# does not (< 0.1). A row Linear's backward gather has the next row's deferred weight gradient
+# in its window (spans "wgrad" over all_gather_matmul's transfers >= 0.4), and none with the
+# deferral off (< 0.1). Needs root (namespaces); skipped otherwise.
 #   trace_overlap.sh HP_RUN HP_TRACE_TOOL PROGRAM NETNS_SH
 set -uo pipefail
 hp_run=$1 hp_trace=$2 program=$3 netns=$4
@@ -43,5 +45,24 @@ check(by_matmul, "matmul_reduce_scatter", lambda v: v >= 0.5, ">= 0.5")
 check(by_matmul, "serial_all_gather_then_matmul", lambda v: v < 0.1, "< 0.1")
 check(by_wgrad, "column_backward", lambda v: v >= 0.4, ">= 0.4", "wgrad")
 check(by_wgrad, "serial_column_backward", lambda v: v < 0.1, "< 0.1", "wgrad")
+PY
+# The row chain, deferred and serial, each traced into a folder of its own.
+for mode in deferred serial; do
+  mkdir -p "$dir/$mode"
+  HP_TRACE=$dir/$mode OMP_NUM_THREADS=1 "$hp_run" --nproc-per-node 2 --timeout 300 \
+    --master-addr "$(bash "$netns" addr)" --master-port 29733 -- bash "$netns" exec -- "$program" "$mode" \
+    || fail "the traced row chain ($mode) failed"
+  "$hp_trace" overlap "$dir/$mode" --by wgrad
+  "$hp_trace" overlap "$dir/$mode" --by wgrad --json >"$dir/$mode.json" || fail "hp-trace overlap ($mode) failed"
+done
+/usr/bin/python3 - "$dir/deferred.json" "$dir/serial.json" <<'PY' || exit 1
+import json, sys
+for path, ok, text in ((sys.argv[1], lambda v: v >= 0.4, ">= 0.4"), (sys.argv[2], lambda v: v < 0.1, "< 0.1")):
+    ops = json.load(open(path))
+    if "all_gather_matmul" not in ops:
+        print(f"FAIL: no all_gather_matmul in {path}"); sys.exit(1)
+    v = ops["all_gather_matmul"]["overlap"]
+    print(f"{path}: row backward gathers covered by wgrad {v:.2f} (expected {text})")
+    if not ok(v): print("FAIL"); sys.exit(1)
 PY
 echo "PASS"

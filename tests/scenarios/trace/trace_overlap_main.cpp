@@ -2,8 +2,11 @@
 // matmul) a few times on 2 ranks, so that trace_overlap.sh can read the traces: the fused ops'
 // transfers must be covered by matmuls, the control's must not. Also the column Linear's fused
 // backward, whose reduce-scatter must be covered by its weight gradient (spans "wgrad"), and a
-// serial control that computes the weight gradient after the reduce-scatter.
+// serial control that computes the weight gradient after the reduce-scatter. With an argument,
+// the row chain below instead (deferred weight gradients in a gather window, or not).
 #include <cstdio>
+#include <string>
+#include <vector>
 
 #include <ATen/ATen.h>
 
@@ -14,8 +17,39 @@
 namespace hp = hyper_parallel;
 namespace tp = hp::tensor_parallel;
 
-int main() {
+namespace {
+
+// `trace_overlap_main deferred|serial`: two row Linears in a chain (h -> A -> x -> B), trained
+// for a few steps with MC2Options::defer_weight_grads on or off. With it on, B's weight
+// gradient runs in A's backward gather window (spans "wgrad" over the "all_gather_matmul"
+// transfers); off, it runs in B's own node, in no window and in no wgrad span. Sized so that
+// B's dW (m k_b k FLOPs) outlasts A's gather (m k values per rank) and B's own gather is small.
+int row_chain(bool deferred) {
+  auto group = hp::comm::world();
+  const int64_t p = group.size(), m = 512, f = 64, k = 4096, k_b = 1024;
+  at::manual_seed(7 + group.rank());
+  auto leaf = [](std::vector<int64_t> sizes) {
+    return at::randn(sizes).to(at::kBFloat16).requires_grad_(true);
+  };
+  auto h = leaf({p * m, f}), w_a = leaf({k, f}), w_b = leaf({k_b, k});
+  const auto options = tp::MC2Options().chunks_per_rank(2).defer_weight_grads(deferred);
+  for (int step = 0; step < 4; ++step) {
+    auto x = tp::mc2_row_linear(h, w_a, {}, group, options);  // [m, k]
+    auto y = tp::mc2_row_linear(x, w_b, {}, group, options);  // [m / P, k_b]
+    y.sum().backward();
+    hp::comm::barrier(group);
+  }
+  std::printf("rank %lld done (%s)\n", static_cast<long long>(group.rank()),
+              deferred ? "deferred" : "serial");
+  hp::comm::destroy_process_group();
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
   hp::comm::init_process_group();
+  if (argc > 1) return row_chain(std::string(argv[1]) == "deferred");
   auto group = hp::comm::world();
   const int64_t p = group.size(), m = 512, k = 4096, n = 4096;
   at::manual_seed(1 + group.rank());
