@@ -5,7 +5,7 @@
 # and the final checkpoint of an uninterrupted run, bit for bit:
 #   kill_at_step   HP_FAULT_KILL_AT_STEP at a seeded rank and step, TP 2 (KILL_SEEDS seeds)
 #   kill_outside   kill -9 of a seeded rank at a seeded step from outside, TP 4
-#   sigstop        SIGSTOP on a rank; the others time out (HP_TIMEOUT_S=5)
+#   sigstop        SIGSTOP on a rank after step 2; the others time out (HP_TIMEOUT_S=5)
 #   save_fault     HP_CHECKPOINT_FAULT at each point, on the first attempt
 #   async_write    --async-checkpoint; a rank dies halfway through a background write
 #   preempt        SIGTERM to hp-run: checkpoint, exit 75; a relaunch without flags continues
@@ -96,12 +96,17 @@ case_sigstop() {
   HP_TIMEOUT_S=5 "$hp_run" --nproc-per-node 2 "${restart_args[@]}" --grace 1 -- "$train" "${train_args[@]}" \
     --checkpoint-dir "$dir" >"$out" 2>&1 &
   local job=$!
-  wait_for_line "step *5 |" $job || fail "sigstop: the job ended before step 5"
-  kill -STOP "$(pgrep -P $job | sed -n 2p)"
+  # Step 2, not later: the job's 12 debug steps take about a second, and a rank looked up after
+  # step 5 was once already gone ("kill: '': not a pid").
+  wait_for_line "step *2 |" $job || fail "sigstop: the job ended before step 2"
+  local victim
+  victim=$(pgrep -P $job | sed -n 2p)
+  [[ -n $victim ]] || fail "sigstop: expected 2 ranks under hp-run after step 2, got $(pgrep -P $job | wc -l)"
+  kill -STOP "$victim"
   wait $job || fail "sigstop: the job failed"
   [[ $(restarts "$out") == 1 ]] || fail "sigstop: expected one restart"
   expect_like_reference "sigstop" "$dir" "$work/ref2"
-  echo "sigstop: a stopped rank after step 5; the others timed out; one restart; bitwise equal"
+  echo "sigstop: a stopped rank after step 2; the others timed out; one restart; bitwise equal"
 }
 
 case_save_fault() {
