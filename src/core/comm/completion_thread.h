@@ -5,10 +5,14 @@
 // one-thread-per-group rule for starting ops (op.h) holds. Gloo's send and receive works do not
 // report completion until waited for, so polling cannot replace it.
 
+#include "group_impl.h"
 #include "worker_thread.h"
 
 namespace hyper_parallel::comm::detail {
 
-WorkerThread& completion_thread();
+/// The completion thread of `group`'s asynchronous collectives: one per group, so that a small
+/// all-reduce on one group (a tensor-parallel gradient sum) never queues behind a large one on
+/// another (a data-parallel bucket) that is still waiting for its partials.
+WorkerThread& completion_thread(const GroupImpl& group);
 
 }  // namespace hyper_parallel::comm::detail

@@ -148,7 +148,7 @@ PendingAllReduce start_all_reduce(const at::Tensor& buffer, ReduceOp op, const G
   // Thread-local settings, carried to the completion thread: skipped transfers (benchmarks'
   // compute-only twins) and the counters' region.
   const bool skipped = detail::transfers_skipped();
-  detail::completion_thread().submit([state, skipped, region = detail::current_region()] {
+  detail::completion_thread(group.impl()).submit([state, skipped, region = detail::current_region()] {
     std::exception_ptr failure;
     try {
       CommRegion counted_in(region);

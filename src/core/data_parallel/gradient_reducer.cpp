@@ -1,3 +1,4 @@
+#include <hyper_parallel/core/nn/pending_gradient.h>
 #include <hyper_parallel/core/data_parallel/gradient_reducer.h>
 
 #include <sstream>
@@ -169,6 +170,7 @@ void GradientReducer::Impl::start(Bucket& bucket) {
       at::empty({span.numel + static_cast<int64_t>(span.params.size())}, params[span.params[0]].options());
   for (size_t j = 0; j < span.params.size(); ++j) {
     const auto& param = params[span.params[j]];
+    nn::finish_gradient(param);  // a tensor-parallel sum still in flight joins .grad first
     const auto& grad = param.grad();
     TORCH_CHECK_VALUE(param.numel() == span.numels[j], "GradientReducer::launch: expected parameter ",
                       span.params[j], " to have the ", span.numels[j],

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/linear.h>
@@ -213,6 +214,56 @@ TEST(SequenceParallel, NormRunsOnLocalTokensWithoutCommunication) {
   ASSERT_TRUE(tagged.has_value());
   EXPECT_EQ(tagged->placements(), Placements{Shard(1)});
   EXPECT_EQ(tagged->shape(), (std::vector<int64_t>{20, 8 * p, 12}));
+}
+
+// A node that fails in backward, placed before the norm in forward (so after it in backward).
+struct FailInBackward : public torch::autograd::Function<FailInBackward> {
+  static at::Tensor forward(torch::autograd::AutogradContext*, const at::Tensor& x) { return x.clone(); }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*,
+                                                 torch::autograd::variable_list) {
+    TORCH_CHECK(false, "FailInBackward: on purpose");
+  }
+};
+
+// The gradient sum of a sequence-parallel parameter is started by its hook and finished when
+// the backward ends: the hook does not wait (no blocking all_reduce in "grad_sync"; the one
+// wait is the started sum's, at the end), hooks registered after it see this rank's part, and
+// .grad holds the sum after backward(), over accumulation and after a backward that failed.
+TEST(SequenceParallel, GradientSumRunsWhileTheBackwardGoesOn) {
+  const int64_t p = hp_test::world_size(), r = hp_test::rank();
+  at::manual_seed(19);
+  hp::nn::RMSNorm m(12);
+  tp::parallelize_module(*m, tp_mesh(), tp::SequenceParallel());
+  auto full_x = at::randn({4, 8 * p, 12});
+  auto x = full_x.narrow(1, r * 8, 8).clone().requires_grad_(true);
+  std::vector<at::Tensor> seen;
+  const auto hook = m->weight.register_hook([&](const at::Tensor& g) { seen.push_back(g.clone()); });
+  auto backward = [&](bool fail) {
+    auto in = fail ? FailInBackward::apply(x) : x;
+    hp::comm::CommRegion b("backward");
+    (m(in) * in).sum().backward();
+  };
+  // This rank's part, and the sum over ranks, from gathered parts.
+  hp::comm::reset_collective_counts();
+  backward(false);
+  ASSERT_EQ(seen.size(), 1u);
+  const auto sum = hp::comm::all_gather(seen[0].unsqueeze(0), 0, hp::comm::world()).sum(0);
+  EXPECT_TRUE(at::equal(m->weight.grad(), p > 1 ? sum : seen[0]));
+  for (const auto& w : hp::comm::exposed_waits()) {
+    EXPECT_FALSE(w.region == "grad_sync" && w.op == "all_reduce")
+        << "the hook blocked for " << w.seconds << " s";
+  }
+  // Accumulation: the second pass's sum is added to the first's.
+  const auto first = m->weight.grad().clone();
+  backward(false);
+  expect_close(m->weight.grad(), (first * 2).to(at::kDouble), "accumulated sums");
+  // A backward that fails after the hook: its sum is waited for and dropped; the next is right.
+  m->weight.mutable_grad() = at::Tensor();
+  EXPECT_THROW(backward(true), c10::Error);
+  m->weight.mutable_grad() = at::Tensor();
+  backward(false);
+  EXPECT_TRUE(at::equal(m->weight.grad(), first));
+  m->weight.remove_hook(hook);
 }
 
 // Linear(10,16) -> ReLU -> Linear(16,10), as in PyTorch's tensor-parallel tests.

@@ -35,8 +35,12 @@ void shard_parameter_in_place(const at::Tensor& param, const dtensor::DeviceMesh
                               const dtensor::Placements& placements, std::optional<int64_t> src_data_rank);
 
 /// Registers a gradient hook that sums `param`'s gradient over the 1-d mesh (an all_reduce,
-/// counted in CommRegion "grad_sync"). Nothing on a 1-rank mesh or for a parameter that needs no
-/// gradient.
+/// counted in CommRegion "grad_sync"). The hook starts the sum and returns: the backward goes on
+/// while it travels, and the sum replaces this rank's part in .grad by the end of the backward
+/// (or before, when a reader such as data_parallel's reducer asks: nn/pending_gradient.h).
+/// Hooks registered after it see this rank's part. Every rank of the mesh runs the same backward,
+/// so the sums start in the same order everywhere. Nothing on a 1-rank mesh or for a parameter
+/// that needs no gradient.
 void sum_gradient_over_mesh(const at::Tensor& param, const dtensor::DeviceMesh& mesh);
 
 }  // namespace hyper_parallel::tensor_parallel

@@ -167,7 +167,8 @@ class RowwiseParallel : public ParallelStyle {
 /// replicated; the input is Shard(sequence_dim) (a plain tensor is taken as that shard); no
 /// communication in forward or backward. Each rank's parameter gradient covers its own tokens
 /// only (Partial), so a gradient hook sums it over the mesh before any optimizer sees it
-/// (recorded in CommRegion "grad_sync").
+/// (recorded in CommRegion "grad_sync"; started by the hook, finished by the end of the
+/// backward: sum_gradient_over_mesh).
 ///
 /// Usage:
 ///   SequenceParallel(SequenceParallelOptions().sequence_dim(0))

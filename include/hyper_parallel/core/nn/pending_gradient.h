@@ -1,0 +1,35 @@
+#pragma once
+// Gradient contributions still in flight. A parameter whose gradient each rank holds only in
+// part (a sequence-parallel norm's weight: each rank's covers its own tokens) is summed over its
+// group; the sum starts when autograd produces the rank's part and the backward goes on while it
+// travels. The sum replaces the part in the parameter's .grad when it is finished:
+//   - by whoever reads .grad during the backward (a data-parallel reducer, before it copies the
+//     gradient into a bucket): finish_gradient(param);
+//   - for every parameter still pending, at the end of the backward (the autograd engine's final
+//     callback), so .grad is complete when backward() returns.
+// A backward that fails part-way waits for the sums it started and drops them. Everything here
+// runs on the thread that runs the backward.
+
+#include <functional>
+
+#include <ATen/core/Tensor.h>
+
+namespace hyper_parallel::nn {
+
+/// Blocks until a contribution's transfer is done; returns the tensor that .grad must hold in
+/// place of the rank's part (the sum of every rank's part).
+using WaitForGradient = std::function<at::Tensor()>;
+
+/// Called by a gradient hook of `param` during the backward, before AccumulateGrad adds the
+/// rank's part to .grad: records the contribution in flight, and registers the end-of-backward
+/// finish once per backward. When finished, .grad becomes what it held before this hook plus the
+/// waited tensor, with the same rounding as if AccumulateGrad had added the sum itself.
+void defer_gradient(const at::Tensor& param, WaitForGradient wait);
+
+/// Finishes `param`'s contribution in flight, if any (waits for it, then fixes .grad).
+void finish_gradient(const at::Tensor& param);
+
+/// Finishes every contribution in flight.
+void finish_all_gradients();
+
+}  // namespace hyper_parallel::nn

@@ -1,0 +1,123 @@
+#include <hyper_parallel/core/nn/pending_gradient.h>
+
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <c10/util/intrusive_ptr.h>
+#include <torch/csrc/autograd/engine.h>
+
+namespace hyper_parallel::nn {
+namespace {
+
+using WeakParam = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
+
+struct Entry {
+  WeakParam param;    // the parameter (weak: the registry never keeps one alive)
+  at::Tensor before;  // its .grad before this contribution's accumulation (undefined: none)
+  WaitForGradient wait;
+};
+
+struct Registry {
+  std::mutex mutex;
+  std::vector<Entry> entries;  // in flight, in the order they started
+  bool pass_open = false;      // an end-of-backward finish is queued
+};
+
+Registry& registry() {
+  static Registry r;
+  return r;
+}
+
+std::optional<Entry> take(const c10::TensorImpl* param) {
+  auto& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  for (auto it = r.entries.begin(); it != r.entries.end(); ++it) {
+    if (param == nullptr || it->param._unsafe_get_target() == param) {
+      Entry e = std::move(*it);
+      r.entries.erase(it);
+      return e;
+    }
+  }
+  return std::nullopt;
+}
+
+// .grad = before + the sum: the bits AccumulateGrad would have left had it added the sum.
+void apply(Entry& e) {
+  auto sum = e.wait();
+  auto impl = e.param.lock();
+  if (!impl) return;
+  at::Tensor param(std::move(impl));
+  at::NoGradGuard no_grad;
+  auto& grad = param.mutable_grad();
+  auto result = e.before.defined() ? e.before.add(sum) : sum;
+  if (grad.defined() && grad.sizes() == result.sizes()) {
+    grad.copy_(result);
+  } else {
+    grad = result;
+  }
+}
+
+// The backward failed before its final callback: wait for the transfers (so none outlives its
+// buffers or leaves a peer waiting) and drop their results.
+void abandon_all() noexcept {
+  while (auto e = take(nullptr)) {
+    try {
+      e->wait();
+    } catch (...) {  // the failure that stopped the backward is already on its way to the caller
+    }
+  }
+  std::lock_guard<std::mutex> lock(registry().mutex);
+  registry().pass_open = false;
+}
+
+void open_pass() {
+  struct PassGuard {
+    bool ran = false;
+    ~PassGuard() {
+      if (!ran) abandon_all();
+    }
+  };
+  auto guard = std::make_shared<PassGuard>();
+  torch::autograd::Engine::get_default_engine().queue_callback([guard] {
+    guard->ran = true;
+    {
+      std::lock_guard<std::mutex> lock(registry().mutex);
+      registry().pass_open = false;
+    }
+    finish_all_gradients();
+  });
+}
+
+}  // namespace
+
+void defer_gradient(const at::Tensor& param, WaitForGradient wait) {
+  TORCH_INTERNAL_ASSERT(param.defined() && wait, "defer_gradient: undefined argument");
+  // A second part of the same parameter in one backward (a weight used twice): the first one's
+  // sum must be in .grad before this one's "before" is taken.
+  finish_gradient(param);
+  Entry e{WeakParam(param.getIntrusivePtr()), param.grad().defined() ? param.grad().clone() : at::Tensor(),
+          std::move(wait)};
+  bool open = false;
+  {
+    auto& r = registry();
+    std::lock_guard<std::mutex> lock(r.mutex);
+    r.entries.push_back(std::move(e));
+    open = !r.pass_open;
+    r.pass_open = true;
+  }
+  if (open) open_pass();
+}
+
+void finish_gradient(const at::Tensor& param) {
+  while (auto e = take(param.unsafeGetTensorImpl())) apply(*e);
+}
+
+void finish_all_gradients() {
+  while (auto e = take(nullptr)) apply(*e);
+}
+
+}  // namespace hyper_parallel::nn
