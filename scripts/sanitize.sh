@@ -4,7 +4,8 @@
 #   asan   AddressSanitizer + UndefinedBehaviorSanitizer, on every C++ test (build-asan/)
 #   tsan   ThreadSanitizer, on the tests of the comm engine's threads: collectives, agreement,
 #          MC2, the trace, the flight recorder, one thread per group, the preemption signal and
-#          the asynchronous checkpoint writer (build-tsan/)
+#          the asynchronous checkpoint writer, started all-reduces, data parallelism, deferred
+#          weight gradients and sequence-parallel gradient sums (build-tsan/)
 #   bash scripts/sanitize.sh [asan|tsan|all]      (default: all)
 # libtorch and Gloo are not instrumented; the suppressions in tests/sanitizers/ cover only frames
 # inside them, each with its reason. Any finding in this project's code fails the run.
@@ -39,9 +40,9 @@ fi
 if [[ $what == tsan || $what == all ]]; then
   configure build-tsan "-fsanitize=thread" hp-run hp-trace test_collectives test_agreement test_mc2_style \
     test_mc2_distributed trace_overlap_main stuck_rank_main test_op_scope_threads test_lifecycle test_async_save \
-    test_pending_all_reduce test_data_parallel
+    test_pending_all_reduce test_data_parallel test_mc2_deferred_weight_grad test_tp_styles
   export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$supp/tsan.supp"
   (cd build-tsan && ctest --output-on-failure --parallel 2 --timeout 1800 \
-    -R "test_collectives|test_agreement|test_mc2|trace_overlap|stuck_rank|test_op_scope_threads|test_lifecycle|test_async_save|test_pending_all_reduce|test_data_parallel")
+    -R "test_collectives|test_agreement|test_mc2|trace_overlap|stuck_rank|test_op_scope_threads|test_lifecycle|test_async_save|test_pending_all_reduce|test_data_parallel|test_tp_styles")
 fi
 echo "sanitize.sh: $what passed"
