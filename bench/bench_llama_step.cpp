@@ -108,8 +108,8 @@ StepTimes step(Run& run, at::Tensor batch, int64_t seq_len, int64_t vocab, const
   const auto& mesh = meshes.tp;
   const int64_t rows = batch.size(0) / meshes.replicas();
   batch = batch.narrow(0, meshes.replica() * rows, rows);  // this replica's share
-  hp::comm::reset_collective_counts();
   hp::comm::barrier(meshes.world);
+  hp::comm::reset_collective_counts();  // after the barrier: its wait is rank skew, not the step's
   StepTimes t;
   const int64_t before = hp::comm::payload_bytes_sent();
   const double cpu0 = bench::process_cpu_seconds();
@@ -243,7 +243,8 @@ std::vector<Measured> measure(Bench& b, const Meshes& mesh) {
 }
 
 // Where each configuration's exposed communication is: rank 0's blocked time per step in each
-// region (forward, backward, grad_sync, optimizer) and op, largest first within a region.
+// region (forward, backward, grad_sync, optimizer) and op, largest first within a region. A
+// started all-reduce's wait counts where it is waited for.
 void report_exposed_waits(const Bench& b, const std::vector<Measured>& results) {
   std::printf("exposed waits (rank 0, ms per step, time blocked on transfers; region: op ms, ...):\n");
   for (size_t c = 0; c < results.size(); ++c) {
@@ -311,7 +312,7 @@ Meshes make_meshes(int64_t dp) {
 }
 
 // TP alone: plain, MC2 ffn, MC2 all with each weight gradient in its own node ("serial dW"),
-// MC2 all (row and shared-gather weight gradients deferred into the next reduce-scatter's
+// MC2 all (row and shared-gather weight gradients deferred into the next row backward's gather
 // window). With DP: blocking against overlapped gradient reductions
 // (MC2 all inside each replica when TP > 1).
 std::vector<Config> configs_for(const Meshes& meshes) {

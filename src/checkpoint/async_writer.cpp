@@ -72,6 +72,7 @@ SaveResult AsyncWriter::start(const char* fn, const std::string& root, SavePlan 
   path_ = promised.path;  // result_ and error_ are empty: wait() collected the last save
   thread_ = std::thread([this, fn, root, plan = std::move(plan), step, durable, fault] {
     lower_priority();
+    comm::detail::mark_library_thread();  // its waits do not hold up the training thread
     const auto t0 = std::chrono::steady_clock::now();
     const double cpu0 = thread_cpu_seconds();
     try {

@@ -34,6 +34,7 @@ class FunctionalBackward final : public torch::autograd::Node {
   }
   std::string name() const override { return name_; }
   void release_variables() override { fn_ = nullptr; }
+  bool released() const { return fn_ == nullptr; }
 
  private:
   BackwardFn fn_;
@@ -66,9 +67,9 @@ std::vector<at::Tensor> attach_backward(const std::vector<at::Tensor>& inputs,
   return outputs;
 }
 
-std::optional<uint64_t> grad_fn_sequence_nr(const at::Tensor& t) {
-  if (!t.defined() || !t.grad_fn()) return std::nullopt;
-  return t.grad_fn()->sequence_nr();
+bool backward_released(const torch::autograd::Node& node) {
+  const auto* functional = dynamic_cast<const FunctionalBackward*>(&node);
+  return functional != nullptr && functional->released();
 }
 
 at::Tensor attach_backward(const at::Tensor& input, at::Tensor output,

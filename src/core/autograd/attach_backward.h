@@ -11,6 +11,10 @@
 
 #include <ATen/core/Tensor.h>
 
+namespace torch::autograd {
+struct Node;
+}  // namespace torch::autograd
+
 namespace hyper_parallel::detail {
 
 /// Gradients of the outputs (undefined ones replaced by zeros unless materialize_grads is false)
@@ -26,9 +30,9 @@ std::vector<at::Tensor> attach_backward(const std::vector<at::Tensor>& inputs,
                                         std::string name, bool materialize_grads = true,
                                         std::optional<uint64_t> sequence_nr = std::nullopt);
 
-/// The sequence number of the node that computes `t`'s gradient; none for a leaf or a tensor
-/// without autograd history.
-std::optional<uint64_t> grad_fn_sequence_nr(const at::Tensor& t);
+/// Whether `node` is one made by attach_backward whose backward has run and released its state
+/// (a graph kept alive after its backward without retain_graph).
+bool backward_released(const torch::autograd::Node& node);
 
 /// Single-input, single-output convenience.
 at::Tensor attach_backward(const at::Tensor& input, at::Tensor output,

@@ -79,7 +79,7 @@ struct GradientReducer::Impl : std::enable_shared_from_this<GradientReducer::Imp
 
   void on_gradient(int64_t param);
   void begin_backward();
-  void start(Bucket& bucket);
+  void start(Bucket& bucket, bool abandoning = false);
   void launch(Bucket& bucket);
   void abandon() noexcept;
   void copy_back(Bucket& bucket);
@@ -163,14 +163,20 @@ void GradientReducer::Impl::on_gradient(int64_t param) {
 }
 
 // Copies the bucket's gradients (zeros and flag 0 where none) and starts its all-reduce.
-void GradientReducer::Impl::start(Bucket& bucket) {
+void GradientReducer::Impl::start(Bucket& bucket, bool abandoning) {
   at::NoGradGuard no_grad;  // the buffer never joins a graph, even under create_graph
   const auto& span = bucket.span;
   bucket.buffer =
       at::empty({span.numel + static_cast<int64_t>(span.params.size())}, params[span.params[0]].options());
   for (size_t j = 0; j < span.params.size(); ++j) {
     const auto& param = params[span.params[j]];
-    nn::finish_gradient(param);  // a tensor-parallel sum still in flight joins .grad first
+    // A tensor-parallel sum still in flight joins .grad first. When abandoning, a sum that
+    // failed must not keep the remaining buckets from starting (peers would wait for them).
+    try {
+      nn::finish_gradient(param);
+    } catch (const std::exception&) {
+      if (!abandoning) throw;
+    }
     const auto& grad = param.grad();
     TORCH_CHECK_VALUE(param.numel() == span.numels[j], "GradientReducer::launch: expected parameter ",
                       span.params[j], " to have the ", span.numels[j],
@@ -202,7 +208,8 @@ void GradientReducer::Impl::launch(Bucket& bucket) {
 void GradientReducer::Impl::abandon() noexcept {
   try {
     comm::CommRegion region("grad_sync");
-    while (next_launch < static_cast<int64_t>(buckets.size())) start(buckets[next_launch++]);
+    while (next_launch < static_cast<int64_t>(buckets.size()))
+      start(buckets[next_launch++], /*abandoning=*/true);
   } catch (const std::exception& e) {
     TORCH_WARN("GradientReducer: could not start the remaining buckets of a failed backward: ", e.what());
   }

@@ -61,13 +61,19 @@ void apply(Entry& e) {
   }
 }
 
-// The backward failed before its final callback: wait for the transfers (so none outlives its
-// buffers or leaves a peer waiting) and drop their results.
+// The backward failed before its final callback (or a sum failed in it): wait for the
+// transfers (so none outlives its buffers or leaves a peer waiting), drop their results and
+// give each parameter back the .grad it had before this pass's part was added.
 void abandon_all() noexcept {
   while (auto e = take(nullptr)) {
     try {
       e->wait();
     } catch (...) {  // the failure that stopped the backward is already on its way to the caller
+    }
+    if (auto impl = e->param.lock()) {
+      at::Tensor param(std::move(impl));
+      at::NoGradGuard no_grad;
+      param.mutable_grad() = e->before;
     }
   }
   std::lock_guard<std::mutex> lock(registry().mutex);
@@ -88,7 +94,12 @@ void open_pass() {
       std::lock_guard<std::mutex> lock(registry().mutex);
       registry().pass_open = false;
     }
-    finish_all_gradients();
+    try {
+      finish_all_gradients();
+    } catch (...) {
+      abandon_all();  // no sum of this pass is left for the next one to apply
+      throw;
+    }
   });
 }
 

@@ -150,6 +150,36 @@ TEST(DeferredWeightGrads, AccumulationRetainGraphAndAutogradGrad) {
   expect_bitwise(once, block.grads());
 }
 
+// Row -> column + shared column, no row after: autograd::grad stopping at the row's output
+// leaves w3's job posted and unrun (its host, w0's node, does not run); the same retained
+// graph's full backward posts it again before any window and delivers the new one.
+TEST(DeferredWeightGrads, AJobLeftUnrunIsReplacedByTheNextPass) {
+  Block block(4, 32, 16, at::kFloat);
+  auto group = hp::comm::world();
+  auto run = [&](const tp::MC2Options& o) {
+    auto x = tp::mc2_row_linear(block.h, block.w0, block.b0, group, o);
+    auto [y1, gathered] = tp::mc2_column_linear_gathered(x, block.w1, block.b1, group, o);
+    auto y3 = tp::mc2_shared_column_linear(gathered, block.w3, block.b3, o);
+    auto loss = (at::silu(y1) * y3).sum();
+    auto dx = torch::autograd::grad({loss}, {x}, {}, /*retain_graph=*/true);
+    loss.backward();
+    return dx[0];
+  };
+  auto grads = [&] {  // w2 and b2 are not used here
+    return std::vector<at::Tensor>{block.h.grad(),  block.w0.grad(), block.b0.grad(), block.w1.grad(),
+                                   block.b1.grad(), block.w3.grad(), block.b3.grad()};
+  };
+  const auto dx_serial = run(kSerial);
+  const auto serial = grads();
+  block.zero_grads();
+  EXPECT_TRUE(at::equal(run(kDeferred), dx_serial));
+  const auto deferred = grads();
+  for (size_t i = 0; i < serial.size(); ++i) {
+    ASSERT_TRUE(serial[i].defined() && deferred[i].defined()) << kNames[i];
+    EXPECT_TRUE(at::equal(serial[i], deferred[i])) << kNames[i];
+  }
+}
+
 TEST(DeferredWeightGrads, RowAloneAndFrozenWeights) {
   Block block(4, 32, 16, at::kFloat);
   auto group = hp::comm::world();

@@ -38,7 +38,10 @@ void shard_parameter_in_place(const at::Tensor& param, const dtensor::DeviceMesh
 /// counted in CommRegion "grad_sync"). The hook starts the sum and returns: the backward goes on
 /// while it travels, and the sum replaces this rank's part in .grad by the end of the backward
 /// (or before, when a reader such as data_parallel's reducer asks: nn/pending_gradient.h).
-/// Hooks registered after it see this rank's part. Every rank of the mesh runs the same backward,
+/// Hooks registered after it see this rank's part, and what they change is replaced by the sum;
+/// a reader of .grad during the backward must call nn::finish_gradient first (data_parallel's
+/// reducer does; torch's DistributedDataParallel does not: use data_parallel with these
+/// styles). Every rank of the mesh runs the same backward,
 /// so the sums start in the same order everywhere. Nothing on a 1-rank mesh or for a parameter
 /// that needs no gradient.
 void sum_gradient_over_mesh(const at::Tensor& param, const dtensor::DeviceMesh& mesh);

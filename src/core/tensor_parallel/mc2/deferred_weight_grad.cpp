@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <deque>
+#include <exception>
+#include <utility>
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -22,10 +24,11 @@ thread_local std::weak_ptr<torch::autograd::Node> host_node;
 }  // namespace
 
 void DeferredWeightGrad::post(Job job) {
-  // A graph kept with retain_graph runs its backward again: the last pass has delivered.
-  TORCH_INTERNAL_ASSERT(!job_, "DeferredWeightGrad::post: posted again before the last job ran");
+  // A graph kept with retain_graph runs its backward again. A job its last pass left unrun
+  // (autograd::grad not asking for this weight, a failed pass) is dropped: this one replaces it.
   job_ = std::move(job);
   result_.clear();
+  error_ = nullptr;
   done_ = false;
   // Entries already run or freed are dropped first, so a thread no window drains keeps none.
   posted.erase(std::remove_if(posted.begin(), posted.end(),
@@ -40,7 +43,13 @@ void DeferredWeightGrad::post(Job job) {
 void DeferredWeightGrad::run() {
   if (done_ || !job_) return;
   comm::trace::Span span("wgrad");
-  result_ = job_();
+  // A failure (out of memory) must not escape into the collective whose window this is, with
+  // its receives posted: it is kept and raised by take(), in this weight's own node.
+  try {
+    result_ = job_();
+  } catch (...) {
+    error_ = std::current_exception();
+  }
   job_ = nullptr;  // releases dY and X
   done_ = true;
 }
@@ -48,6 +57,7 @@ void DeferredWeightGrad::run() {
 std::vector<at::Tensor> DeferredWeightGrad::take() {
   TORCH_INTERNAL_ASSERT(job_ || done_, "DeferredWeightGrad::take: delivered before its job was posted");
   run();
+  if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
   return std::move(result_);
 }
 
@@ -65,7 +75,9 @@ void remember_gather_host(const at::Tensor& row_output) {
 
 std::optional<uint64_t> gather_host() {
   auto node = host_node.lock();
-  if (!node) return std::nullopt;
+  // A host whose backward has run (a graph the caller keeps alive from an earlier pass) has no
+  // window left to offer.
+  if (!node || hyper_parallel::detail::backward_released(*node)) return std::nullopt;
   return node->sequence_nr();
 }
 

@@ -11,10 +11,14 @@
 // weight's AccumulateGrad, its hooks and gradient reducers see it as usual. It is numbered just
 // below the host row's node (autograd runs the ready node with the highest sequence number
 // first), so it runs after the host, and it computes the job itself if no window ran it: the
-// same GEMM on the same tensors either way, so gradients are bitwise those of the serial order.
-// Everything here runs on the thread that runs the backward.
+// same GEMM on the same tensors either way, so gradients are bitwise those of the serial order
+// (except for a weight used three or more times in one pass, whose parts may then reach its
+// accumulator in another order). Everything here runs on the thread that runs the backward:
+// the CPU engine runs every node on the caller's thread (a device engine would not, and the
+// slots have no locks).
 
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -40,6 +44,7 @@ class DeferredWeightGrad : public std::enable_shared_from_this<DeferredWeightGra
  private:
   Job job_;
   std::vector<at::Tensor> result_;
+  std::exception_ptr error_;  // the job's failure, raised by take()
   bool done_ = false;
 };
 
