@@ -37,6 +37,45 @@ std::optional<uint64_t> deferral_host(std::optional<uint64_t> host, const MC2Opt
   return host;
 }
 
+// The row backward's gather: dX = all_gather(dY) W while the last chunks travel the weight
+// gradients earlier layers deferred into this window run; returns (dX, dY_full).
+std::pair<at::Tensor, at::Tensor> row_gather(const at::Tensor& dy, const at::Tensor& w,
+                                             const comm::Group& group, const MC2Options& options) {
+  return all_gather_mm(dy.contiguous(), w, group, options, detail::run_deferred_weight_grads);
+}
+
+// A Linear's backward, split where deferral cuts it: from dY, dX (undefined when not needed) and
+// the job computing {dW, db}.
+using SplitBackward =
+    std::function<std::pair<at::Tensor, detail::DeferredWeightGrad::Job>(const at::Tensor& dy)>;
+
+// Makes y differentiable with `backward`. With no host, one node returns dX, dW and db; with one,
+// the node returns dX and posts the job, and a delivery node after the host hands dW and db on.
+at::Tensor attach_linear_backward(const at::Tensor& input, const at::Tensor& w, const at::Tensor& bias,
+                                  const at::Tensor& y, std::optional<uint64_t> host, SplitBackward backward,
+                                  const char* name) {
+  if (!host) {
+    return hyper_parallel::detail::attach_backward(
+        {input, w, bias}, {y},
+        [backward = std::move(backward)](std::vector<at::Tensor> grads) {
+          auto [dx, job] = backward(grads[0]);
+          auto wb = job();
+          return std::vector<at::Tensor>{dx, wb[0], wb[1]};
+        },
+        name)[0];
+  }
+  auto slot = std::make_shared<detail::DeferredWeightGrad>();
+  const auto token = detail::deliver_weight_grad(slot, w, bias, *host);
+  return hyper_parallel::detail::attach_backward(
+      {input, token}, {y},
+      [backward = std::move(backward), slot](std::vector<at::Tensor> grads) {
+        auto [dx, job] = backward(grads[0]);
+        slot->post(std::move(job));
+        return std::vector<at::Tensor>{dx, at::Tensor()};
+      },
+      name)[0];
+}
+
 }  // namespace
 
 void check_world_size_argument(const char* where, int64_t world_size, const comm::Group& group) {
@@ -89,7 +128,7 @@ MC2LinearGrads mc2_row_backward(const at::Tensor& dy, const at::Tensor& x, const
   // gradients that earlier layers deferred run while the last chunks travel. dW = dY_fullᵀ X
   // needs every dY row: one GEMM after the gather. (Summing it per arrived chunk hid more of the
   // gather but, with bf16 chunk products, broke the bf16 tolerance; see docs/architecture.md.)
-  auto [dx, dy_full] = all_gather_mm(dy.contiguous(), w, group, options, detail::run_deferred_weight_grads);
+  auto [dx, dy_full] = row_gather(dy, w, group, options);
   auto wb = weight_grads_of(dy_full, x, needs);
   return {needs.input ? dx : at::Tensor(), wb[0], wb[1]};
 }
@@ -130,29 +169,15 @@ at::Tensor mc2_shared_column_linear(const at::Tensor& gathered, const at::Tensor
   const auto needs = needs_of(gathered, w, bias);
   // dG = dY W joins the gathering layer's reduce-scatter; dW = dYᵀ G runs in the window of the
   // row Linear recorded last before this layer (the next gather of the backward).
-  const auto host = deferral_host(detail::gather_host(), options, needs);
-  if (!host) {
-    return hyper_parallel::detail::attach_backward(
-        {gathered, w, bias}, {y},
-        [g = gathered.detach(), w = w.detach(),
-         needs](std::vector<at::Tensor> grads) -> std::vector<at::Tensor> {
-          const auto dy = grads[0].contiguous();
-          auto wb = weight_grads_of(dy, g, needs);
-          return {needs.input ? local_matmul(dy, w) : at::Tensor(), wb[0], wb[1]};
-        },
-        "MC2SharedColumnLinearBackward")[0];
-  }
-  auto slot = std::make_shared<detail::DeferredWeightGrad>();
-  const auto token = detail::deliver_weight_grad(slot, w, bias, *host);
-  return hyper_parallel::detail::attach_backward(
-      {gathered, token}, {y},
-      [g = gathered.detach(), w = w.detach(), needs,
-       slot](std::vector<at::Tensor> grads) -> std::vector<at::Tensor> {
-        auto dy = grads[0].contiguous();
-        slot->post([dy, g, needs] { return weight_grads_of(dy, g, needs); });
-        return {needs.input ? local_matmul(dy, w) : at::Tensor(), at::Tensor()};
+  return attach_linear_backward(
+      gathered, w, bias, y, deferral_host(detail::gather_host(), options, needs),
+      [g = gathered.detach(), w = w.detach(), needs](const at::Tensor& dy_in) {
+        auto dy = dy_in.contiguous();
+        auto dx = needs.input ? local_matmul(dy, w) : at::Tensor();
+        return std::make_pair(
+            dx, detail::DeferredWeightGrad::Job([dy, g, needs] { return weight_grads_of(dy, g, needs); }));
       },
-      "MC2SharedColumnLinearBackward")[0];
+      "MC2SharedColumnLinearBackward");
 }
 
 at::Tensor mc2_row_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias,
@@ -163,29 +188,17 @@ at::Tensor mc2_row_linear(const at::Tensor& x, const at::Tensor& w, const at::Te
     y = mc2_row_forward(x, w, bias, group, options);
   }
   const auto needs = needs_of(x, w, bias);
-  const auto host = deferral_host(detail::gather_host(), options, needs);
-  if (!host) {
-    y = hyper_parallel::detail::attach_backward(
-        {x, w, bias}, {y},
-        [x = x.detach(), w = w.detach(), group, options, needs](std::vector<at::Tensor> grads) {
-          auto g = mc2_row_backward(grads[0], x, w, group, options, needs);
-          return std::vector<at::Tensor>{g.input, g.weight, g.bias};
-        },
-        "MC2RowLinearBackward")[0];
-  } else {
-    // dW = dY_fullᵀ X needs the whole gather: it runs in the next row backward's window.
-    auto slot = std::make_shared<detail::DeferredWeightGrad>();
-    const auto token = detail::deliver_weight_grad(slot, w, bias, *host);
-    y = hyper_parallel::detail::attach_backward(
-        {x, token}, {y},
-        [x = x.detach(), w = w.detach(), group, options, needs, slot](std::vector<at::Tensor> grads) {
-          auto [dx, dy_full] =
-              all_gather_mm(grads[0].contiguous(), w, group, options, detail::run_deferred_weight_grads);
-          slot->post([dy_full = dy_full, x, needs] { return weight_grads_of(dy_full, x, needs); });
-          return std::vector<at::Tensor>{needs.input ? dx : at::Tensor(), at::Tensor()};
-        },
-        "MC2RowLinearBackward")[0];
-  }
+  // dW = dY_fullᵀ X needs the whole gather: with a host, it runs in the next row backward's window.
+  y = attach_linear_backward(
+      x, w, bias, y, deferral_host(detail::gather_host(), options, needs),
+      [x = x.detach(), w = w.detach(), group, options, needs](const at::Tensor& dy) {
+        auto [dx, dy_full] = row_gather(dy, w, group, options);
+        return std::make_pair(needs.input ? dx : at::Tensor(),
+                              detail::DeferredWeightGrad::Job([dy_full = dy_full, x, needs] {
+                                return weight_grads_of(dy_full, x, needs);
+                              }));
+      },
+      "MC2RowLinearBackward");
   // This row's gather window hosts the weight gradients of the layers recorded after it.
   detail::remember_gather_host(y);
   return y;
