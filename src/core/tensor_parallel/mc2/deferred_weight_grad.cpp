@@ -30,11 +30,12 @@ void DeferredWeightGrad::post(Job job) {
   result_.clear();
   error_ = nullptr;
   done_ = false;
-  // Entries already run or freed are dropped first, so a thread no window drains keeps none.
+  // Entries already run or freed are dropped first, so a thread no window drains keeps none,
+  // and so is this slot's own entry from a pass that left it unrun: one entry per slot.
   posted.erase(std::remove_if(posted.begin(), posted.end(),
-                              [](const std::weak_ptr<DeferredWeightGrad>& entry) {
+                              [this](const std::weak_ptr<DeferredWeightGrad>& entry) {
                                 auto slot = entry.lock();
-                                return !slot || slot->done();
+                                return !slot || slot->done() || slot.get() == this;
                               }),
                posted.end());
   posted.push_back(weak_from_this());
