@@ -145,7 +145,8 @@ std::vector<int64_t> split_sizes_or_chunks(const char* fn, c10::IntArrayRef size
 
 const char* to_string(ReduceOp op) { return op == ReduceOp::kSum ? "sum" : "avg"; }
 
-at::Tensor all_gather(const at::Tensor& input, int64_t dim, const Group& group, c10::IntArrayRef sizes) {
+at::Tensor all_gather(const at::Tensor& input, int64_t dim, const Group& group, c10::IntArrayRef sizes,
+                      const InFlightFn& while_in_flight) {
   check_dtype("all_gather", input);
   dim = normalize_dim("all_gather", dim, input.dim());
   const int64_t p = group.size();
@@ -173,7 +174,7 @@ at::Tensor all_gather(const at::Tensor& input, int64_t dim, const Group& group, 
   const int64_t max_rows = *std::max_element(rank_sizes.begin(), rank_sizes.end());
   const auto layout = flat_layout(rank_sizes, row_elems,
                                   p == 2 ? 1 : chunks_for(max_rows * row_elems * input.element_size()));
-  ring_all_gather(local.contiguous().view({-1, 1}), buffer.view({-1, 1}), layout, group);
+  ring_all_gather(local.contiguous().view({-1, 1}), buffer.view({-1, 1}), layout, group, {}, while_in_flight);
   return buffer.movedim(0, dim).contiguous();
 }
 

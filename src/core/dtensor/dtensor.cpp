@@ -10,6 +10,7 @@
 #include <hyper_parallel/core/comm/collectives.h>
 
 #include "../autograd/attach_backward.h"
+#include "../autograd/gather_window.h"
 
 namespace hyper_parallel::dtensor {
 
@@ -92,11 +93,10 @@ bool all_to_all_eligible(const Placements& cur, const Placements& to, int64_t i)
   return true;
 }
 
-}  // namespace
-
-at::Tensor redistribute_local(const at::Tensor& local, const DeviceMesh& mesh,
-                              const std::vector<int64_t>& global_shape, const Placements& from,
-                              const Placements& to) {
+// redistribute_local whose gathers run `while_in_flight` while their last blocks travel.
+at::Tensor redistribute_with_window(const at::Tensor& local, const DeviceMesh& mesh,
+                                    const std::vector<int64_t>& global_shape, const Placements& from,
+                                    const Placements& to, const comm::InFlightFn& while_in_flight) {
   const auto ndim = static_cast<int64_t>(global_shape.size());
   check_placements("redistribute", mesh, from, ndim);
   check_placements("redistribute", mesh, to, ndim);
@@ -112,7 +112,7 @@ at::Tensor redistribute_local(const at::Tensor& local, const DeviceMesh& mesh,
     }
     const int64_t d = cur[i].dim();
     auto sizes = group_extents(mesh, global_shape[d], cur, d, i);
-    x = comm::all_gather(x, d, mesh.get_group(i), sizes);
+    x = comm::all_gather(x, d, mesh.get_group(i), sizes, while_in_flight);
     cur[i] = Replicate();
   }
   // Phase 2, outermost first (so nested shards are cut in mesh-dim order).
@@ -146,6 +146,22 @@ at::Tensor redistribute_local(const at::Tensor& local, const DeviceMesh& mesh,
     cur[i] = t;
   }
   return x;
+}
+
+// Whether some mesh dim goes Partial -> Shard: a reduce-scatter, whose backward gathers.
+bool backward_gathers(const Placements& from, const Placements& to) {
+  for (size_t i = 0; i < from.size(); ++i) {
+    if (from[i].is_partial() && to[i].is_shard()) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+at::Tensor redistribute_local(const at::Tensor& local, const DeviceMesh& mesh,
+                              const std::vector<int64_t>& global_shape, const Placements& from,
+                              const Placements& to) {
+  return redistribute_with_window(local, mesh, global_shape, from, to, {});
 }
 
 DTensor::DTensor(at::Tensor local, DeviceMesh mesh, Placements placements, std::vector<int64_t> shape)
@@ -233,9 +249,15 @@ DTensor DTensor::redistribute(const Placements& placements) const {
       local_, out,
       [mesh = mesh_, shape = shape_, from = placements_, target, slot](const at::Tensor& grad) {
         const Placements grad_pl = slot->placements.value_or(for_gradient(target));
-        return redistribute_local(grad, mesh, shape, grad_pl, for_gradient(from));
+        // The work deferred into this gather's window (autograd/gather_window.h) runs while its
+        // last blocks travel.
+        return redistribute_with_window(grad, mesh, shape, grad_pl, for_gradient(from),
+                                        hyper_parallel::detail::run_window_jobs);
       },
       "DTensorRedistributeBackward");
+  // A reduce-scatter (a row-parallel output, the embedding's) gathers in backward: it hosts the
+  // deferred work of the ops recorded after it.
+  if (backward_gathers(placements_, target)) hyper_parallel::detail::remember_gather_host(out);
   DTensor result(out, mesh_, target, shape_);
   result.grad_slot_ = slot;
   return result;

@@ -1,6 +1,7 @@
 // MC2's deferred weight gradients (MC2Options::defer_weight_grads): a row Linear's dW and the
-// dW of a layer sharing a gather run in the next row backward's gather window and reach
-// autograd after that row's own weight gradient. The gradients are bitwise those of the serial
+// dW of a layer sharing a gather run in the next backward gather's window (a row Linear's, or
+// the one under a reduce-scatter redistribute like the embedding's) and reach autograd after
+// that gather. The gradients are bitwise those of the serial
 // order, at world sizes 1, 2, 3, 4 and 8, in bf16 and float32, with and without a shared
 // gather, over accumulation, retain_graph and autograd::grad.
 #include <gtest/gtest.h>
@@ -13,6 +14,8 @@
 #include <torch/autograd.h>
 
 #include <hyper_parallel/core/comm.h>
+#include <hyper_parallel/core/dtensor/device_mesh.h>
+#include <hyper_parallel/core/dtensor/dtensor.h>
 #include <hyper_parallel/core/tensor_parallel/mc2/fused_linear.h>
 
 #include "common/test_util.h"
@@ -123,6 +126,49 @@ TEST(DeferredWeightGrads, ArriveAfterTheHostRowsOwn) {
   std::sort(deferred.begin() + 2, deferred.end());
   EXPECT_EQ(std::vector<std::string>(deferred.begin() + 2, deferred.end()),
             (std::vector<std::string>{"w2", "w3"}));
+}
+
+// The embedding's case: the first MC2 layers have no row before them, but a Partial -> Shard
+// redistribute (the embedding's reduce-scatter) gathers in backward. Returns the order in which
+// the gradients of e (the partial input), w1, w3 and w2 reach autograd, and the gradients.
+std::pair<std::vector<std::string>, std::vector<at::Tensor>> after_a_reduce_scatter(
+    const tp::MC2Options& options) {
+  Block block(4, 32, 16, at::kFloat);
+  const auto group = hp::comm::world();
+  const auto mesh = hp::dtensor::init_device_mesh("cpu", {hp_test::world_size()}, {"tp"});
+  at::manual_seed(11 + hp_test::rank());
+  const auto e = at::randn({hp_test::world_size() * 4, 32}).requires_grad_(true);
+  std::vector<std::string> order;
+  std::vector<std::pair<at::Tensor, unsigned>> hooks;
+  for (auto [t, name] : {std::pair{e, "e"}, {block.w1, "w1"}, {block.w3, "w3"}, {block.w2, "w2"}}) {
+    hooks.emplace_back(
+        t, t.register_hook([&order, n = std::string(name)](const at::Tensor&) { order.push_back(n); }));
+  }
+  auto x = hp::dtensor::DTensor::from_local(e, mesh, {hp::dtensor::Partial()})
+               .redistribute({hp::dtensor::Shard(0)})
+               .to_local();
+  auto [y1, gathered] = tp::mc2_column_linear_gathered(x, block.w1, block.b1, group, options);
+  auto y3 = tp::mc2_shared_column_linear(gathered, block.w3, block.b3, options);
+  auto y = tp::mc2_row_linear(at::silu(y1) * y3, block.w2, block.b2, group, options);
+  (y * block.upstream).sum().backward();
+  for (auto& [t, id] : hooks) t.remove_hook(id);
+  return {order,
+          {e.grad(), block.w1.grad(), block.b1.grad(), block.w3.grad(), block.b3.grad(), block.w2.grad(),
+           block.b2.grad()}};
+}
+
+TEST(DeferredWeightGrads, AReduceScatterBeforeThemHostsTheFirstLayersJobs) {
+  const auto [serial_order, serial] = after_a_reduce_scatter(kSerial);
+  EXPECT_EQ(serial_order, (std::vector<std::string>{"w2", "w3", "w1", "e"}));
+  auto [order, grads] = after_a_reduce_scatter(kDeferred);
+  // w3's and w2's dW ran in the redistribute backward's gather: they arrive after w1's.
+  ASSERT_EQ(order.size(), 4u);
+  EXPECT_EQ(order[0], "w1");
+  std::sort(order.begin() + 1, order.end());
+  EXPECT_EQ(std::vector<std::string>(order.begin() + 1, order.end()),
+            (std::vector<std::string>{"e", "w2", "w3"}));
+  ASSERT_EQ(grads.size(), serial.size());
+  for (size_t i = 0; i < grads.size(); ++i) EXPECT_TRUE(at::equal(grads[i], serial[i])) << i;
 }
 
 TEST(DeferredWeightGrads, AccumulationRetainGraphAndAutogradGrad) {

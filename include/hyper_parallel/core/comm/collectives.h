@@ -20,6 +20,7 @@
 
 #include <hyper_parallel/core/comm/chunks.h>
 #include <hyper_parallel/core/comm/process_group.h>
+#include <hyper_parallel/core/comm/schedule.h>
 
 namespace hyper_parallel::comm {
 
@@ -27,8 +28,11 @@ enum class ReduceOp { kSum, kAvg };
 const char* to_string(ReduceOp op);
 
 /// Concatenation along `dim` of every rank's `input`. `sizes[r]` is rank r's extent along dim;
-/// empty means all equal to this rank's. Ring, P-1 steps.
-at::Tensor all_gather(const at::Tensor& input, int64_t dim, const Group& group, c10::IntArrayRef sizes = {});
+/// empty means all equal to this rank's. Ring, P-1 steps. `while_in_flight` (independent work,
+/// e.g. a backward's deferred weight gradients) runs once this rank has forwarded everything it
+/// forwards, while the last blocks travel.
+at::Tensor all_gather(const at::Tensor& input, int64_t dim, const Group& group, c10::IntArrayRef sizes = {},
+                      const InFlightFn& while_in_flight = {});
 
 /// Reduction over ranks of `input`, split along `dim`; rank r gets block r. `sizes` splits dim
 /// (must sum to its extent); empty means chunk_sizes(extent, P). Ring, P-1 steps.

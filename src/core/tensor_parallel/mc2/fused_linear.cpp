@@ -8,6 +8,7 @@
 #include <hyper_parallel/core/comm/trace.h>
 
 #include "../../autograd/attach_backward.h"
+#include "../../autograd/gather_window.h"
 #include "deferred_weight_grad.h"
 
 namespace hyper_parallel::tensor_parallel {
@@ -41,7 +42,7 @@ std::optional<uint64_t> deferral_host(std::optional<uint64_t> host, const MC2Opt
 // gradients earlier layers deferred into this window run; returns (dX, dY_full).
 std::pair<at::Tensor, at::Tensor> row_gather(const at::Tensor& dy, const at::Tensor& w,
                                              const comm::Group& group, const MC2Options& options) {
-  return all_gather_mm(dy.contiguous(), w, group, options, detail::run_deferred_weight_grads);
+  return all_gather_mm(dy.contiguous(), w, group, options, hyper_parallel::detail::run_window_jobs);
 }
 
 // A Linear's backward, split where deferral cuts it: from dY, dX (undefined when not needed) and
@@ -170,7 +171,7 @@ at::Tensor mc2_shared_column_linear(const at::Tensor& gathered, const at::Tensor
   // dG = dY W joins the gathering layer's reduce-scatter; dW = dYᵀ G runs in the window of the
   // row Linear recorded last before this layer (the next gather of the backward).
   return attach_linear_backward(
-      gathered, w, bias, y, deferral_host(detail::gather_host(), options, needs),
+      gathered, w, bias, y, deferral_host(hyper_parallel::detail::gather_host(), options, needs),
       [g = gathered.detach(), w = w.detach(), needs](const at::Tensor& dy_in) {
         auto dy = dy_in.contiguous();
         auto dx = needs.input ? local_matmul(dy, w) : at::Tensor();
@@ -190,7 +191,7 @@ at::Tensor mc2_row_linear(const at::Tensor& x, const at::Tensor& w, const at::Te
   const auto needs = needs_of(x, w, bias);
   // dW = dY_fullᵀ X needs the whole gather: with a host, it runs in the next row backward's window.
   y = attach_linear_backward(
-      x, w, bias, y, deferral_host(detail::gather_host(), options, needs),
+      x, w, bias, y, deferral_host(hyper_parallel::detail::gather_host(), options, needs),
       [x = x.detach(), w = w.detach(), group, options, needs](const at::Tensor& dy) {
         auto [dx, dy_full] = row_gather(dy, w, group, options);
         return std::make_pair(needs.input ? dx : at::Tensor(),
@@ -200,7 +201,7 @@ at::Tensor mc2_row_linear(const at::Tensor& x, const at::Tensor& w, const at::Te
       },
       "MC2RowLinearBackward");
   // This row's gather window hosts the weight gradients of the layers recorded after it.
-  detail::remember_gather_host(y);
+  hyper_parallel::detail::remember_gather_host(y);
   return y;
 }
 

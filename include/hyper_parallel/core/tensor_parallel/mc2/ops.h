@@ -42,8 +42,9 @@ struct MC2Options {
   TORCH_ARG(int64_t, chunks_per_rank) = 2;
   /// The weight gradients that cannot hide behind their own collective (a row Linear's, which
   /// needs the whole gather of dY, and those of layers sharing another layer's gather) are
-  /// computed in the next row backward's gather window instead (mc2_row_linear,
-  /// mc2_shared_column_linear; docs/mc2.md). Bitwise the same gradients; dY and the saved input
+  /// computed in the next backward gather's window instead: a row Linear's, or a reduce-scatter
+  /// redistribute's such as the embedding's (mc2_row_linear, mc2_shared_column_linear;
+  /// docs/mc2.md). Bitwise the same gradients; dY and the saved input
   /// live until that window. Off: each is computed in its own backward node, as soon as it can.
   TORCH_ARG(bool, defer_weight_grads) = true;
 };
