@@ -180,10 +180,15 @@ OpScope::OpScope(const Group& group, const OpSignature& signature, const std::st
   if (counted) record_collective(signature.kind, detail);
 }
 
+std::shared_ptr<detail::OpRecord> OpScope::keep_record_open() {
+  kept_open_ = true;
+  return record_;
+}
+
 OpScope::~OpScope() {
   release_group();
   if (!record_) return;
-  detail::FlightRecorder::get().end(record_, std::uncaught_exceptions() == uncaught_);
+  if (!kept_open_) detail::FlightRecorder::get().end(record_, std::uncaught_exceptions() == uncaught_);
   detail::FlightRecorder::set_current(previous_);
 }
 

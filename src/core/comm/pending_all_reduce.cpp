@@ -1,5 +1,6 @@
 #include <hyper_parallel/core/comm/pending_all_reduce.h>
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <exception>
@@ -19,6 +20,7 @@
 #include <hyper_parallel/core/comm/work.h>
 
 #include "completion_thread.h"
+#include "flight_recorder.h"
 
 namespace hyper_parallel::comm {
 
@@ -55,16 +57,32 @@ struct PendingAllReduceState {
   void gather() {
     const int64_t p = group.size(), r = group.rank();
     wait_all();
-    auto sum = partials[0].to(accumulate_type(buffer.scalar_type()), /*non_blocking=*/false, /*copy=*/true);
-    for (int64_t q = 1; q < p; ++q) sum.add_(partials[q]);
-    if (op == ReduceOp::kAvg) sum.div_(p);
-    partials[r].copy_(sum);
+    sum_partials_into(partials[r]);
     partials.clear();
     for (int64_t q = 0; q < p; ++q) {
       if (q != r) receives.push_back(irecv(block(q), q, group, tags.step(1)));
     }
     for (int64_t s = 1; s < p; ++s) sends.push_back(isend(block(r), (r + s) % p, group, tags.step(1)));
     wait_all();
+  }
+
+  // The partials summed in rank order in the accumulate dtype, divided for an average, rounded
+  // once into `out`; a slice at a time through a scratch of one slice, so that no temporary the
+  // size of the block is allocated (and page-faulted) per bucket and each slice's passes stay in
+  // cache. The same operations per element as one whole-block sum: the same bits.
+  void sum_partials_into(const at::Tensor& out) const {
+    constexpr int64_t kSliceElements = int64_t{1} << 17;
+    const int64_t n = out.numel(), p = group.size();
+    auto scratch =
+        at::empty({std::min(n, kSliceElements)}, out.options().dtype(accumulate_type(out.scalar_type())));
+    for (int64_t offset = 0; offset < n; offset += kSliceElements) {
+      const int64_t len = std::min(kSliceElements, n - offset);
+      auto sum = scratch.narrow(0, 0, len);
+      sum.copy_(partials[0].narrow(0, offset, len));
+      for (int64_t q = 1; q < p; ++q) sum.add_(partials[q].narrow(0, offset, len));
+      if (op == ReduceOp::kAvg) sum.div_(p);
+      out.narrow(0, offset, len).copy_(sum);
+    }
   }
 
   void wait_all() {
@@ -146,21 +164,26 @@ PendingAllReduce start_all_reduce(const at::Tensor& buffer, ReduceOp op, const G
   }
   state->post_reduce();
   // Thread-local settings, carried to the completion thread: skipped transfers (benchmarks'
-  // compute-only twins) and the counters' region.
+  // compute-only twins), the counters' region, and the op's flight-recorder record, which stays
+  // open until phase 2 ends (a hang or a failure there names this op and the peer).
   const bool skipped = detail::transfers_skipped();
-  detail::completion_thread(group.impl()).submit([state, skipped, region = detail::current_region()] {
-    std::exception_ptr failure;
-    try {
-      CommRegion counted_in(region);
-      at::NoGradGuard no_grad;
-      std::optional<detail::SkipTransfers> skip;
-      if (skipped) skip.emplace();
-      state->gather();
-    } catch (...) {
-      failure = std::current_exception();
-    }
-    state->complete(std::move(failure));
-  });
+  detail::completion_thread(group.impl())
+      .submit([state, skipped, region = detail::current_region(), record = scope.keep_record_open()] {
+        std::exception_ptr failure;
+        detail::FlightRecorder::set_current(record);
+        try {
+          CommRegion counted_in(region);
+          at::NoGradGuard no_grad;
+          std::optional<detail::SkipTransfers> skip;
+          if (skipped) skip.emplace();
+          state->gather();
+        } catch (...) {
+          failure = std::current_exception();
+        }
+        if (record) detail::FlightRecorder::get().end(record, failure == nullptr);
+        detail::FlightRecorder::set_current(nullptr);
+        state->complete(std::move(failure));
+      });
   return PendingAllReduce(std::move(state));
 }
 

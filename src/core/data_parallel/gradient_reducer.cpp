@@ -3,6 +3,7 @@
 
 #include <sstream>
 #include <unordered_set>
+#include <utility>
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -63,6 +64,9 @@ struct GradientReducer::Impl : std::enable_shared_from_this<GradientReducer::Imp
     int64_t waiting = 0;  // parameters whose gradient this backward has not produced yet
     bool copied_back = false;
     at::Tensor buffer;  // the gradients, then one flag per parameter: 1 where it had a gradient
+    // The buffer of the last pass whose reduction was copied back, reused by the next pass: a
+    // fresh one would be page-faulted in at every step (DDP keeps its buckets too).
+    at::Tensor kept_buffer;
     comm::PendingAllReduce reduce;
   };
 
@@ -166,8 +170,12 @@ void GradientReducer::Impl::on_gradient(int64_t param) {
 void GradientReducer::Impl::start(Bucket& bucket, bool abandoning) {
   at::NoGradGuard no_grad;  // the buffer never joins a graph, even under create_graph
   const auto& span = bucket.span;
-  bucket.buffer =
-      at::empty({span.numel + static_cast<int64_t>(span.params.size())}, params[span.params[0]].options());
+  const int64_t numel = span.numel + static_cast<int64_t>(span.params.size());
+  const auto options = params[span.params[0]].options();
+  const auto& kept = bucket.kept_buffer;
+  bucket.buffer = kept.defined() && kept.numel() == numel && kept.dtype() == options.dtype()
+                      ? std::exchange(bucket.kept_buffer, at::Tensor())
+                      : at::empty({numel}, options);
   for (size_t j = 0; j < span.params.size(); ++j) {
     const auto& param = params[span.params[j]];
     // A tensor-parallel sum still in flight joins .grad first. When abandoning, a sum that
@@ -243,7 +251,7 @@ void GradientReducer::Impl::copy_back(Bucket& bucket) {
     }
   }
   bucket.copied_back = true;
-  bucket.buffer = at::Tensor();
+  bucket.kept_buffer = std::exchange(bucket.buffer, at::Tensor());
 }
 
 void GradientReducer::Impl::finish_backward() {

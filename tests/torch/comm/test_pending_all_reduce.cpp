@@ -148,6 +148,36 @@ TEST(PendingAllReduce, ExposedWaitsAreTheCallersBlockedTimeOnly) {
   EXPECT_TRUE(comm::exposed_waits().empty());
 }
 
+// The last line of the flight recorder's dump that names an all_reduce.
+std::string last_all_reduce() {
+  std::string dump = comm::flight_recorder_dump(), last;
+  for (size_t begin = 0, end; begin < dump.size(); begin = end + 1) {
+    end = dump.find('\n', begin);
+    if (end == std::string::npos) end = dump.size();
+    const auto line = dump.substr(begin, end - begin);
+    if (line.find(" all_reduce seq ") != std::string::npos) last = line;
+  }
+  return last;
+}
+
+TEST(PendingAllReduce, TheFlightRecorderKeepsTheOpOpenUntilItCompletes) {
+  const int64_t p = hp_test::world_size(), r = hp_test::rank();
+  comm::barrier(world());
+  // Rank 0 is late: the others' second phase waits on it, and their record says so.
+  if (r == 0) std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  auto pending = comm::start_all_reduce(at::ones({4096}), comm::ReduceOp::kSum, world(),
+                                        comm::Agreement::kAgreedInAdvance);
+  if (p > 1 && r != 0) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    const auto line = last_all_reduce();
+    EXPECT_NE(line.find("waiting on rank 0"), std::string::npos) << line;
+    EXPECT_EQ(line.find("— done"), std::string::npos) << line;
+  }
+  pending.wait();
+  const auto line = last_all_reduce();
+  EXPECT_NE(line.find("— done"), std::string::npos) << line;
+}
+
 TEST(PendingAllReduce, RejectsWhatItCannotReduce) {
   HP_EXPECT_THROW_MSG(comm::start_all_reduce(at::ones({4}, at::kLong), comm::ReduceOp::kSum, world()),
                       "hyper_parallel::comm::start_all_reduce: expected a floating-point tensor, got Long");

@@ -89,6 +89,11 @@ class OpScope {
   OpScope(const OpScope&) = delete;
   OpScope& operator=(const OpScope&) = delete;
 
+  /// For an op that goes on after the scope (a started all-reduce finishing on a library
+  /// thread): the scope's end no longer ends the op's flight-recorder record; whoever finishes
+  /// the op takes it (detail::FlightRecorder::set_current, then end).
+  std::shared_ptr<detail::OpRecord> keep_record_open();
+
  private:
   void claim_group(const Group& group, const OpSignature& signature);
   void release_group();
@@ -96,6 +101,7 @@ class OpScope {
   trace::OpSpan span_;
   std::shared_ptr<detail::OpRecord> record_, previous_;
   int uncaught_ = 0;
+  bool kept_open_ = false;
   detail::GroupImpl* claimed_ = nullptr;
   std::thread::id previous_thread_;
 };

@@ -10,6 +10,8 @@
 //   - the autograd engine's final callback of that backward starts the buckets still waiting
 //     (a parameter without a gradient contributes zeros) and waits for all of them, so the
 //     gradients are averaged when backward() returns: an optimizer step may follow at once.
+// The bucket buffers are kept from one backward to the next (one gradient's worth of memory, as
+// DDP's), so no step page-faults them in again.
 // A parameter that got no gradient on any rank keeps its .grad (undefined stays undefined); one
 // that got it on some ranks only gets the average on all of them.
 //
