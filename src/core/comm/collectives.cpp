@@ -164,18 +164,27 @@ at::Tensor all_gather(const at::Tensor& input, int64_t dim, const Group& group, 
                elements_per_slice(input, dim), hash_of(rank_sizes), dim},
               {"gathered_extent", "slice_elements", "sizes_hash", "dim"}},
              describe(input, group));
-  auto local = input.movedim(dim, 0);
-  auto out_sizes = local.sizes().vec();
-  out_sizes[0] = std::accumulate(rank_sizes.begin(), rank_sizes.end(), int64_t{0});
-  auto buffer = at::empty(out_sizes, input.options().memory_format(at::MemoryFormat::Contiguous));
-  const int64_t row_elems = local.size(0) == 0
-                                ? c10::multiply_integers(out_sizes.begin() + 1, out_sizes.end())
-                                : local.numel() / local.size(0);
+  // Each rank's block travels in its own memory order (nothing is transposed before the send);
+  // the blocks are concatenated along dim afterwards, in one copy, and in none when nothing
+  // precedes dim (the blocks are then already in the output's order).
+  const int64_t row_elems = elements_per_slice(input, dim);
+  const int64_t total_rows = std::accumulate(rank_sizes.begin(), rank_sizes.end(), int64_t{0});
   const int64_t max_rows = *std::max_element(rank_sizes.begin(), rank_sizes.end());
   const auto layout = flat_layout(rank_sizes, row_elems,
                                   p == 2 ? 1 : chunks_for(max_rows * row_elems * input.element_size()));
-  ring_all_gather(local.contiguous().view({-1, 1}), buffer.view({-1, 1}), layout, group, {}, while_in_flight);
-  return buffer.movedim(0, dim).contiguous();
+  auto buffer = at::empty({total_rows * row_elems, 1}, input.options());
+  ring_all_gather(input.contiguous().view({-1, 1}), buffer, layout, group, {}, while_in_flight);
+  auto out_sizes = input.sizes().vec();
+  out_sizes[dim] = total_rows;
+  const auto outer = c10::multiply_integers(input.sizes().begin(), input.sizes().begin() + dim);
+  if (outer == 1) return buffer.view(out_sizes);
+  std::vector<at::Tensor> blocks;
+  for (int64_t q = 0; q < p; ++q) {
+    auto block_sizes = input.sizes().vec();
+    block_sizes[dim] = rank_sizes[q];
+    blocks.push_back(layout.block(buffer, q).view(block_sizes));
+  }
+  return at::cat(blocks, dim);
 }
 
 at::Tensor reduce_scatter(const at::Tensor& input, int64_t dim, ReduceOp op, const Group& group,
@@ -198,7 +207,10 @@ at::Tensor reduce_scatter(const at::Tensor& input, int64_t dim, ReduceOp op, con
   if (op == ReduceOp::kAvg) reduced.div_(p);
   auto shape = rows.sizes().vec();
   shape[0] = rank_sizes[group.rank()];
-  return reduced.to(input.scalar_type()).view(shape).movedim(0, dim).contiguous();
+  const auto result = reduced.view(shape).movedim(0, dim);
+  if (result.scalar_type() == input.scalar_type() && result.is_contiguous()) return result;
+  // One pass rounds the accumulate dtype's sum and moves dim back.
+  return at::empty(result.sizes(), input.options().memory_format(at::MemoryFormat::Contiguous)).copy_(result);
 }
 
 at::Tensor all_reduce(const at::Tensor& input, ReduceOp op, const Group& group) {
@@ -262,7 +274,7 @@ at::Tensor all_to_all(const at::Tensor& input, int64_t split_dim, int64_t concat
     shape[concat_dim] = recv_sizes[j];
     received[j] = at::empty(shape, input.options());
   }
-  received[r] = input.narrow(split_dim, split_off[r], splits[r]).contiguous();
+  received[r] = input.narrow(split_dim, split_off[r], splits[r]);  // read once, by the cat
   // Pairwise exchange: at step s send to r + s and receive from r - s, so every pair of ranks
   // exchanges exactly once and no rank waits on a rank that is busy elsewhere.
   const auto tags = reserve_tags(group);
@@ -284,17 +296,20 @@ at::Tensor broadcast(const at::Tensor& input, int64_t src, const Group& group) {
               src);
   OpScope op(group, {CollectiveKind::kBroadcast, input.scalar_type(), {input.numel(), src}, {"numel", "src"}},
              describe(input, group));
-  auto buffer = input.contiguous().clone();
   const auto tags = reserve_tags(group);
   if (r == src) {
+    // Sent from the input in place; the caller gets its own copy, made while the sends travel.
+    const auto data = input.contiguous();
     std::vector<Work> sends;
     for (int64_t dst = 0; dst < p; ++dst) {
-      if (dst != src) sends.push_back(isend(buffer, dst, group, tags.step(0)));
+      if (dst != src) sends.push_back(isend(data, dst, group, tags.step(0)));
     }
+    auto result = data.is_same(input) ? input.clone() : data;
     for (auto& w : sends) w.wait();
-  } else {
-    irecv(buffer, src, group, tags.step(0)).wait();
+    return result;
   }
+  auto buffer = at::empty(input.sizes(), input.options().memory_format(at::MemoryFormat::Contiguous));
+  irecv(buffer, src, group, tags.step(0)).wait();
   return buffer;
 }
 

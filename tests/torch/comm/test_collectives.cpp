@@ -49,6 +49,20 @@ TEST_P(Collectives, AllGatherEqualAndUnevenSizesAlongEveryDim) {
   }
 }
 
+TEST_P(Collectives, AllGatherAlongAMiddleDimOfAStridedInput) {
+  // [2, extent, 3] as a transposed view (not contiguous); rank k holds extent k % 3 + 2.
+  std::vector<int64_t> sizes;
+  std::vector<at::Tensor> parts;
+  for (int64_t k = 0; k < p; ++k) {
+    sizes.push_back(k % 3 + 2);
+    parts.push_back(rank_values(k, {2, 3, sizes.back()}, dtype).transpose(1, 2));
+  }
+  ASSERT_FALSE(parts[r].is_contiguous());
+  auto out = hp::comm::all_gather(parts[r], 1, world, sizes);
+  EXPECT_TRUE(out.is_contiguous());
+  EXPECT_TRUE(out.equal(at::cat(parts, 1)));
+}
+
 TEST_P(Collectives, ReduceScatterSumAndAvgWithTorchChunkSizes) {
   for (int64_t rows : {int64_t{0}, int64_t{1}, p, 2 * p + 1, int64_t{7}}) {
     for (auto op : {ReduceOp::kSum, ReduceOp::kAvg}) {
@@ -110,6 +124,21 @@ TEST_P(Collectives, BroadcastFromEveryRank) {
   for (int64_t src = 0; src < p; ++src) {
     auto out = hp::comm::broadcast(rank_values(r, {5}, dtype), src, world);
     EXPECT_TRUE(out.equal(rank_values(src, {5}, dtype))) << "src " << src;
+  }
+}
+
+TEST_P(Collectives, BroadcastReturnsTheCallersOwnTensor) {
+  // The source's result is a copy, whether its input was contiguous or a strided view.
+  for (bool strided : {false, true}) {
+    auto value_of = [&](int64_t k) {
+      return strided ? rank_values(k, {3, 2}, dtype).t() : rank_values(k, {2, 3}, dtype);
+    };
+    auto input = value_of(r);
+    const auto before = input.clone();
+    auto out = hp::comm::broadcast(input, 0, world);
+    EXPECT_TRUE(out.equal(value_of(0))) << "strided " << strided;
+    out.add_(1);
+    EXPECT_TRUE(input.equal(before)) << "the input changed with the result, strided " << strided;
   }
 }
 
