@@ -37,7 +37,7 @@ void run_window_jobs() {
 }
 
 void remember_gather_host(const at::Tensor& output) {
-  if (output.defined() && output.grad_fn()) host_node = output.grad_fn();
+  host_node = output.defined() ? output.grad_fn() : nullptr;
 }
 
 std::optional<uint64_t> gather_host() {

@@ -39,7 +39,8 @@ void post_window_job(const std::shared_ptr<WindowJob>& job);
 void run_window_jobs();
 
 /// Remembers the node of `output` (a forward op's result whose backward gathers) as the host of
-/// the jobs of the ops recorded next on this thread. An output without a node changes nothing.
+/// the jobs of the ops recorded next on this thread. An output without a node (recorded under
+/// no-grad) leaves them no host: an older graph's host would deliver them late.
 void remember_gather_host(const at::Tensor& output);
 
 /// That host's sequence number while its node is alive and its backward has not run; none

@@ -286,7 +286,7 @@ at::Tensor all_to_all(const at::Tensor& input, int64_t split_dim, int64_t concat
     recv.wait();
     send.wait();
   }
-  return at::cat(received, concat_dim);
+  return at::cat(received, concat_dim).contiguous();  // one rank's cat keeps its piece's strides
 }
 
 at::Tensor broadcast(const at::Tensor& input, int64_t src, const Group& group) {

@@ -188,7 +188,9 @@ std::shared_ptr<detail::OpRecord> OpScope::keep_record_open() {
 OpScope::~OpScope() {
   release_group();
   if (!record_) return;
-  if (!kept_open_) detail::FlightRecorder::get().end(record_, std::uncaught_exceptions() == uncaught_);
+  // A kept record is ended by whoever finishes the op, unless the op fails before handing it on.
+  const bool ok = std::uncaught_exceptions() == uncaught_;
+  if (!kept_open_ || !ok) detail::FlightRecorder::get().end(record_, ok);
   detail::FlightRecorder::set_current(previous_);
 }
 

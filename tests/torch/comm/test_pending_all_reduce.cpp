@@ -168,8 +168,14 @@ TEST(PendingAllReduce, TheFlightRecorderKeepsTheOpOpenUntilItCompletes) {
   auto pending = comm::start_all_reduce(at::ones({4096}), comm::ReduceOp::kSum, world(),
                                         comm::Agreement::kAgreedInAdvance);
   if (p > 1 && r != 0) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    const auto line = last_all_reduce();
+    // Within rank 0's delay, the completion thread's phase 2 waits on it under this op.
+    std::string line = last_all_reduce();
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(250);
+    while (line.find("waiting on rank 0") == std::string::npos &&
+           std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      line = last_all_reduce();
+    }
     EXPECT_NE(line.find("waiting on rank 0"), std::string::npos) << line;
     EXPECT_EQ(line.find("— done"), std::string::npos) << line;
   }
