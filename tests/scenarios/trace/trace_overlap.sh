@@ -5,7 +5,9 @@
 # reduce-scatter covered by its weight gradient (spans "wgrad" >= 0.5) and a serial backward
 # does not (< 0.1). A row Linear's backward gather has the next row's deferred weight gradient
 # in its window (spans "wgrad" over all_gather_matmul's transfers >= 0.4), and none with the
-# deferral off (< 0.1). Needs root (namespaces); skipped otherwise.
+# deferral off (< 0.1). Needs root (namespaces); skipped otherwise. Under a sanitizer
+# (HP_TIMING_CHECKS=0, set by scripts/sanitize.sh) the instrumented code's timing means nothing:
+# the coverages are printed, not asserted; the traces must still parse and hold every op.
 #   trace_overlap.sh HP_RUN HP_TRACE_TOOL PROGRAM NETNS_SH
 set -uo pipefail
 hp_run=$1 hp_trace=$2 program=$3 netns=$4
@@ -32,14 +34,15 @@ done
 "$hp_trace" overlap "$dir" --by wgrad
 "$hp_trace" overlap "$dir" --by wgrad --json >"$dir/wgrad.json" || fail "hp-trace overlap --by wgrad failed"
 /usr/bin/python3 - "$dir/overlap.json" "$dir/wgrad.json" <<'PY' || exit 1
-import json, sys
+import json, os, sys
+timed = os.environ.get("HP_TIMING_CHECKS", "1") != "0"
 by_matmul, by_wgrad = (json.load(open(f)) for f in sys.argv[1:3])
 def check(ops, name, ok, text, by="matmul"):
     if name not in ops:
         print(f"FAIL: no {name} in the trace"); sys.exit(1)
     v = ops[name]["overlap"]
-    print(f"{name}: covered by {by} {v:.2f} (expected {text})")
-    if not ok(v): print("FAIL"); sys.exit(1)
+    print(f"{name}: covered by {by} {v:.2f} (expected {text}{'' if timed else '; not asserted'})")
+    if timed and not ok(v): print("FAIL"); sys.exit(1)
 check(by_matmul, "all_gather_matmul", lambda v: v >= 0.5, ">= 0.5")
 check(by_matmul, "matmul_reduce_scatter", lambda v: v >= 0.5, ">= 0.5")
 check(by_matmul, "serial_all_gather_then_matmul", lambda v: v < 0.1, "< 0.1")
@@ -56,13 +59,14 @@ for mode in deferred serial; do
   "$hp_trace" overlap "$dir/$mode" --by wgrad --json >"$dir/$mode.json" || fail "hp-trace overlap ($mode) failed"
 done
 /usr/bin/python3 - "$dir/deferred.json" "$dir/serial.json" <<'PY' || exit 1
-import json, sys
+import json, os, sys
+timed = os.environ.get("HP_TIMING_CHECKS", "1") != "0"
 for path, ok, text in ((sys.argv[1], lambda v: v >= 0.4, ">= 0.4"), (sys.argv[2], lambda v: v < 0.1, "< 0.1")):
     ops = json.load(open(path))
     if "all_gather_matmul" not in ops:
         print(f"FAIL: no all_gather_matmul in {path}"); sys.exit(1)
     v = ops["all_gather_matmul"]["overlap"]
-    print(f"{path}: row backward gathers covered by wgrad {v:.2f} (expected {text})")
-    if not ok(v): print("FAIL"); sys.exit(1)
+    print(f"{path}: row backward gathers covered by wgrad {v:.2f} (expected {text}{'' if timed else '; not asserted'})")
+    if timed and not ok(v): print("FAIL"); sys.exit(1)
 PY
 echo "PASS"
