@@ -102,19 +102,33 @@ TEST(DeferredWeightGrads, ZeroRowsPerRank) {
   EXPECT_EQ(block.w2.grad().abs().sum().item<double>(), 0.0);
 }
 
+// Records, while alive, the order in which the named tensors' gradients reach autograd.
+class ArrivalOrder {
+ public:
+  explicit ArrivalOrder(const std::vector<std::pair<at::Tensor, std::string>>& named) {
+    for (const auto& [t, name] : named) {
+      hooks_.emplace_back(t, t.register_hook([this, n = name](const at::Tensor&) { order_.push_back(n); }));
+    }
+  }
+  ~ArrivalOrder() {
+    for (auto& [t, id] : hooks_) t.remove_hook(id);
+  }
+  ArrivalOrder(const ArrivalOrder&) = delete;
+  ArrivalOrder& operator=(const ArrivalOrder&) = delete;
+  const std::vector<std::string>& order() const { return order_; }
+
+ private:
+  std::vector<std::string> order_;
+  std::vector<std::pair<at::Tensor, unsigned>> hooks_;
+};
+
 // The order in which the weights' gradients reach autograd: serially each in its own node, in
 // backward order; deferred, w3's and w2's after w0's (they ran in w0's gather window).
 std::vector<std::string> arrival_order(const tp::MC2Options& options) {
   Block block(4, 32, 16, at::kFloat);
-  std::vector<std::string> order;
-  std::vector<std::pair<at::Tensor, unsigned>> hooks;
-  for (auto [t, name] : {std::pair{block.w0, "w0"}, {block.w1, "w1"}, {block.w3, "w3"}, {block.w2, "w2"}}) {
-    hooks.emplace_back(
-        t, t.register_hook([&order, n = std::string(name)](const at::Tensor&) { order.push_back(n); }));
-  }
+  ArrivalOrder arrivals({{block.w0, "w0"}, {block.w1, "w1"}, {block.w3, "w3"}, {block.w2, "w2"}});
   block.loss(options, true).backward();
-  for (auto& [t, id] : hooks) t.remove_hook(id);
-  return order;
+  return arrivals.order();
 }
 
 TEST(DeferredWeightGrads, ArriveAfterTheHostRowsOwn) {
@@ -138,12 +152,7 @@ std::pair<std::vector<std::string>, std::vector<at::Tensor>> after_a_reduce_scat
   const auto mesh = hp::dtensor::init_device_mesh("cpu", {hp_test::world_size()}, {"tp"});
   at::manual_seed(11 + hp_test::rank());
   const auto e = at::randn({hp_test::world_size() * 4, 32}).requires_grad_(true);
-  std::vector<std::string> order;
-  std::vector<std::pair<at::Tensor, unsigned>> hooks;
-  for (auto [t, name] : {std::pair{e, "e"}, {block.w1, "w1"}, {block.w3, "w3"}, {block.w2, "w2"}}) {
-    hooks.emplace_back(
-        t, t.register_hook([&order, n = std::string(name)](const at::Tensor&) { order.push_back(n); }));
-  }
+  ArrivalOrder arrivals({{e, "e"}, {block.w1, "w1"}, {block.w3, "w3"}, {block.w2, "w2"}});
   auto x = hp::dtensor::DTensor::from_local(e, mesh, {hp::dtensor::Partial()})
                .redistribute({hp::dtensor::Shard(0)})
                .to_local();
@@ -151,8 +160,7 @@ std::pair<std::vector<std::string>, std::vector<at::Tensor>> after_a_reduce_scat
   auto y3 = tp::mc2_shared_column_linear(gathered, block.w3, block.b3, options);
   auto y = tp::mc2_row_linear(at::silu(y1) * y3, block.w2, block.b2, group, options);
   (y * block.upstream).sum().backward();
-  for (auto& [t, id] : hooks) t.remove_hook(id);
-  return {order,
+  return {arrivals.order(),
           {e.grad(), block.w1.grad(), block.b1.grad(), block.w3.grad(), block.b3.grad(), block.w2.grad(),
            block.b2.grad()}};
 }

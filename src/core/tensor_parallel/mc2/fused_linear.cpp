@@ -29,8 +29,8 @@ std::vector<at::Tensor> weight_grads_of(const at::Tensor& dy, const at::Tensor& 
   return {needs.weight ? local_matmul(dy.t(), a) : at::Tensor(), needs.bias ? sum_rows(dy) : at::Tensor()};
 }
 
-// The row node whose gather window a layer's weight gradient can run in, when deferral is on
-// and the layer has a weight gradient to compute.
+// The gather host (autograd/gather_window.h) whose window a layer's weight gradient can run in,
+// when deferral is on and the layer has a weight gradient to compute.
 std::optional<uint64_t> deferral_host(std::optional<uint64_t> host, const MC2Options& options,
                                       MC2LinearNeeds needs) {
   if (!options.defer_weight_grads() || !(needs.weight || needs.bias)) return std::nullopt;
@@ -169,7 +169,7 @@ at::Tensor mc2_shared_column_linear(const at::Tensor& gathered, const at::Tensor
   }
   const auto needs = needs_of(gathered, w, bias);
   // dG = dY W joins the gathering layer's reduce-scatter; dW = dYᵀ G runs in the window of the
-  // row Linear recorded last before this layer (the next gather of the backward).
+  // gather host recorded last before this layer (the next gather of the backward).
   return attach_linear_backward(
       gathered, w, bias, y, deferral_host(hyper_parallel::detail::gather_host(), options, needs),
       [g = gathered.detach(), w = w.detach(), needs](const at::Tensor& dy_in) {
@@ -189,7 +189,7 @@ at::Tensor mc2_row_linear(const at::Tensor& x, const at::Tensor& w, const at::Te
     y = mc2_row_forward(x, w, bias, group, options);
   }
   const auto needs = needs_of(x, w, bias);
-  // dW = dY_fullᵀ X needs the whole gather: with a host, it runs in the next row backward's window.
+  // dW = dY_fullᵀ X needs the whole gather: with a host, it runs in the next backward gather's window.
   y = attach_linear_backward(
       x, w, bias, y, deferral_host(hyper_parallel::detail::gather_host(), options, needs),
       [x = x.detach(), w = w.detach(), group, options, needs](const at::Tensor& dy) {
