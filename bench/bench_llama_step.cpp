@@ -50,7 +50,9 @@ struct Config {
   bool mc2;
   llama3::MC2Scope scope;
   GradientSync dp = GradientSync::kNone;
-  bool defer_weight_grads = true;  // MC2Options::defer_weight_grads
+  bool defer_weight_grads = true;   // MC2Options::defer_weight_grads
+  bool shrink_last_buckets = true;  // GradientReducerOptions::shrink_last_buckets
+  bool rebuild_buckets = true;      // GradientReducerOptions::rebuild_buckets
 };
 
 // The meshes: TP over the world, or {dp, tp}.
@@ -88,6 +90,8 @@ Run build(const Config& c, const llama3::ModelArgs& args, int64_t seq_len, const
         hp::data_parallel::data_parallel(*run.model, *meshes.dp,
                                          hp::data_parallel::GradientReducerOptions()
                                              .overlap(c.dp == GradientSync::kOverlapped)
+                                             .shrink_last_buckets(c.shrink_last_buckets)
+                                             .rebuild_buckets(c.rebuild_buckets)
                                              .bucket_cap_bytes(static_cast<int64_t>(bucket_mb * (1 << 20))));
   }
   run.optimizer = std::make_unique<torch::optim::AdamW>(
@@ -301,6 +305,37 @@ void report(const Bench& b, const std::vector<Measured>& results, const std::str
   std::fflush(stdout);
 }
 
+// A parameter's name, short: "layers.0.attention.wq.weight" -> "0.wq".
+std::string short_name(std::string name) {
+  for (const std::string cut : {"layers.", "attention.", "feed_forward.", ".weight"}) {
+    for (auto at = name.find(cut); at != std::string::npos; at = name.find(cut)) name.erase(at, cut.size());
+  }
+  return name;
+}
+
+// Each data-parallel configuration's buckets, in the order they start (after the measured steps:
+// rebuilt where the configuration rebuilds): MB of gradient and the parameters of each.
+void report_buckets(const Bench& b) {
+  for (size_t c = 0; c < b.configs.size(); ++c) {
+    const auto& reducer = b.real[c].reducer;
+    if (!reducer) continue;
+    std::map<const void*, std::string> names;
+    for (const auto& item : b.real[c].model->named_parameters())
+      names[item.value().unsafeGetTensorImpl()] = short_name(item.key());
+    std::printf("%s buckets (MB [parameters], in launch order):", b.configs[c].name.c_str());
+    for (const auto& bucket : reducer->bucket_parameters()) {
+      int64_t bytes = 0;
+      std::string members;
+      for (auto p : bucket) {
+        bytes += reducer->parameters()[p].nbytes();
+        members += (members.empty() ? "" : " ") + names[reducer->parameters()[p].unsafeGetTensorImpl()];
+      }
+      std::printf(" %.1f [%s]", bytes / 1e6, members.c_str());
+    }
+    std::printf("\n");
+  }
+}
+
 // {tp} over the world, or {dp, tp}: the TP groups are consecutive ranks.
 Meshes make_meshes(int64_t dp) {
   const int64_t p = hp::comm::world_size();
@@ -313,8 +348,10 @@ Meshes make_meshes(int64_t dp) {
 
 // TP alone: plain, MC2 ffn, MC2 all with each weight gradient in its own node ("serial dW"),
 // MC2 all (row and shared-gather weight gradients deferred into the next row backward's gather
-// window). With DP: blocking against overlapped gradient reductions
-// (MC2 all inside each replica when TP > 1).
+// window). With DP: blocking against overlapped gradient reductions, and the overlapped ones in
+// DDP's bucket layout ("DP overlap DDP": rebuilt in the backward's order, no shrinking last
+// buckets) and in reverse parameter order for good ("DP ovl no rebuild") (MC2 all inside each
+// replica when TP > 1).
 std::vector<Config> configs_for(const Meshes& meshes) {
   if (!meshes.dp) {
     return {{"plain TP", false, llama3::MC2Scope::kFfn},
@@ -325,7 +362,9 @@ std::vector<Config> configs_for(const Meshes& meshes) {
   const bool mc2 = meshes.tp.size(0) > 1;
   const auto scope = mc2 ? llama3::MC2Scope::kAll : llama3::MC2Scope::kFfn;
   return {{"DP blocking", mc2, scope, GradientSync::kBlocking},
-          {"DP overlap", mc2, scope, GradientSync::kOverlapped}};
+          {"DP overlap", mc2, scope, GradientSync::kOverlapped},
+          {"DP overlap DDP", mc2, scope, GradientSync::kOverlapped, true, false},
+          {"DP ovl no rebuild", mc2, scope, GradientSync::kOverlapped, true, true, false}};
 }
 
 }  // namespace
@@ -379,6 +418,7 @@ int main(int argc, char** argv) {
       const auto results = measure(b, meshes);
       const auto link = link_rate(group, std::max<int64_t>(results[0].bytes, int64_t{8} << 20));
       if (print) report(b, results, preset, rate, link, meshes);
+      if (print && rate == rates.front()) report_buckets(b);
       // What the trainers add to every step to stop together on a preemption notice.
       const auto agree = bench::time_calls(group, 50, [&] { hp::comm::agree_on_preemption(group); });
       if (print) {

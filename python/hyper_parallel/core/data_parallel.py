@@ -23,17 +23,23 @@ __all__ = ["data_parallel", "gradient_reducer", "no_sync"]
 _REDUCER = "_hp_gradient_reducer"
 
 
-def data_parallel(module: torch.nn.Module, device_mesh, *, bucket_cap_mb: float = 25, overlap: bool = True):
+def data_parallel(module: torch.nn.Module, device_mesh, *, bucket_cap_mb: float = 25, overlap: bool = True,
+                  gradient_as_bucket_view: bool = False):
     """Averages ``module``'s gradients over ``device_mesh`` (1-D: the data-parallel dimension)
     and returns the module. Parallelize it over its other dimensions first. Buckets of at most
-    ``bucket_cap_mb`` MiB, in reverse parameter order; ``overlap=False`` reduces each bucket,
-    blocking, when it is ready (bitwise the same result). Collective: every rank of the mesh
-    calls it, with the same parameters and options."""
+    ``bucket_cap_mb`` MiB, in reverse parameter order, the last ones (ready at the backward's
+    end) smaller; ``overlap=False`` reduces each bucket, blocking, when it is ready (bitwise the
+    same result). ``gradient_as_bucket_view=True``: as DDP's, each reduced ``.grad`` lives in its
+    bucket, so the next backward accumulates there with no copy in or out (a ``.grad`` reference
+    taken before the first reduction is not updated; after a failed backward, zero the
+    gradients). Collective: every rank of the mesh calls it, with the same parameters and
+    options."""
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"data_parallel: expected a torch.nn.Module, got {type(module).__name__}")
     if hasattr(module, _REDUCER):
         raise ValueError("data_parallel: expected a module data_parallel has not been applied to, got one it has")
-    reducer = _C.data_parallel(list(module.parameters()), device_mesh, int(bucket_cap_mb * (1 << 20)), overlap)
+    reducer = _C.data_parallel(list(module.parameters()), device_mesh, int(bucket_cap_mb * (1 << 20)), overlap,
+                               gradient_as_bucket_view)
     object.__setattr__(module, _REDUCER, reducer)
     return module
 

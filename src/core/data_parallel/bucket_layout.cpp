@@ -3,19 +3,44 @@
 #include <algorithm>
 #include <sstream>
 
+#include <c10/util/Exception.h>
+
 namespace hyper_parallel::data_parallel::detail {
 
-std::vector<BucketSpan> lay_out_buckets(const std::vector<at::Tensor>& params, int64_t cap_bytes,
-                                        int64_t first_cap_bytes) {
+std::vector<int64_t> reverse_order(int64_t count) {
+  std::vector<int64_t> order(count);
+  for (int64_t i = 0; i < count; ++i) order[i] = count - 1 - i;
+  return order;
+}
+
+std::vector<int64_t> bytes_after_in_order(const std::vector<at::Tensor>& params,
+                                          const std::vector<int64_t>& order) {
+  int64_t after = 0;
+  for (const auto& p : params) after += p.numel() * p.element_size();
+  std::vector<int64_t> out;
+  for (const int64_t i : order) {
+    after -= params[i].numel() * params[i].element_size();
+    out.push_back(after);
+  }
+  return out;
+}
+
+std::vector<BucketSpan> lay_out_buckets(const std::vector<at::Tensor>& params,
+                                        const std::vector<int64_t>& order,
+                                        const std::vector<int64_t>& bytes_after, const BucketCaps& caps) {
+  TORCH_INTERNAL_ASSERT(order.size() == params.size() && bytes_after.size() == params.size(),
+                        "lay_out_buckets: expected an order and bytes_after for each of the ", params.size(),
+                        " parameters, got ", order.size(), " and ", bytes_after.size());
   std::vector<BucketSpan> buckets;
-  for (int64_t i = static_cast<int64_t>(params.size()) - 1; i >= 0; --i) {
-    const auto& p = params[i];
-    const int64_t cap = buckets.size() == 1 ? std::min(cap_bytes, first_cap_bytes) : cap_bytes;
+  for (size_t k = 0; k < order.size(); ++k) {
+    const auto& p = params[order[k]];
+    int64_t cap = buckets.size() == 1 ? std::min(caps.cap_bytes, caps.first_cap_bytes) : caps.cap_bytes;
+    if (caps.shrink_last) cap = std::min(cap, std::max(caps.first_cap_bytes, bytes_after[k]));
     const bool fits = !buckets.empty() && params[buckets.back().params[0]].scalar_type() == p.scalar_type() &&
                       (buckets.back().numel + p.numel()) * p.element_size() <= cap;
     if (!fits) buckets.emplace_back();
     auto& bucket = buckets.back();
-    bucket.params.push_back(i);
+    bucket.params.push_back(order[k]);
     bucket.offsets.push_back(bucket.numel);
     bucket.numels.push_back(p.numel());
     bucket.numel += p.numel();

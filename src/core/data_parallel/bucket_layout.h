@@ -17,11 +17,31 @@ struct BucketSpan {
   int64_t numel = 0;
 };
 
-/// Buckets over `params` in reverse order: a new bucket starts where the dtype changes or the
-/// next parameter would take the bucket past its cap, `first_cap_bytes` for the first bucket and
-/// `cap_bytes` for the others (a parameter larger than the cap has a bucket of its own).
-std::vector<BucketSpan> lay_out_buckets(const std::vector<at::Tensor>& params, int64_t cap_bytes,
-                                        int64_t first_cap_bytes);
+/// The caps a layout follows (GradientReducerOptions' bucket_cap_bytes, first_bucket_cap_bytes
+/// and shrink_last_buckets).
+struct BucketCaps {
+  int64_t cap_bytes = 0, first_cap_bytes = 0;
+  bool shrink_last = false;
+};
+
+/// params.size() - 1, ..., 1, 0: the order a backward produces the gradients of a model's
+/// parameters, as far as their registration tells.
+std::vector<int64_t> reverse_order(int64_t count);
+
+/// For each position k of `order`: the gradient bytes of the parameters after it in `order`.
+std::vector<int64_t> bytes_after_in_order(const std::vector<at::Tensor>& params,
+                                          const std::vector<int64_t>& order);
+
+/// Buckets over `params` taken in `order` (indices, in the order a backward produces their
+/// gradients): a new bucket starts where the dtype changes or the next parameter would take the
+/// bucket past its cap, `first_cap_bytes` for the first bucket and `cap_bytes` for the others (a
+/// parameter larger than the cap has a bucket of its own). With `shrink_last`, a bucket also
+/// holds no more than `bytes_after[k]` (at least `first_cap_bytes`) once it takes the parameter
+/// at position k: the gradient bytes the backward produces after that one, so the last buckets
+/// shrink toward the backward's end.
+std::vector<BucketSpan> lay_out_buckets(const std::vector<at::Tensor>& params,
+                                        const std::vector<int64_t>& order,
+                                        const std::vector<int64_t>& bytes_after, const BucketCaps& caps);
 
 /// One line naming each bucket's dtype and shapes, which the ranks compare.
 std::string describe_buckets(const std::vector<BucketSpan>& buckets, const std::vector<at::Tensor>& params);

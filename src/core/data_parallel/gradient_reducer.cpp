@@ -1,12 +1,15 @@
 #include <hyper_parallel/core/nn/pending_gradient.h>
 #include <hyper_parallel/core/data_parallel/gradient_reducer.h>
 
+#include <algorithm>
+#include <chrono>
 #include <sstream>
 #include <unordered_set>
 #include <utility>
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
+#include <c10/util/strides.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
@@ -16,6 +19,7 @@
 #include <hyper_parallel/core/comm/collectives.h>
 #include <hyper_parallel/core/comm/counters.h>
 #include <hyper_parallel/core/comm/pending_all_reduce.h>
+#include <hyper_parallel/core/comm/skip_transfers.h>
 
 #include "bucket_layout.h"
 
@@ -67,22 +71,37 @@ struct GradientReducer::Impl : std::enable_shared_from_this<GradientReducer::Imp
     // The buffer of the last pass whose reduction was copied back, reused by the next pass: a
     // fresh one would be page-faulted in at every step (DDP keeps its buckets too).
     at::Tensor kept_buffer;
+    // gradient_as_bucket_view: each parameter's .grad once reduced, on `buffer`'s storage (the
+    // buffer is then kept for good).
+    std::vector<at::Tensor> grad_views;
     comm::PendingAllReduce reduce;
   };
 
   std::vector<at::Tensor> params;
   comm::Group group;
   GradientReducerOptions options;
+  detail::BucketCaps caps;
   std::vector<Bucket> buckets;
   std::vector<int64_t> bucket_of;
   std::vector<bool> ready;
   int64_t next_launch = 0;  // buckets [0, next_launch) have started in this backward
   bool in_backward = false, sync = true;
+  // Until the buckets are rebuilt: the parameters in the order this pass made them ready, with
+  // when (microseconds after its first), and when its backward ended (-1: not yet, or failed).
+  std::vector<int64_t> ready_order, ready_us;
+  std::chrono::steady_clock::time_point pass_start;
+  int64_t backward_end_us = -1;
+  bool rebuilt = false;
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;
   std::vector<uintptr_t> hook_keys;
 
+  void install_layout(const std::vector<detail::BucketSpan>& spans);
+  void mark_ready(int64_t param);
+  void agree_on_rank_zeros_order();
+  void rebuild_buckets();
   void on_gradient(int64_t param);
   void begin_backward();
+  void prepare_buffer(Bucket& bucket);
   void start(Bucket& bucket, bool abandoning = false);
   void launch(Bucket& bucket);
   void abandon() noexcept;
@@ -116,6 +135,10 @@ class GradientReadyHook final : public torch::autograd::FunctionPostHook {
 // hold their bucket, and every later one, back until the end).
 void GradientReducer::Impl::begin_backward() {
   in_backward = true;
+  // A pass that failed may have recorded some: each pass records afresh until the rebuild.
+  ready_order.clear();
+  ready_us.clear();
+  backward_end_us = -1;
   // The engine drops its final callbacks unrun when the backward fails: the guard's destructor
   // then abandons this pass (abandon()), so the next backward starts clean instead of finding
   // every flag of this one still set.
@@ -143,8 +166,89 @@ void GradientReducer::Impl::begin_backward() {
   const auto* nodes = torch::autograd::get_current_graph_task_nodes_in_graph();
   if (nodes == nullptr || nodes->empty()) return;
   for (size_t i = 0; i < params.size(); ++i) {
-    if (nodes->count(accumulators[i].get()) == 0) ready[i] = true, --buckets[bucket_of[i]].waiting;
+    if (nodes->count(accumulators[i].get()) == 0) mark_ready(static_cast<int64_t>(i));
   }
+}
+
+void GradientReducer::Impl::mark_ready(int64_t param) {
+  ready[param] = true;
+  --buckets[bucket_of[param]].waiting;
+  if (rebuilt || !options.rebuild_buckets()) return;
+  const auto now = std::chrono::steady_clock::now();
+  if (ready_order.empty()) pass_start = now;
+  ready_order.push_back(param);
+  ready_us.push_back(std::chrono::duration_cast<std::chrono::microseconds>(now - pass_start).count());
+}
+
+// Every rank takes rank 0's order, ready times and backward end, so that all lay out the same
+// buckets. Contract: every rank calls it at the end of the same pass.
+void GradientReducer::Impl::agree_on_rank_zeros_order() {
+  const auto n = static_cast<int64_t>(params.size());
+  // A failed pass may have made only some parameters ready: the others follow, in reverse order.
+  std::vector<bool> listed(n, false);
+  for (auto p : ready_order) listed[p] = true;
+  for (auto p : detail::reverse_order(n)) {
+    if (listed[p]) continue;
+    ready_order.push_back(p);
+    ready_us.push_back(0);
+    backward_end_us = -1;  // untimed: lay out by bytes
+  }
+  std::vector<int64_t> mine = ready_order;
+  mine.insert(mine.end(), ready_us.begin(), ready_us.end());
+  mine.push_back(backward_end_us);
+  const auto rank0 = comm::broadcast(at::tensor(mine, at::kLong), 0, group);
+  const auto* data = rank0.data_ptr<int64_t>();
+  ready_order.assign(data, data + n);
+  ready_us.assign(data + n, data + 2 * n);
+  backward_end_us = data[2 * n];
+  std::vector<bool> seen(n, false);
+  for (auto p : ready_order) {
+    TORCH_CHECK(p >= 0 && p < n && !seen[p],
+                "GradientReducer::rebuild_buckets: expected rank 0's backward order to name each of the ", n,
+                " parameters once, got parameter ", p, " out of range or repeated");
+    seen[p] = true;
+  }
+}
+
+// After the first backward that reduced, the buckets are laid out again in the order it made the
+// parameters ready (DDP's bucket rebuild): a model's registration order need not be its
+// backward's (a layer's first projections are registered first but all finish together at its
+// end), and a bucket waiting on one late parameter holds every later bucket back. Rank 0's
+// order, so that every rank lays out the same buckets. Contract: every rank calls it at the end
+// of the same pass (finish_backward or abandon), with no bucket in flight.
+void GradientReducer::Impl::rebuild_buckets() {
+  if (rebuilt || !options.rebuild_buckets()) return;
+  rebuilt = true;
+  // A benchmark's compute-only twin receives zeros, not rank 0's order: it keeps its layout (the
+  // same on every rank; its results are meaningless anyway).
+  if (comm::detail::transfers_skipped()) return;
+  agree_on_rank_zeros_order();
+  // What the backward produces after each gradient, for shrinking the last buckets: counted in
+  // time where the pass completed (the share of its backward still to run, times all the
+  // gradient bytes: gradients ready together, as a layer's first projections are, count as
+  // nothing after each other), else in bytes.
+  auto bytes_after = detail::bytes_after_in_order(params, ready_order);
+  if (backward_end_us > 0) {
+    const double total = static_cast<double>(bytes_after.front() + params[ready_order.front()].nbytes());
+    for (size_t k = 0; k < ready_order.size(); ++k) {
+      const double left = std::clamp(1.0 - static_cast<double>(ready_us[k]) / backward_end_us, 0.0, 1.0);
+      bytes_after[k] = static_cast<int64_t>(total * left);
+    }
+  }
+  install_layout(detail::lay_out_buckets(params, ready_order, bytes_after, caps));
+  ready_order.clear();
+  ready_us.clear();
+}
+
+void GradientReducer::Impl::install_layout(const std::vector<detail::BucketSpan>& spans) {
+  buckets.clear();
+  bucket_of.assign(params.size(), 0);
+  for (const auto& span : spans) {
+    for (auto p : span.params) bucket_of[p] = static_cast<int64_t>(buckets.size());
+    buckets.emplace_back();
+    buckets.back().span = span;
+  }
+  reset();
 }
 
 void GradientReducer::Impl::on_gradient(int64_t param) {
@@ -158,24 +262,52 @@ void GradientReducer::Impl::on_gradient(int64_t param) {
         ") after its bucket had started");
     return;
   }
-  ready[param] = true;
-  --buckets[bucket_of[param]].waiting;
+  mark_ready(param);
   comm::CommRegion region("grad_sync");
   while (next_launch < static_cast<int64_t>(buckets.size()) && buckets[next_launch].waiting == 0) {
     launch(buckets[next_launch++]);
   }
 }
 
-// Copies the bucket's gradients (zeros and flag 0 where none) and starts its all-reduce.
+// The bucket's buffer for this pass: the kept one, or a new one (and, with
+// gradient_as_bucket_view, the gradients' views on it).
+void GradientReducer::Impl::prepare_buffer(Bucket& bucket) {
+  const auto& span = bucket.span;
+  const int64_t numel = span.numel + static_cast<int64_t>(span.params.size());
+  const auto tensor_options = params[span.params[0]].options();
+  if (options.gradient_as_bucket_view() && bucket.buffer.defined()) return;
+  const auto& kept = bucket.kept_buffer;
+  bucket.buffer = kept.defined() && kept.numel() == numel && kept.dtype() == tensor_options.dtype()
+                      ? std::exchange(bucket.kept_buffer, at::Tensor())
+                      : at::empty({numel}, tensor_options);
+  if (!options.gradient_as_bucket_view()) return;
+  // Tensors on the buffer's storage, not autograd views of it: an optimizer's zero_grad calls
+  // detach_() on .grad, which a view refuses.
+  bucket.grad_views.clear();
+  for (size_t j = 0; j < span.params.size(); ++j) {
+    const auto sizes = params[span.params[j]].sizes();
+    bucket.grad_views.push_back(
+        at::empty({0}, tensor_options)
+            .set_(bucket.buffer.storage(), span.offsets[j], sizes, c10::contiguous_strides(sizes)));
+  }
+}
+
+namespace {
+
+// True where `grad` is the bucket's view for it: the backward accumulated into the buffer.
+bool is_view_of_bucket(const at::Tensor& grad, const at::Tensor& view) {
+  return grad.defined() && grad.data_ptr() == view.data_ptr() && grad.sizes() == view.sizes() &&
+         grad.strides() == view.strides();
+}
+
+}  // namespace
+
+// Copies the bucket's gradients (zeros and flag 0 where none; nothing where .grad already is the
+// bucket's view) and starts its all-reduce.
 void GradientReducer::Impl::start(Bucket& bucket, bool abandoning) {
   at::NoGradGuard no_grad;  // the buffer never joins a graph, even under create_graph
   const auto& span = bucket.span;
-  const int64_t numel = span.numel + static_cast<int64_t>(span.params.size());
-  const auto options = params[span.params[0]].options();
-  const auto& kept = bucket.kept_buffer;
-  bucket.buffer = kept.defined() && kept.numel() == numel && kept.dtype() == options.dtype()
-                      ? std::exchange(bucket.kept_buffer, at::Tensor())
-                      : at::empty({numel}, options);
+  prepare_buffer(bucket);
   for (size_t j = 0; j < span.params.size(); ++j) {
     const auto& param = params[span.params[j]];
     // A tensor-parallel sum still in flight joins .grad first. When abandoning, a sum that
@@ -194,7 +326,9 @@ void GradientReducer::Impl::start(Bucket& bucket, bool abandoning) {
                      "GradientReducer::launch: expected dense gradients, got ", "a sparse one for parameter ",
                      span.params[j]);
     auto slot = bucket.buffer.narrow(0, span.offsets[j], span.numels[j]);
-    if (grad.defined()) {
+    if (!bucket.grad_views.empty() && is_view_of_bucket(grad, bucket.grad_views[j])) {
+      // accumulated in place
+    } else if (grad.defined()) {
       slot.view(param.sizes()).copy_(grad);
     } else {
       slot.zero_();
@@ -229,6 +363,11 @@ void GradientReducer::Impl::abandon() noexcept {
       TORCH_WARN("GradientReducer: a bucket of a failed backward did not complete: ", e.what());
     }
   }
+  try {
+    rebuild_buckets();  // as the peers whose pass succeeded do
+  } catch (const std::exception& e) {
+    TORCH_WARN("GradientReducer: could not rebuild the buckets after a failed backward: ", e.what());
+  }
   reset();
 }
 
@@ -244,14 +383,16 @@ void GradientReducer::Impl::copy_back(Bucket& bucket) {
     auto& param = params[span.params[j]];
     auto reduced = bucket.buffer.narrow(0, span.offsets[j], span.numels[j]).view(param.sizes());
     auto& grad = param.mutable_grad();
-    if (grad.defined()) {
+    if (!bucket.grad_views.empty()) {
+      grad = bucket.grad_views[j];  // the next backward accumulates into the bucket
+    } else if (grad.defined()) {
       grad.copy_(reduced);
     } else {
       grad = reduced.clone();
     }
   }
   bucket.copied_back = true;
-  bucket.kept_buffer = std::exchange(bucket.buffer, at::Tensor());
+  if (bucket.grad_views.empty()) bucket.kept_buffer = std::exchange(bucket.buffer, at::Tensor());
 }
 
 void GradientReducer::Impl::finish_backward() {
@@ -259,11 +400,17 @@ void GradientReducer::Impl::finish_backward() {
     Impl* impl;
     ~ResetOnExit() { impl->reset(); }
   } reset_on_exit{this};
+  if (!rebuilt && !ready_order.empty()) {
+    backward_end_us =
+        std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - pass_start)
+            .count();
+  }
   comm::CommRegion region("grad_sync");
   while (next_launch < static_cast<int64_t>(buckets.size())) launch(buckets[next_launch++]);
   for (auto& bucket : buckets) {
     if (!bucket.copied_back) copy_back(bucket);
   }
+  rebuild_buckets();
 }
 
 void GradientReducer::Impl::reset() {
@@ -273,7 +420,7 @@ void GradientReducer::Impl::reset() {
   for (auto& bucket : buckets) {
     bucket.waiting = static_cast<int64_t>(bucket.span.params.size());
     bucket.copied_back = false;
-    bucket.buffer = at::Tensor();
+    if (!options.gradient_as_bucket_view()) bucket.buffer = at::Tensor();
     bucket.reduce = comm::PendingAllReduce();
   }
 }
@@ -290,17 +437,13 @@ GradientReducer::GradientReducer(const std::vector<at::Tensor>& params, comm::Gr
   impl.params = kept_parameters(params);
   impl.group = std::move(group);
   impl.options = options;
-  const auto spans =
-      detail::lay_out_buckets(impl.params, options.bucket_cap_bytes(), options.first_bucket_cap_bytes());
+  impl.caps = {options.bucket_cap_bytes(), options.first_bucket_cap_bytes(), options.shrink_last_buckets()};
+  const auto order = detail::reverse_order(static_cast<int64_t>(impl.params.size()));
+  const auto spans = detail::lay_out_buckets(impl.params, order,
+                                             detail::bytes_after_in_order(impl.params, order), impl.caps);
   check_layout_agrees(detail::describe_buckets(spans, impl.params), impl.group);
-  impl.bucket_of.assign(impl.params.size(), 0);
   impl.ready.assign(impl.params.size(), false);
-  for (const auto& span : spans) {
-    for (auto p : span.params) impl.bucket_of[p] = static_cast<int64_t>(impl.buckets.size());
-    impl.buckets.emplace_back();
-    impl.buckets.back().span = span;
-  }
-  impl.reset();
+  impl.install_layout(spans);
   for (size_t i = 0; i < impl.params.size(); ++i) {
     auto accumulator = torch::autograd::impl::grad_accumulator(impl.params[i]);
     impl.hook_keys.push_back(

@@ -53,10 +53,10 @@ def loss_of(model, step, replica, replicas, micro=0):
     return (model(x[replica * rows:][:rows]) - target[replica * rows:][:rows]).pow(2).mean()
 
 
-def train(model, replica, replicas, steps=3):
+def train(model, replica, replicas, steps=3, set_to_none=False):
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(steps):
-        sgd.zero_grad()
+        sgd.zero_grad(set_to_none=set_to_none)
         loss_of(model, step, replica, replicas).backward()
         sgd.step()
     return [p.detach().clone() for p in model.parameters()]
@@ -82,11 +82,13 @@ def test_data_parallel_trains_like_the_single_process_model():
     assert len(gradient_reducer(model).bucket_parameters()) > 3
 
 
-def test_runs_are_bitwise_deterministic_and_overlap_equals_blocking():
+def test_runs_are_bitwise_deterministic_and_overlap_and_bucket_views_equal_blocking():
     mesh = dp_mesh()
     r, p = mesh.get_local_rank(0), mesh.size(0)
-    runs = [train(data_parallel(reference(), mesh, bucket_cap_mb=1 / 1024, overlap=overlap), r, p)
-            for overlap in (True, True, False)]
+    runs = [train(data_parallel(reference(), mesh, bucket_cap_mb=1 / 1024, overlap=overlap,
+                                gradient_as_bucket_view=view), r, p, set_to_none=none)
+            for overlap, view, none in ((True, False, False), (True, False, False), (False, False, False),
+                                        (True, True, False), (True, True, True))]
     for other in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(runs[0], other))
 

@@ -5,10 +5,14 @@
 // gradient accumulation give the right sums; ranks that lay out different buckets get an error.
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <thread>
 #include <functional>
+#include <set>
 #include <stdexcept>
 
 #include <ATen/ATen.h>
+#include <torch/autograd.h>
 #include <torch/nn/module.h>
 #include <torch/optim/sgd.h>
 
@@ -122,11 +126,11 @@ TEST(DataParallel, StartsOneAllReducePerBucketInEachBackward) {
   EXPECT_EQ(reducer->parameters().size(), 10u);
   EXPECT_EQ(buckets.front().front(), 9);
   EXPECT_GT(buckets.size(), 3u);
-  for (int pass = 0; pass < 2; ++pass) {
+  for (int pass = 0; pass < 3; ++pass) {  // the buckets are rebuilt after the first
+    const auto count = static_cast<int64_t>(reducer->bucket_parameters().size());
     hp::comm::reset_collective_counts();
     loss_of(net, pass, mesh.get_local_rank(0), mesh.size(0)).backward();
-    EXPECT_EQ(hp::comm::collective_count(hp::comm::CollectiveKind::kAllReduce),
-              static_cast<int64_t>(buckets.size()));
+    EXPECT_EQ(hp::comm::collective_count(hp::comm::CollectiveKind::kAllReduce), count);
   }
 }
 
@@ -144,9 +148,9 @@ TEST(DataParallel, StartsBucketsBeforeTheBackwardEnds) {
   x.register_hook([&](const at::Tensor&) {
     started_before_input_grad = hp::comm::collective_count(hp::comm::CollectiveKind::kAllReduce);
   });
+  const auto buckets = static_cast<int64_t>(reducer->bucket_parameters().size());  // rebuilt after
   hp::comm::reset_collective_counts();
   (net.forward(x) - target).pow(2).mean().backward();
-  const auto buckets = static_cast<int64_t>(reducer->bucket_parameters().size());
   EXPECT_GE(started_before_input_grad, 5);
   EXPECT_LT(started_before_input_grad, buckets);
   EXPECT_EQ(hp::comm::collective_count(hp::comm::CollectiveKind::kAllReduce), buckets);
@@ -155,7 +159,8 @@ TEST(DataParallel, StartsBucketsBeforeTheBackwardEnds) {
 // The first bucket has a cap of its own (DDP's 1 MiB by default), so the link starts early.
 TEST(DataParallel, TheFirstBucketHasItsOwnCap) {
   Net net(7);
-  auto reducer = dp::data_parallel(net, dp_mesh(), dp::GradientReducerOptions().first_bucket_cap_bytes(64));
+  auto reducer = dp::data_parallel(
+      net, dp_mesh(), dp::GradientReducerOptions().first_bucket_cap_bytes(64).shrink_last_buckets(false));
   const auto buckets = reducer->bucket_parameters();
   ASSERT_EQ(buckets.size(), 2u);  // spare's bias (64 bytes) alone; the other 9 in one 25 MiB bucket
   EXPECT_EQ(buckets[0], std::vector<int64_t>{9});
@@ -192,6 +197,186 @@ void expect_gradients(Net& net, const std::vector<at::Tensor>& expected) {
   }
 }
 
+// The last buckets shrink: a bucket holds no more bytes than the parameters before it (at least
+// the first bucket's cap), so the one the backward's end waits for is small.
+TEST(DataParallel, TheLastBucketsShrinkTowardTheBackwardsEnd) {
+  Net net(7);  // fp32: fc1 2048 + 128 bytes, fc2 2048 + 64, then 1024 + 64 for tied, partial, spare
+  auto mesh = dp_mesh();
+  auto reducer = dp::data_parallel(net, mesh, dp::GradientReducerOptions().first_bucket_cap_bytes(64));
+  using Layout = std::vector<std::vector<int64_t>>;
+  // spare's bias alone (the first cap); then up to fc2's bias, 3264 bytes with 4224 before them;
+  // fc2's weight (2176 bytes before it), fc1's bias (2048) and fc1's weight (none: 64) alone.
+  EXPECT_EQ(reducer->bucket_parameters(), (Layout{{9}, {8, 7, 6, 5, 4, 3}, {2}, {1}, {0}}));
+  loss_of(net, 0, mesh.get_local_rank(0), mesh.size(0)).backward();
+  const int64_t p = hp_test::world_size();
+  expect_gradients(net, expected_average([&](Net& copy, int64_t q) { loss_of(copy, 0, q, p).backward(); }));
+}
+
+// Gradients as views of the buckets: the same bits as copies, whether the optimizer zeroes .grad
+// in place (torch::optim's zero_grad detach_()es it, which an autograd view would refuse), .grad
+// is set to none, or two backward passes accumulate over no_sync; the reduced gradients of one
+// bucket share its buffer, so the next backward accumulates into it in place.
+TEST(DataParallel, GradientsAsBucketViewsGiveTheBitsOfCopies) {
+  expect_bitwise_equal(train_data_parallel(small_buckets()),
+                       train_data_parallel(small_buckets().gradient_as_bucket_view(true)), "copies vs views");
+  auto mesh = dp_mesh();
+  const int64_t r = mesh.get_local_rank(0), p = mesh.size(0);
+  auto gradients_of = [&](Net& net) {
+    std::vector<at::Tensor> out;
+    for (const auto& param : net.parameters())
+      out.push_back(param.grad().defined() ? param.grad().clone() : at::zeros({0}));
+    return out;
+  };
+  auto passes = [&](bool as_view) {
+    Net net(7);
+    auto reducer =
+        dp::data_parallel(net, mesh, dp::GradientReducerOptions().gradient_as_bucket_view(as_view));
+    torch::optim::SGD sgd(net.parameters(), torch::optim::SGDOptions(0.1));
+    loss_of(net, 0, r, p).backward();
+    if (as_view) {  // one bucket (the 1 MiB first one): every reduced .grad is on its buffer
+      EXPECT_EQ(reducer->bucket_parameters().size(), 1u);
+      EXPECT_TRUE(net.fc1->weight.grad().is_alias_of(net.tied->bias.grad()));
+      EXPECT_FALSE(net.spare->weight.grad().defined());
+    }
+    std::vector<std::vector<at::Tensor>> grads{gradients_of(net)};
+    for (int64_t step = 1; step < 3; ++step) {  // the buckets are rebuilt after the first pass
+      sgd.step();
+      sgd.zero_grad();
+      const void* before = net.fc2->weight.grad().data_ptr();
+      loss_of(net, step, r, p).backward();
+      if (as_view && step == 2) {
+        EXPECT_EQ(net.fc2->weight.grad().data_ptr(), before);  // accumulated in place
+      }
+      grads.push_back(gradients_of(net));
+    }
+    for (auto& param : net.parameters()) param.mutable_grad() = at::Tensor();
+    {
+      dp::NoSyncGuard no_sync(*reducer);
+      loss_of(net, 3, r, p).backward();
+    }
+    loss_of(net, 4, r, p).backward();
+    grads.push_back(gradients_of(net));
+    return grads;
+  };
+  const auto copies = passes(false), views = passes(true);
+  for (size_t pass = 0; pass < copies.size(); ++pass) expect_bitwise_equal(copies[pass], views[pass], "pass");
+}
+
+// second(first(x)) with `second` registered first: reverse registration order puts `first`'s
+// parameters, whose gradients the backward produces last, in the first bucket, which then holds
+// the other back until the end. With swap, first(second(x)).
+struct Reversed : torch::nn::Module {
+  Reversed() {
+    at::manual_seed(3);
+    second = register_module("second", hp::nn::Linear(kDim, kDim));
+    first = register_module("first", hp::nn::Linear(kDim, kDim));
+  }
+  at::Tensor forward(const at::Tensor& x, bool swap) { return swap ? first(second(x)) : second(first(x)); }
+  hp::nn::Linear second{nullptr}, first{nullptr};
+};
+
+at::Tensor loss_of(Reversed& net, int64_t replica, int64_t replicas, bool swap) {
+  auto [x, target] = global_batch(0);
+  const int64_t rows = kGlobalBatch / replicas;
+  return (net.forward(x.narrow(0, replica * rows, rows), swap) - target.narrow(0, replica * rows, rows))
+      .pow(2)
+      .mean();
+}
+
+// The buckets as sets of parameters, in launch order.
+std::vector<std::set<int64_t>> bucket_sets(const dp::GradientReducer& reducer) {
+  std::vector<std::set<int64_t>> out;
+  for (const auto& bucket : reducer.bucket_parameters()) out.emplace_back(bucket.begin(), bucket.end());
+  return out;
+}
+
+// After the first backward the buckets follow the order it produced the gradients in, rank 0's
+// (the other ranks run first(second(x)), which orders them the other way), and the next passes
+// still average right.
+TEST(DataParallel, RebuildsTheBucketsInRankZerosBackwardOrder) {
+  auto mesh = dp_mesh();
+  const int64_t r = mesh.get_local_rank(0), p = mesh.size(0);
+  using Sets = std::vector<std::set<int64_t>>;
+  const auto caps = dp::GradientReducerOptions().bucket_cap_bytes(1088).first_bucket_cap_bytes(1088);
+  Reversed net;  // second's weight and bias are parameters 0 and 1, first's 2 and 3: 1088 bytes each
+  auto reducer = dp::data_parallel(net, mesh, caps);
+  Reversed fixed;
+  auto fixed_reducer =
+      dp::data_parallel(fixed, mesh, dp::GradientReducerOptions(caps).rebuild_buckets(false));
+  EXPECT_EQ(bucket_sets(*reducer), (Sets{{2, 3}, {0, 1}}));
+  for (int pass = 0; pass < 2; ++pass) {
+    loss_of(net, r, p, /*swap=*/r != 0).backward();
+    loss_of(fixed, r, p, /*swap=*/r != 0).backward();
+    EXPECT_EQ(bucket_sets(*reducer), (Sets{{0, 1}, {2, 3}})) << "pass " << pass;
+    EXPECT_EQ(bucket_sets(*fixed_reducer), (Sets{{2, 3}, {0, 1}})) << "pass " << pass;
+    std::vector<at::Tensor> sum(4);
+    for (int64_t q = 0; q < p; ++q) {
+      Reversed copy;
+      loss_of(copy, q, p, q != 0).backward();
+      for (size_t i = 0; i < 4; ++i) {
+        const auto g = copy.parameters()[i].grad() * double(pass + 1);  // accumulated over the passes
+        sum[i] = sum[i].defined() ? sum[i] + g : g;
+      }
+    }
+    for (size_t i = 0; i < 4; ++i) {
+      hp_test::expect_close(net.parameters()[i].grad(), sum[i] / double(p), "parameter " + std::to_string(i));
+      EXPECT_TRUE(at::equal(net.parameters()[i].grad(), fixed.parameters()[i].grad())) << "parameter " << i;
+    }
+  }
+}
+
+// The identity, whose backward takes 100 ms: compute the gradients after it wait for.
+struct SlowInBackward : torch::autograd::Function<SlowInBackward> {
+  static at::Tensor forward(torch::autograd::AutogradContext*, const at::Tensor& x) { return x.clone(); }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*,
+                                                 torch::autograd::variable_list grads) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    return grads;
+  }
+};
+
+// c(slow(b(a(x)))): c's gradients are ready early in the backward, b's and a's together at its end.
+struct Chain : torch::nn::Module {
+  Chain() {
+    at::manual_seed(5);
+    a = register_module("a", hp::nn::Linear(kDim, kDim));
+    b = register_module("b", hp::nn::Linear(kDim, kDim));
+    c = register_module("c", hp::nn::Linear(kDim, kDim));
+  }
+  at::Tensor forward(const at::Tensor& x) { return c(SlowInBackward::apply(b(a(x)))); }
+  hp::nn::Linear a{nullptr}, b{nullptr}, c{nullptr};
+};
+
+// Once rebuilt, the last buckets shrink by the time the backward has left, not by the bytes it
+// has left: b's and a's gradients (2176 bytes) come after c's, but with no time left after
+// them, so each is a bucket of the first bucket's cap (alone). Counted in bytes, b's bias joins
+// c's weight (2112 bytes after it). The gradients are the same bits either way.
+TEST(DataParallel, OnceRebuiltTheLastBucketsShrinkByTheTimeLeft) {
+  auto mesh = dp_mesh();
+  const int64_t r = mesh.get_local_rank(0), p = mesh.size(0);
+  const auto options = dp::GradientReducerOptions().first_bucket_cap_bytes(64);
+  Chain timed, by_bytes;
+  auto timed_reducer = dp::data_parallel(timed, mesh, options);
+  auto bytes_reducer =
+      dp::data_parallel(by_bytes, mesh, dp::GradientReducerOptions(options).rebuild_buckets(false));
+  auto loss = [&](Chain& net) {
+    auto [x, target] = global_batch(0);
+    const int64_t rows = kGlobalBatch / p;
+    return (net.forward(x.narrow(0, r * rows, rows)) - target.narrow(0, r * rows, rows)).pow(2).mean();
+  };
+  for (int pass = 0; pass < 2; ++pass) {
+    loss(timed).backward();
+    loss(by_bytes).backward();
+    for (size_t i = 0; i < 6; ++i)
+      EXPECT_TRUE(at::equal(timed.parameters()[i].grad(), by_bytes.parameters()[i].grad()))
+          << "parameter " << i;
+  }
+  EXPECT_EQ(timed_reducer->bucket_parameters().size(), 6u);  // 6 parameters, each alone
+  const auto by_bytes_layout = bytes_reducer->bucket_parameters();
+  ASSERT_EQ(by_bytes_layout.size(), 5u);
+  EXPECT_EQ(by_bytes_layout[1], (std::vector<int64_t>{4, 3}));  // c's weight, b's bias
+}
+
 TEST(DataParallel, UnusedPartlyUsedAndSharedParametersGetTheAverage) {
   // `partial` is used by rank 0 only: every rank gets rank 0's gradient / P. `spare` is used by
   // no rank: its .grad stays undefined. `tied` is applied twice: its two contributions are summed.
@@ -216,16 +401,18 @@ TEST(DataParallel, AccumulatesTwoBackwardPassesWithAndWithoutNoSync) {
     SCOPED_TRACE(no_sync ? "no_sync on the first pass" : "both passes reduced");
     Net net(7);
     auto reducer = dp::data_parallel(net, mesh, small_buckets());
+    auto buckets = [&] { return static_cast<int64_t>(reducer->bucket_parameters().size()); };
     hp::comm::reset_collective_counts();
+    const int64_t first_layout = buckets();
     {
       std::optional<dp::NoSyncGuard> guard;
       if (no_sync) guard.emplace(*reducer);
       loss_of(net, 0, r, p, false, 0).backward();
     }
+    const int64_t second_layout = buckets();  // rebuilt after the first pass that reduced
     loss_of(net, 0, r, p, false, 1).backward();
-    const auto buckets = static_cast<int64_t>(reducer->bucket_parameters().size());
     EXPECT_EQ(hp::comm::collective_count(hp::comm::CollectiveKind::kAllReduce),
-              no_sync ? buckets : 2 * buckets);
+              no_sync ? first_layout : first_layout + second_layout);
     expect_gradients(net, expected);
   }
 }

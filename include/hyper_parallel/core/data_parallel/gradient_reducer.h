@@ -2,11 +2,13 @@
 // GradientReducer: averages the gradients of a set of parameters over a data-parallel group,
 // in buckets whose all-reduces run while the backward goes on (as DDP does):
 //   - the parameters are laid out in buckets of at most `bucket_cap_bytes` (the first one of at
-//     most `first_bucket_cap_bytes`), one dtype each, in reverse order (the order a backward
-//     produces their gradients);
+//     most `first_bucket_cap_bytes`, the last ones shrinking toward the backward's end), one dtype
+//     each, in reverse order (the order a backward produces their gradients);
 //   - a hook on each parameter's gradient accumulator marks it ready; bucket b is started
 //     (comm::start_all_reduce) once its gradients and those of buckets 0..b-1 are all ready, so
 //     every rank starts the same buckets in the same order whatever its graph's timing;
+//   - after the first backward that reduces, the buckets are laid out again in the order it
+//     produced the gradients (rank 0's, broadcast once; DDP's bucket rebuild);
 //   - the autograd engine's final callback of that backward starts the buckets still waiting
 //     (a parameter without a gradient contributes zeros) and waits for all of them, so the
 //     gradients are averaged when backward() returns: an optimizer step may follow at once.
@@ -41,9 +43,28 @@ struct GradientReducerOptions {
   /// Largest first bucket (the last layers' gradients, ready first): small, so the link starts
   /// early in the backward (DDP's default, 1 MiB). A parameter larger than a cap is a bucket alone.
   TORCH_ARG(int64_t, first_bucket_cap_bytes) = int64_t{1} << 20;
+  /// true: the last buckets (the first layers' gradients, ready at the backward's end) shrink: a
+  /// bucket holds no more than the gradients the backward produces after it (at least
+  /// first_bucket_cap_bytes). The last bucket waits for the backward's end with nothing left to
+  /// hide its transfer behind, and the one before it for the little compute left. Counted in
+  /// bytes (the parameters before it in model order) until the buckets are rebuilt, then in
+  /// time: the share of the first backward still to run when its last gradient was ready, times
+  /// all the gradient bytes. false: DDP's layout, every bucket up to bucket_cap_bytes.
+  TORCH_ARG(bool, shrink_last_buckets) = true;
+  /// true: after the first backward that reduces, the buckets are laid out again (same caps) in
+  /// the order that backward made the gradients ready, rank 0's (DDP's bucket rebuild). false:
+  /// reverse parameter order for good.
+  TORCH_ARG(bool, rebuild_buckets) = true;
   /// true: buckets reduce while the backward goes on. false: each bucket is reduced, blocking,
   /// when it is ready (the same arithmetic, bitwise; for comparison).
   TORCH_ARG(bool, overlap) = true;
+  /// true: once reduced, each .grad is a tensor on its bucket's buffer (DDP's
+  /// gradient_as_bucket_view), so the next backward accumulates into the bucket in place: no copy
+  /// into the bucket before its all-reduce, none back into .grad after it. A .grad replaced
+  /// or set to none between steps is copied in, as with false. Differences: .grad is a new
+  /// tensor after the first reduced backward (a reference taken before it is not updated), and
+  /// after a failed backward the gradients hold partial sums (zero them before the next one).
+  TORCH_ARG(bool, gradient_as_bucket_view) = false;
 };
 
 class GradientReducer {
@@ -61,7 +82,8 @@ class GradientReducer {
   void set_sync(bool sync);
   bool sync() const;
 
-  /// Bucket b's parameters, as indices into the parameters kept (reverse order).
+  /// Bucket b's parameters, as indices into the parameters kept (reverse order, then the first
+  /// reducing backward's order once rebuilt).
   std::vector<std::vector<int64_t>> bucket_parameters() const;
   /// The parameters kept: `params` without repeats and frozen ones, in their order.
   const std::vector<at::Tensor>& parameters() const;
