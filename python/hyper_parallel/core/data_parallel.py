@@ -27,13 +27,14 @@ def data_parallel(module: torch.nn.Module, device_mesh, *, bucket_cap_mb: float 
                   gradient_as_bucket_view: bool = False):
     """Averages ``module``'s gradients over ``device_mesh`` (1-D: the data-parallel dimension)
     and returns the module. Parallelize it over its other dimensions first. Buckets of at most
-    ``bucket_cap_mb`` MiB, in reverse parameter order, the last ones (ready at the backward's
-    end) smaller; ``overlap=False`` reduces each bucket, blocking, when it is ready (bitwise the
-    same result). ``gradient_as_bucket_view=True``: as DDP's, each reduced ``.grad`` lives in its
-    bucket, so the next backward accumulates there with no copy in or out (a ``.grad`` reference
-    taken before the first reduction is not updated; after a failed backward, zero the
-    gradients). Collective: every rank of the mesh calls it, with the same parameters and
-    options."""
+    ``bucket_cap_mb`` MiB, in reverse parameter order and, after the first backward, in the
+    order it produced the gradients, the last ones (ready at the backward's end) smaller;
+    ``overlap=False`` reduces each bucket, blocking, when it is ready (bitwise the same result).
+    ``gradient_as_bucket_view=True``: as DDP's, each reduced ``.grad`` lives in its bucket, so
+    the next backward accumulates there with no copy in or out (a ``.grad`` reference taken
+    before the first reduction is not updated; after a failed backward, zero the gradients or
+    set them to None: they hold unspecified values). Collective: every rank of the mesh calls
+    it, with the same parameters and options."""
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"data_parallel: expected a torch.nn.Module, got {type(module).__name__}")
     if hasattr(module, _REDUCER):

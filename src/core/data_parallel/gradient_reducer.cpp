@@ -55,7 +55,7 @@ void check_layout_agrees(const std::string& mine, const comm::Group& group) {
     for (size_t q = 0; q < all.size(); ++q) ranks << (q ? "; " : "") << "rank " << q << ": " << all[q];
     TORCH_CHECK_VALUE(false, "GradientReducer: expected every rank of ", group.name(),
                       " to lay out the same gradient buckets (the same parameters, shapes, dtypes and "
-                      "bucket_cap_bytes), got ",
+                      "bucket options), got ",
                       ranks.str());
   }
 }
@@ -72,7 +72,7 @@ struct GradientReducer::Impl : std::enable_shared_from_this<GradientReducer::Imp
     // fresh one would be page-faulted in at every step (DDP keeps its buckets too).
     at::Tensor kept_buffer;
     // gradient_as_bucket_view: each parameter's .grad once reduced, on `buffer`'s storage (the
-    // buffer is then kept for good).
+    // buffer is then kept while this layout stands).
     std::vector<at::Tensor> grad_views;
     comm::PendingAllReduce reduce;
   };
@@ -96,8 +96,9 @@ struct GradientReducer::Impl : std::enable_shared_from_this<GradientReducer::Imp
   std::vector<uintptr_t> hook_keys;
 
   void install_layout(const std::vector<detail::BucketSpan>& spans);
-  void mark_ready(int64_t param);
-  void agree_on_rank_zeros_order();
+  void mark_ready(int64_t param, bool record = true);
+  bool agree_on_rank_zeros_order();
+  void move_gradients_into_buckets();
   void rebuild_buckets();
   void on_gradient(int64_t param);
   void begin_backward();
@@ -139,6 +140,7 @@ void GradientReducer::Impl::begin_backward() {
   ready_order.clear();
   ready_us.clear();
   backward_end_us = -1;
+  pass_start = std::chrono::steady_clock::now();
   // The engine drops its final callbacks unrun when the backward fails: the guard's destructor
   // then abandons this pass (abandon()), so the next backward starts clean instead of finding
   // every flag of this one still set.
@@ -166,32 +168,34 @@ void GradientReducer::Impl::begin_backward() {
   const auto* nodes = torch::autograd::get_current_graph_task_nodes_in_graph();
   if (nodes == nullptr || nodes->empty()) return;
   for (size_t i = 0; i < params.size(); ++i) {
-    if (nodes->count(accumulators[i].get()) == 0) mark_ready(static_cast<int64_t>(i));
+    if (nodes->count(accumulators[i].get()) == 0) mark_ready(static_cast<int64_t>(i), /*record=*/false);
   }
 }
 
-void GradientReducer::Impl::mark_ready(int64_t param) {
+// `record`: false for a parameter this backward does not reach; the rebuilt layout puts those
+// last, as DDP does (one that a later pass does use would otherwise hold every bucket back).
+void GradientReducer::Impl::mark_ready(int64_t param, bool record) {
   ready[param] = true;
   --buckets[bucket_of[param]].waiting;
-  if (rebuilt || !options.rebuild_buckets()) return;
-  const auto now = std::chrono::steady_clock::now();
-  if (ready_order.empty()) pass_start = now;
+  if (!record || rebuilt || !options.rebuild_buckets()) return;
   ready_order.push_back(param);
-  ready_us.push_back(std::chrono::duration_cast<std::chrono::microseconds>(now - pass_start).count());
+  ready_us.push_back(
+      std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - pass_start)
+          .count());
 }
 
 // Every rank takes rank 0's order, ready times and backward end, so that all lay out the same
-// buckets. Contract: every rank calls it at the end of the same pass.
-void GradientReducer::Impl::agree_on_rank_zeros_order() {
+// buckets; false where rank 0's pass failed (every rank then waits for another pass). Contract:
+// every rank calls it at the end of the same pass.
+bool GradientReducer::Impl::agree_on_rank_zeros_order() {
   const auto n = static_cast<int64_t>(params.size());
-  // A failed pass may have made only some parameters ready: the others follow, in reverse order.
+  // The parameters the backward did not reach follow, in reverse order, ready at its end.
   std::vector<bool> listed(n, false);
   for (auto p : ready_order) listed[p] = true;
   for (auto p : detail::reverse_order(n)) {
     if (listed[p]) continue;
     ready_order.push_back(p);
-    ready_us.push_back(0);
-    backward_end_us = -1;  // untimed: lay out by bytes
+    ready_us.push_back(std::max<int64_t>(backward_end_us, 0));
   }
   std::vector<int64_t> mine = ready_order;
   mine.insert(mine.end(), ready_us.begin(), ready_us.end());
@@ -208,6 +212,7 @@ void GradientReducer::Impl::agree_on_rank_zeros_order() {
                 " parameters once, got parameter ", p, " out of range or repeated");
     seen[p] = true;
   }
+  return backward_end_us >= 0;
 }
 
 // After the first backward that reduced, the buckets are laid out again in the order it made the
@@ -218,11 +223,14 @@ void GradientReducer::Impl::agree_on_rank_zeros_order() {
 // of the same pass (finish_backward or abandon), with no bucket in flight.
 void GradientReducer::Impl::rebuild_buckets() {
   if (rebuilt || !options.rebuild_buckets()) return;
-  rebuilt = true;
   // A benchmark's compute-only twin receives zeros, not rank 0's order: it keeps its layout (the
   // same on every rank; its results are meaningless anyway).
-  if (comm::detail::transfers_skipped()) return;
-  agree_on_rank_zeros_order();
+  if (comm::detail::transfers_skipped()) {
+    rebuilt = true;
+    return;
+  }
+  if (!agree_on_rank_zeros_order()) return;
+  rebuilt = true;
   // What the backward produces after each gradient, for shrinking the last buckets: counted in
   // time where the pass completed (the share of its backward still to run, times all the
   // gradient bytes: gradients ready together, as a layer's first projections are, count as
@@ -236,8 +244,24 @@ void GradientReducer::Impl::rebuild_buckets() {
     }
   }
   install_layout(detail::lay_out_buckets(params, ready_order, bytes_after, caps));
+  if (options.gradient_as_bucket_view()) move_gradients_into_buckets();
   ready_order.clear();
   ready_us.clear();
+}
+
+// gradient_as_bucket_view: the reduced gradients move into the rebuilt buckets at once, so .grad
+// changes identity only at the first reduced backward, and the old buffers are freed.
+void GradientReducer::Impl::move_gradients_into_buckets() {
+  at::NoGradGuard no_grad;
+  for (auto& bucket : buckets) {
+    prepare_buffer(bucket);
+    for (size_t j = 0; j < bucket.span.params.size(); ++j) {
+      auto& grad = params[bucket.span.params[j]].mutable_grad();
+      if (!grad.defined()) continue;
+      bucket.grad_views[j].copy_(grad);
+      grad = bucket.grad_views[j];
+    }
+  }
 }
 
 void GradientReducer::Impl::install_layout(const std::vector<detail::BucketSpan>& spans) {
@@ -400,15 +424,22 @@ void GradientReducer::Impl::finish_backward() {
     Impl* impl;
     ~ResetOnExit() { impl->reset(); }
   } reset_on_exit{this};
-  if (!rebuilt && !ready_order.empty()) {
+  if (!rebuilt && in_backward) {
     backward_end_us =
         std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - pass_start)
             .count();
   }
   comm::CommRegion region("grad_sync");
-  while (next_launch < static_cast<int64_t>(buckets.size())) launch(buckets[next_launch++]);
-  for (auto& bucket : buckets) {
-    if (!bucket.copied_back) copy_back(bucket);
+  try {
+    while (next_launch < static_cast<int64_t>(buckets.size())) launch(buckets[next_launch++]);
+    for (auto& bucket : buckets) {
+      if (!bucket.copied_back) copy_back(bucket);
+    }
+  } catch (...) {
+    // As a backward that failed: the peers still get every bucket and the rebuild from this rank.
+    backward_end_us = -1;
+    abandon();
+    throw;
   }
   rebuild_buckets();
 }
@@ -441,7 +472,10 @@ GradientReducer::GradientReducer(const std::vector<at::Tensor>& params, comm::Gr
   const auto order = detail::reverse_order(static_cast<int64_t>(impl.params.size()));
   const auto spans = detail::lay_out_buckets(impl.params, order,
                                              detail::bytes_after_in_order(impl.params, order), impl.caps);
-  check_layout_agrees(detail::describe_buckets(spans, impl.params), impl.group);
+  // rebuild_buckets too: a rank that rebuilds broadcasts, once, where the others would not.
+  check_layout_agrees(detail::describe_buckets(spans, impl.params) +
+                          (options.rebuild_buckets() ? ", rebuilt after the first backward" : ""),
+                      impl.group);
   impl.ready.assign(impl.params.size(), false);
   impl.install_layout(spans);
   for (size_t i = 0; i < impl.params.size(); ++i) {

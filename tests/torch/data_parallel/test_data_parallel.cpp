@@ -239,13 +239,13 @@ TEST(DataParallel, GradientsAsBucketViewsGiveTheBitsOfCopies) {
       EXPECT_FALSE(net.spare->weight.grad().defined());
     }
     std::vector<std::vector<at::Tensor>> grads{gradients_of(net)};
-    for (int64_t step = 1; step < 3; ++step) {  // the buckets are rebuilt after the first pass
+    for (int64_t step = 1; step < 3; ++step) {  // the buckets were rebuilt after the first pass
       sgd.step();
       sgd.zero_grad();
       const void* before = net.fc2->weight.grad().data_ptr();
       loss_of(net, step, r, p).backward();
-      if (as_view && step == 2) {
-        EXPECT_EQ(net.fc2->weight.grad().data_ptr(), before);  // accumulated in place
+      if (as_view) {  // the rebuild moved the gradients into its buckets: still in place
+        EXPECT_EQ(net.fc2->weight.grad().data_ptr(), before) << "step " << step;
       }
       grads.push_back(gradients_of(net));
     }
@@ -335,22 +335,26 @@ struct SlowInBackward : torch::autograd::Function<SlowInBackward> {
   }
 };
 
-// c(slow(b(a(x)))): c's gradients are ready early in the backward, b's and a's together at its end.
+// d(c(slow(b(a(x))))): d's and c's gradients are ready early in the backward, b's and a's
+// together at its end.
 struct Chain : torch::nn::Module {
   Chain() {
     at::manual_seed(5);
     a = register_module("a", hp::nn::Linear(kDim, kDim));
     b = register_module("b", hp::nn::Linear(kDim, kDim));
     c = register_module("c", hp::nn::Linear(kDim, kDim));
+    d = register_module("d", hp::nn::Linear(kDim, kDim));
   }
-  at::Tensor forward(const at::Tensor& x) { return c(SlowInBackward::apply(b(a(x)))); }
-  hp::nn::Linear a{nullptr}, b{nullptr}, c{nullptr};
+  at::Tensor forward(const at::Tensor& x) { return d(c(SlowInBackward::apply(b(a(x))))); }
+  hp::nn::Linear a{nullptr}, b{nullptr}, c{nullptr}, d{nullptr};
 };
 
 // Once rebuilt, the last buckets shrink by the time the backward has left, not by the bytes it
-// has left: b's and a's gradients (2176 bytes) come after c's, but with no time left after
-// them, so each is a bucket of the first bucket's cap (alone). Counted in bytes, b's bias joins
-// c's weight (2112 bytes after it). The gradients are the same bits either way.
+// has left. Parameters 0-7: a, b, c, d (weight 1024 bytes, bias 64). In time: d's and c's
+// gradients come with nearly all of the backward left, so after the first bucket (64-byte cap:
+// d's first gradient alone) they share one; b's and a's come with none left, so each is alone
+// (the first bucket's cap). In bytes: b's bias and weight (1088 bytes after the bias) share one.
+// The gradients are the same bits either way.
 TEST(DataParallel, OnceRebuiltTheLastBucketsShrinkByTheTimeLeft) {
   auto mesh = dp_mesh();
   const int64_t r = mesh.get_local_rank(0), p = mesh.size(0);
@@ -367,14 +371,17 @@ TEST(DataParallel, OnceRebuiltTheLastBucketsShrinkByTheTimeLeft) {
   for (int pass = 0; pass < 2; ++pass) {
     loss(timed).backward();
     loss(by_bytes).backward();
-    for (size_t i = 0; i < 6; ++i)
+    for (size_t i = 0; i < 8; ++i)
       EXPECT_TRUE(at::equal(timed.parameters()[i].grad(), by_bytes.parameters()[i].grad()))
           << "parameter " << i;
   }
-  EXPECT_EQ(timed_reducer->bucket_parameters().size(), 6u);  // 6 parameters, each alone
-  const auto by_bytes_layout = bytes_reducer->bucket_parameters();
-  ASSERT_EQ(by_bytes_layout.size(), 5u);
-  EXPECT_EQ(by_bytes_layout[1], (std::vector<int64_t>{4, 3}));  // c's weight, b's bias
+  using Sets = std::vector<std::set<int64_t>>;
+  const auto timed_layout = bucket_sets(*timed_reducer);
+  ASSERT_EQ(timed_layout.size(), 6u);
+  EXPECT_EQ(timed_layout[0].size() + timed_layout[1].size(), 4u);  // d's and c's: 1 + 3
+  EXPECT_TRUE(timed_layout[1].count(4) && timed_layout[1].count(5)) << "c's weight and bias together";
+  for (size_t k = 2; k < 6; ++k) EXPECT_EQ(timed_layout[k].size(), 1u) << "bucket " << k;
+  EXPECT_EQ(bucket_sets(*bytes_reducer), (Sets{{7}, {6, 5, 4}, {3, 2}, {1}, {0}}));
 }
 
 TEST(DataParallel, UnusedPartlyUsedAndSharedParametersGetTheAverage) {
@@ -424,6 +431,7 @@ TEST(DataParallel, AFailedBackwardLeavesTheNextOneCorrect) {
   const int64_t p = mesh.size(0), r = mesh.get_local_rank(0);
   Net net(7);
   auto reducer = dp::data_parallel(net, mesh, small_buckets());
+  const auto first_layout = reducer->bucket_parameters();
   {
     auto [x, target] = global_batch(0);
     x.requires_grad_(true);
@@ -431,9 +439,29 @@ TEST(DataParallel, AFailedBackwardLeavesTheNextOneCorrect) {
     auto loss = (net.forward(x) - target).pow(2).mean();
     EXPECT_THROW(loss.backward(), std::exception);
   }
+  // Rank 0's pass failed: no rank rebuilds from it, the next pass is timed afresh.
+  EXPECT_EQ(reducer->bucket_parameters(), first_layout);
   for (auto& param : net.parameters()) param.mutable_grad() = at::Tensor();
   loss_of(net, 0, r, p).backward();
   expect_gradients(net, expected_average([&](Net& copy, int64_t q) { loss_of(copy, 0, q, p).backward(); }));
+  EXPECT_NE(reducer->bucket_parameters(), first_layout);  // rebuilt from this one
+}
+
+// Parameters the first backward does not reach (partial, spare: 6 to 9) go last in the rebuilt
+// layout, as DDP puts them: one a later pass does use would otherwise hold every bucket back.
+TEST(DataParallel, TheRebuiltLayoutPutsTheParametersTheFirstBackwardMissedLast) {
+  auto mesh = dp_mesh();
+  const int64_t p = mesh.size(0), r = mesh.get_local_rank(0);
+  Net net(7);
+  auto reducer = dp::data_parallel(net, mesh, small_buckets());
+  loss_of(net, 0, r, p).backward();
+  std::vector<int64_t> order;
+  for (const auto& bucket : reducer->bucket_parameters())
+    order.insert(order.end(), bucket.begin(), bucket.end());
+  ASSERT_EQ(order.size(), 10u);
+  EXPECT_EQ(std::set<int64_t>(order.end() - 4, order.end()), (std::set<int64_t>{6, 7, 8, 9}));
+  loss_of(net, 1, r, p, /*use_partial=*/true).backward();  // partial's gradient now arrives, averaged
+  EXPECT_TRUE(net.partial->weight.grad().defined());
 }
 
 TEST(DataParallel, RanksWithDifferentBucketLayoutsGetAnErrorNotAHang) {

@@ -62,8 +62,9 @@ struct GradientReducerOptions {
   /// gradient_as_bucket_view), so the next backward accumulates into the bucket in place: no copy
   /// into the bucket before its all-reduce, none back into .grad after it. A .grad replaced
   /// or set to none between steps is copied in, as with false. Differences: .grad is a new
-  /// tensor after the first reduced backward (a reference taken before it is not updated), and
-  /// after a failed backward the gradients hold partial sums (zero them before the next one).
+  /// tensor after the first reduced backward (a reference taken before it is not updated; the
+  /// rebuild moves the gradients with the buckets then, not later), and after a failed backward
+  /// the gradients hold unspecified values (zero them or set them to none before the next one).
   TORCH_ARG(bool, gradient_as_bucket_view) = false;
 };
 
