@@ -350,8 +350,7 @@ Meshes make_meshes(int64_t dp) {
 // MC2 all (row and shared-gather weight gradients deferred into the next row backward's gather
 // window). With DP: blocking against overlapped gradient reductions, and the overlapped ones in
 // DDP's bucket layout ("DP overlap DDP": rebuilt in the backward's order, no shrinking last
-// buckets) and in reverse parameter order for good ("DP ovl no rebuild") (MC2 all inside each
-// replica when TP > 1).
+// buckets) (MC2 all inside each replica when TP > 1).
 std::vector<Config> configs_for(const Meshes& meshes) {
   if (!meshes.dp) {
     return {{"plain TP", false, llama3::MC2Scope::kFfn},
@@ -363,8 +362,7 @@ std::vector<Config> configs_for(const Meshes& meshes) {
   const auto scope = mc2 ? llama3::MC2Scope::kAll : llama3::MC2Scope::kFfn;
   return {{"DP blocking", mc2, scope, GradientSync::kBlocking},
           {"DP overlap", mc2, scope, GradientSync::kOverlapped},
-          {"DP overlap DDP", mc2, scope, GradientSync::kOverlapped, true, false},
-          {"DP ovl no rebuild", mc2, scope, GradientSync::kOverlapped, true, true, false}};
+          {"DP overlap DDP", mc2, scope, GradientSync::kOverlapped, true, false}};
 }
 
 }  // namespace
