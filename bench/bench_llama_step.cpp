@@ -52,7 +52,6 @@ struct Config {
   GradientSync dp = GradientSync::kNone;
   bool defer_weight_grads = true;   // MC2Options::defer_weight_grads
   bool shrink_last_buckets = true;  // GradientReducerOptions::shrink_last_buckets
-  bool rebuild_buckets = true;      // GradientReducerOptions::rebuild_buckets
 };
 
 // The meshes: TP over the world, or {dp, tp}.
@@ -91,7 +90,6 @@ Run build(const Config& c, const llama3::ModelArgs& args, int64_t seq_len, const
                                          hp::data_parallel::GradientReducerOptions()
                                              .overlap(c.dp == GradientSync::kOverlapped)
                                              .shrink_last_buckets(c.shrink_last_buckets)
-                                             .rebuild_buckets(c.rebuild_buckets)
                                              .bucket_cap_bytes(static_cast<int64_t>(bucket_mb * (1 << 20))));
   }
   run.optimizer = std::make_unique<torch::optim::AdamW>(

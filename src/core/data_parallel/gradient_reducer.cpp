@@ -1,8 +1,6 @@
 #include <hyper_parallel/core/nn/pending_gradient.h>
 #include <hyper_parallel/core/data_parallel/gradient_reducer.h>
 
-#include <algorithm>
-#include <chrono>
 #include <sstream>
 #include <unordered_set>
 #include <utility>
@@ -21,6 +19,7 @@
 #include <hyper_parallel/core/comm/pending_all_reduce.h>
 #include <hyper_parallel/core/comm/skip_transfers.h>
 
+#include "backward_order.h"
 #include "bucket_layout.h"
 
 namespace hyper_parallel::data_parallel {
@@ -43,6 +42,12 @@ std::vector<at::Tensor> kept_parameters(const std::vector<at::Tensor>& params) {
     kept.push_back(p);
   }
   return kept;
+}
+
+// True where `grad` is the bucket's view for it: the backward accumulated into the buffer.
+bool is_view_of_bucket(const at::Tensor& grad, const at::Tensor& view) {
+  return grad.defined() && grad.data_ptr() == view.data_ptr() && grad.sizes() == view.sizes() &&
+         grad.strides() == view.strides();
 }
 
 // Every rank must lay out the same buckets: compared once, here, so that the buckets can start
@@ -86,18 +91,13 @@ struct GradientReducer::Impl : std::enable_shared_from_this<GradientReducer::Imp
   std::vector<bool> ready;
   int64_t next_launch = 0;  // buckets [0, next_launch) have started in this backward
   bool in_backward = false, sync = true;
-  // Until the buckets are rebuilt: the parameters in the order this pass made them ready, with
-  // when (microseconds after its first), and when its backward ended (-1: not yet, or failed).
-  std::vector<int64_t> ready_order, ready_us;
-  std::chrono::steady_clock::time_point pass_start;
-  int64_t backward_end_us = -1;
+  detail::BackwardOrder backward_order;  // recorded by each pass until the buckets are rebuilt
   bool rebuilt = false;
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;
   std::vector<uintptr_t> hook_keys;
 
   void install_layout(const std::vector<detail::BucketSpan>& spans);
   void mark_ready(int64_t param, bool record = true);
-  bool agree_on_rank_zeros_order();
   void move_gradients_into_buckets();
   void rebuild_buckets();
   void on_gradient(int64_t param);
@@ -136,11 +136,7 @@ class GradientReadyHook final : public torch::autograd::FunctionPostHook {
 // hold their bucket, and every later one, back until the end).
 void GradientReducer::Impl::begin_backward() {
   in_backward = true;
-  // A pass that failed may have recorded some: each pass records afresh until the rebuild.
-  ready_order.clear();
-  ready_us.clear();
-  backward_end_us = -1;
-  pass_start = std::chrono::steady_clock::now();
+  backward_order.begin_pass();
   // The engine drops its final callbacks unrun when the backward fails: the guard's destructor
   // then abandons this pass (abandon()), so the next backward starts clean instead of finding
   // every flag of this one still set.
@@ -177,42 +173,7 @@ void GradientReducer::Impl::begin_backward() {
 void GradientReducer::Impl::mark_ready(int64_t param, bool record) {
   ready[param] = true;
   --buckets[bucket_of[param]].waiting;
-  if (!record || rebuilt || !options.rebuild_buckets()) return;
-  ready_order.push_back(param);
-  ready_us.push_back(
-      std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - pass_start)
-          .count());
-}
-
-// Every rank takes rank 0's order, ready times and backward end, so that all lay out the same
-// buckets; false where rank 0's pass failed (every rank then waits for another pass). Contract:
-// every rank calls it at the end of the same pass.
-bool GradientReducer::Impl::agree_on_rank_zeros_order() {
-  const auto n = static_cast<int64_t>(params.size());
-  // The parameters the backward did not reach follow, in reverse order, ready at its end.
-  std::vector<bool> listed(n, false);
-  for (auto p : ready_order) listed[p] = true;
-  for (auto p : detail::reverse_order(n)) {
-    if (listed[p]) continue;
-    ready_order.push_back(p);
-    ready_us.push_back(std::max<int64_t>(backward_end_us, 0));
-  }
-  std::vector<int64_t> mine = ready_order;
-  mine.insert(mine.end(), ready_us.begin(), ready_us.end());
-  mine.push_back(backward_end_us);
-  const auto rank0 = comm::broadcast(at::tensor(mine, at::kLong), 0, group);
-  const auto* data = rank0.data_ptr<int64_t>();
-  ready_order.assign(data, data + n);
-  ready_us.assign(data + n, data + 2 * n);
-  backward_end_us = data[2 * n];
-  std::vector<bool> seen(n, false);
-  for (auto p : ready_order) {
-    TORCH_CHECK(p >= 0 && p < n && !seen[p],
-                "GradientReducer::rebuild_buckets: expected rank 0's backward order to name each of the ", n,
-                " parameters once, got parameter ", p, " out of range or repeated");
-    seen[p] = true;
-  }
-  return backward_end_us >= 0;
+  if (record && !rebuilt && options.rebuild_buckets()) backward_order.record(param);
 }
 
 // After the first backward that reduced, the buckets are laid out again in the order it made the
@@ -229,24 +190,11 @@ void GradientReducer::Impl::rebuild_buckets() {
     rebuilt = true;
     return;
   }
-  if (!agree_on_rank_zeros_order()) return;
+  auto spans = backward_order.agreed_layout(params, caps, group);
+  if (!spans) return;  // rank 0's pass failed: every rank records the next one
   rebuilt = true;
-  // What the backward produces after each gradient, for shrinking the last buckets: counted in
-  // time where the pass completed (the share of its backward still to run, times all the
-  // gradient bytes: gradients ready together, as a layer's first projections are, count as
-  // nothing after each other), else in bytes.
-  auto bytes_after = detail::bytes_after_in_order(params, ready_order);
-  if (backward_end_us > 0) {
-    const double total = static_cast<double>(bytes_after.front() + params[ready_order.front()].nbytes());
-    for (size_t k = 0; k < ready_order.size(); ++k) {
-      const double left = std::clamp(1.0 - static_cast<double>(ready_us[k]) / backward_end_us, 0.0, 1.0);
-      bytes_after[k] = static_cast<int64_t>(total * left);
-    }
-  }
-  install_layout(detail::lay_out_buckets(params, ready_order, bytes_after, caps));
+  install_layout(*spans);
   if (options.gradient_as_bucket_view()) move_gradients_into_buckets();
-  ready_order.clear();
-  ready_us.clear();
 }
 
 // gradient_as_bucket_view: the reduced gradients move into the rebuilt buckets at once, so .grad
@@ -315,16 +263,6 @@ void GradientReducer::Impl::prepare_buffer(Bucket& bucket) {
             .set_(bucket.buffer.storage(), span.offsets[j], sizes, c10::contiguous_strides(sizes)));
   }
 }
-
-namespace {
-
-// True where `grad` is the bucket's view for it: the backward accumulated into the buffer.
-bool is_view_of_bucket(const at::Tensor& grad, const at::Tensor& view) {
-  return grad.defined() && grad.data_ptr() == view.data_ptr() && grad.sizes() == view.sizes() &&
-         grad.strides() == view.strides();
-}
-
-}  // namespace
 
 // Copies the bucket's gradients (zeros and flag 0 where none; nothing where .grad already is the
 // bucket's view) and starts its all-reduce.
@@ -424,11 +362,7 @@ void GradientReducer::Impl::finish_backward() {
     Impl* impl;
     ~ResetOnExit() { impl->reset(); }
   } reset_on_exit{this};
-  if (!rebuilt && in_backward) {
-    backward_end_us =
-        std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - pass_start)
-            .count();
-  }
+  if (!rebuilt) backward_order.end_pass();
   comm::CommRegion region("grad_sync");
   try {
     while (next_launch < static_cast<int64_t>(buckets.size())) launch(buckets[next_launch++]);
@@ -437,7 +371,7 @@ void GradientReducer::Impl::finish_backward() {
     }
   } catch (...) {
     // As a backward that failed: the peers still get every bucket and the rebuild from this rank.
-    backward_end_us = -1;
+    backward_order.fail_pass();
     abandon();
     throw;
   }

@@ -56,13 +56,17 @@ std::pair<at::Tensor, at::Tensor> global_batch(int64_t step, int64_t micro = 0) 
 
 // Replica `replica` of `replicas` takes its rows of the global batch; the loss is its mean, so
 // the replicas' average gradient is the global batch's.
-at::Tensor loss_of(Net& net, int64_t step, int64_t replica, int64_t replicas, bool use_partial = false,
-                   int64_t micro = 0) {
+at::Tensor replica_loss(const std::function<at::Tensor(const at::Tensor&)>& forward, int64_t step,
+                        int64_t replica, int64_t replicas, int64_t micro = 0) {
   auto [x, target] = global_batch(step, micro);
   const int64_t rows = kGlobalBatch / replicas;
-  x = x.narrow(0, replica * rows, rows);
-  target = target.narrow(0, replica * rows, rows);
-  return (net.forward(x, use_partial) - target).pow(2).mean();
+  return (forward(x.narrow(0, replica * rows, rows)) - target.narrow(0, replica * rows, rows)).pow(2).mean();
+}
+
+at::Tensor loss_of(Net& net, int64_t step, int64_t replica, int64_t replicas, bool use_partial = false,
+                   int64_t micro = 0) {
+  return replica_loss([&](const at::Tensor& x) { return net.forward(x, use_partial); }, step, replica,
+                      replicas, micro);
 }
 
 std::vector<at::Tensor> train(Net& net, int64_t steps, int64_t replica, int64_t replicas) {
@@ -276,11 +280,7 @@ struct Reversed : torch::nn::Module {
 };
 
 at::Tensor loss_of(Reversed& net, int64_t replica, int64_t replicas, bool swap) {
-  auto [x, target] = global_batch(0);
-  const int64_t rows = kGlobalBatch / replicas;
-  return (net.forward(x.narrow(0, replica * rows, rows), swap) - target.narrow(0, replica * rows, rows))
-      .pow(2)
-      .mean();
+  return replica_loss([&](const at::Tensor& x) { return net.forward(x, swap); }, 0, replica, replicas);
 }
 
 // The buckets as sets of parameters, in launch order.
@@ -364,9 +364,7 @@ TEST(DataParallel, OnceRebuiltTheLastBucketsShrinkByTheTimeLeft) {
   auto bytes_reducer =
       dp::data_parallel(by_bytes, mesh, dp::GradientReducerOptions(options).rebuild_buckets(false));
   auto loss = [&](Chain& net) {
-    auto [x, target] = global_batch(0);
-    const int64_t rows = kGlobalBatch / p;
-    return (net.forward(x.narrow(0, r * rows, rows)) - target.narrow(0, r * rows, rows)).pow(2).mean();
+    return replica_loss([&](const at::Tensor& x) { return net.forward(x); }, 0, r, p);
   };
   for (int pass = 0; pass < 2; ++pass) {
     loss(timed).backward();
