@@ -469,6 +469,11 @@ TEST(DataParallel, RanksWithDifferentBucketLayoutsGetAnErrorNotAHang) {
   const int64_t cap = hp_test::rank() == 0 ? 1024 : 4096;
   HP_EXPECT_THROW_MSG((void)dp::data_parallel(net, mesh, dp::GradientReducerOptions().bucket_cap_bytes(cap)),
                       "GradientReducer: expected every rank of");
+  // The same buckets, but only some ranks would rebuild them (and broadcast, alone) after the
+  // first backward: refused at construction too.
+  HP_EXPECT_THROW_MSG(
+      (void)dp::data_parallel(net, mesh, small_buckets().rebuild_buckets(hp_test::rank() == 0)),
+      "GradientReducer: expected every rank of");
   // The group stays usable, and a matching layout works.
   auto reducer = dp::data_parallel(net, mesh, small_buckets());
   loss_of(net, 0, mesh.get_local_rank(0), mesh.size(0)).backward();
