@@ -50,8 +50,8 @@ struct Config {
   bool mc2;
   llama3::MC2Scope scope;
   GradientSync dp = GradientSync::kNone;
-  bool defer_weight_grads = true;   // MC2Options::defer_weight_grads
-  bool shrink_last_buckets = true;  // GradientReducerOptions::shrink_last_buckets
+  bool defer_weight_grads = true;  // MC2Options::defer_weight_grads
+  bool ddp_layout = false;         // no grow_first_buckets, no shrink_last_buckets
 };
 
 // The meshes: TP over the world, or {dp, tp}.
@@ -89,7 +89,8 @@ Run build(const Config& c, const llama3::ModelArgs& args, int64_t seq_len, const
         hp::data_parallel::data_parallel(*run.model, *meshes.dp,
                                          hp::data_parallel::GradientReducerOptions()
                                              .overlap(c.dp == GradientSync::kOverlapped)
-                                             .shrink_last_buckets(c.shrink_last_buckets)
+                                             .grow_first_buckets(!c.ddp_layout)
+                                             .shrink_last_buckets(!c.ddp_layout)
                                              .bucket_cap_bytes(static_cast<int64_t>(bucket_mb * (1 << 20))));
   }
   run.optimizer = std::make_unique<torch::optim::AdamW>(
@@ -347,8 +348,8 @@ Meshes make_meshes(int64_t dp) {
 // TP alone: plain, MC2 ffn, MC2 all with each weight gradient in its own node ("serial dW"),
 // MC2 all (row and shared-gather weight gradients deferred into the next row backward's gather
 // window). With DP: blocking against overlapped gradient reductions, and the overlapped ones in
-// DDP's bucket layout ("DP overlap DDP": rebuilt in the backward's order, no shrinking last
-// buckets) (MC2 all inside each replica when TP > 1).
+// DDP's bucket layout ("DP overlap DDP": rebuilt in the backward's order, neither growing first
+// buckets nor shrinking last ones) (MC2 all inside each replica when TP > 1).
 std::vector<Config> configs_for(const Meshes& meshes) {
   if (!meshes.dp) {
     return {{"plain TP", false, llama3::MC2Scope::kFfn},
@@ -360,7 +361,7 @@ std::vector<Config> configs_for(const Meshes& meshes) {
   const auto scope = mc2 ? llama3::MC2Scope::kAll : llama3::MC2Scope::kFfn;
   return {{"DP blocking", mc2, scope, GradientSync::kBlocking},
           {"DP overlap", mc2, scope, GradientSync::kOverlapped},
-          {"DP overlap DDP", mc2, scope, GradientSync::kOverlapped, true, false}};
+          {"DP overlap DDP", mc2, scope, GradientSync::kOverlapped, true, true}};
 }
 
 }  // namespace

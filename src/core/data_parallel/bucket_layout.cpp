@@ -32,13 +32,19 @@ std::vector<BucketSpan> lay_out_buckets(const std::vector<at::Tensor>& params,
                         "lay_out_buckets: expected an order and bytes_after for each of the ", params.size(),
                         " parameters, got ", order.size(), " and ", bytes_after.size());
   std::vector<BucketSpan> buckets;
+  int64_t bytes_before = 0;  // the gradient bytes of the buckets before the last one
   for (size_t k = 0; k < order.size(); ++k) {
     const auto& p = params[order[k]];
     int64_t cap = buckets.size() == 1 ? std::min(caps.cap_bytes, caps.first_cap_bytes) : caps.cap_bytes;
+    if (caps.grow_first) cap = std::min(cap, std::max(caps.first_cap_bytes, bytes_before));
     if (caps.shrink_last) cap = std::min(cap, std::max(caps.first_cap_bytes, bytes_after[k]));
     const bool fits = !buckets.empty() && params[buckets.back().params[0]].scalar_type() == p.scalar_type() &&
                       (buckets.back().numel + p.numel()) * p.element_size() <= cap;
-    if (!fits) buckets.emplace_back();
+    if (!fits) {
+      if (!buckets.empty())
+        bytes_before += buckets.back().numel * params[buckets.back().params[0]].element_size();
+      buckets.emplace_back();
+    }
     auto& bucket = buckets.back();
     bucket.params.push_back(order[k]);
     bucket.offsets.push_back(bucket.numel);

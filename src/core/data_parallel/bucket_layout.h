@@ -17,11 +17,11 @@ struct BucketSpan {
   int64_t numel = 0;
 };
 
-/// The caps a layout follows (GradientReducerOptions' bucket_cap_bytes, first_bucket_cap_bytes
-/// and shrink_last_buckets).
+/// The caps a layout follows (GradientReducerOptions' bucket_cap_bytes, first_bucket_cap_bytes,
+/// grow_first_buckets and shrink_last_buckets).
 struct BucketCaps {
   int64_t cap_bytes = 0, first_cap_bytes = 0;
-  bool shrink_last = false;
+  bool grow_first = false, shrink_last = false;
 };
 
 /// params.size() - 1, ..., 1, 0: the order a backward produces the gradients of a model's
@@ -35,7 +35,9 @@ std::vector<int64_t> bytes_after_in_order(const std::vector<at::Tensor>& params,
 /// Buckets over `params` taken in `order` (indices, in the order a backward produces their
 /// gradients): a new bucket starts where the dtype changes or the next parameter would take the
 /// bucket past its cap, `first_cap_bytes` for the first bucket and `cap_bytes` for the others (a
-/// parameter larger than the cap has a bucket of its own). With `shrink_last`, a bucket also
+/// parameter larger than the cap has a bucket of its own). With `grow_first`, a bucket holds no
+/// more than the buckets before it together (at least `first_cap_bytes`), so the first buckets
+/// double in size up to the cap. With `shrink_last`, a bucket also
 /// holds no more than `bytes_after[k]` (at least `first_cap_bytes`) once it takes the parameter
 /// at position k: the gradient bytes the backward produces after that one, so the last buckets
 /// shrink toward the backward's end.

@@ -402,13 +402,17 @@ GradientReducer::GradientReducer(const std::vector<at::Tensor>& params, comm::Gr
   impl.params = kept_parameters(params);
   impl.group = std::move(group);
   impl.options = options;
-  impl.caps = {options.bucket_cap_bytes(), options.first_bucket_cap_bytes(), options.shrink_last_buckets()};
+  impl.caps = {options.bucket_cap_bytes(), options.first_bucket_cap_bytes(), options.grow_first_buckets(),
+               options.shrink_last_buckets()};
   const auto order = detail::reverse_order(static_cast<int64_t>(impl.params.size()));
   const auto spans = detail::lay_out_buckets(impl.params, order,
                                              detail::bytes_after_in_order(impl.params, order), impl.caps);
-  // rebuild_buckets too: a rank that rebuilds broadcasts, once, where the others would not.
+  // The options that shape a later layout too: a rank that rebuilds broadcasts, once, where the
+  // others would not, and the rebuilt layout follows the caps.
   check_layout_agrees(detail::describe_buckets(spans, impl.params) +
-                          (options.rebuild_buckets() ? ", rebuilt after the first backward" : ""),
+                          (options.rebuild_buckets() ? ", rebuilt after the first backward" : "") +
+                          (options.grow_first_buckets() ? ", the first growing" : "") +
+                          (options.shrink_last_buckets() ? ", the last shrinking" : ""),
                       impl.group);
   impl.ready.assign(impl.params.size(), false);
   impl.install_layout(spans);

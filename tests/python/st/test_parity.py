@@ -3,8 +3,10 @@ single-process references, layout_of / full_tensor over every parameter, the Lla
 mc2_scope="all" against plain TP, checkpoints that resume bitwise and refuse corrupt files."""
 
 import copy
+import glob
 import json
 import os
+import shutil
 import sys
 
 import pytest
@@ -45,9 +47,25 @@ def mesh():
     return init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
 
 
-def shared_dir(name: str) -> str:
-    """A directory every rank of this launch names alike (the port is the launch's own)."""
-    return f"/tmp/hp_pytest_{os.environ['MASTER_PORT']}_{name}"
+@pytest.fixture
+def shared_dir():
+    """Names a directory every rank of this launch names alike (the port is the launch's own).
+    After the test, pass or fail, rank 0 removes each named path and its siblings that extend the
+    name (`root-straight`, `root-sync`), directory or file, so runs leave nothing in /tmp."""
+    roots = []
+
+    def name(suffix: str) -> str:
+        roots.append(f"/tmp/hp_pytest_{os.environ['MASTER_PORT']}_{suffix}")
+        return roots[-1]
+
+    yield name
+    dist.barrier()
+    if dist.get_rank() == 0:
+        for path in (p for root in roots for p in glob.glob(glob.escape(root) + "*")):
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+            else:
+                os.remove(path)
 
 
 class Head(nn.Module):
@@ -174,7 +192,7 @@ def _train(argv):
 
 
 @multirank
-def test_train_py_resumes_bitwise(mesh):
+def test_train_py_resumes_bitwise(mesh, shared_dir):
     if WORLD != 2:
         pytest.skip("runs at TP 2")
     root = shared_dir("resume")
@@ -202,7 +220,7 @@ def llama_and_empty_roots(mesh, seed, *roots):
 
 
 @multirank
-def test_a_corrupt_checkpoint_is_refused_and_the_model_is_untouched(mesh):
+def test_a_corrupt_checkpoint_is_refused_and_the_model_is_untouched(mesh, shared_dir):
     root = shared_dir("corrupt")
     model, optimizer = llama_and_empty_roots(mesh, 11, root)
     checkpoint.save(root, 1, model, optimizer)
@@ -243,7 +261,7 @@ def test_a_corrupt_checkpoint_is_refused_and_the_model_is_untouched(mesh):
 
 
 @multirank
-def test_async_save_writes_the_same_bytes_and_its_error_surfaces_in_python(mesh):
+def test_async_save_writes_the_same_bytes_and_its_error_surfaces_in_python(mesh, shared_dir):
     root = shared_dir("async")
     model, optimizer = llama_and_empty_roots(mesh, 12, root, root + "-sync")
     checkpoint.save(root + "-sync", 1, model, optimizer)

@@ -164,7 +164,9 @@ TEST(DataParallel, StartsBucketsBeforeTheBackwardEnds) {
 TEST(DataParallel, TheFirstBucketHasItsOwnCap) {
   Net net(7);
   auto reducer = dp::data_parallel(
-      net, dp_mesh(), dp::GradientReducerOptions().first_bucket_cap_bytes(64).shrink_last_buckets(false));
+      net, dp_mesh(),
+      dp::GradientReducerOptions().first_bucket_cap_bytes(64).grow_first_buckets(false).shrink_last_buckets(
+          false));
   const auto buckets = reducer->bucket_parameters();
   ASSERT_EQ(buckets.size(), 2u);  // spare's bias (64 bytes) alone; the other 9 in one 25 MiB bucket
   EXPECT_EQ(buckets[0], std::vector<int64_t>{9});
@@ -206,7 +208,8 @@ void expect_gradients(Net& net, const std::vector<at::Tensor>& expected) {
 TEST(DataParallel, TheLastBucketsShrinkTowardTheBackwardsEnd) {
   Net net(7);  // fp32: fc1 2048 + 128 bytes, fc2 2048 + 64, then 1024 + 64 for tied, partial, spare
   auto mesh = dp_mesh();
-  auto reducer = dp::data_parallel(net, mesh, dp::GradientReducerOptions().first_bucket_cap_bytes(64));
+  auto reducer = dp::data_parallel(
+      net, mesh, dp::GradientReducerOptions().first_bucket_cap_bytes(64).grow_first_buckets(false));
   using Layout = std::vector<std::vector<int64_t>>;
   // spare's bias alone (the first cap); then up to fc2's bias, 3264 bytes with 4224 before them;
   // fc2's weight (2176 bytes before it), fc1's bias (2048) and fc1's weight (none: 64) alone.
@@ -214,6 +217,29 @@ TEST(DataParallel, TheLastBucketsShrinkTowardTheBackwardsEnd) {
   loss_of(net, 0, mesh.get_local_rank(0), mesh.size(0)).backward();
   const int64_t p = hp_test::world_size();
   expect_gradients(net, expected_average([&](Net& copy, int64_t q) { loss_of(copy, 0, q, p).backward(); }));
+}
+
+// The first buckets grow: a bucket holds no more bytes than the buckets before it together (at
+// least the first bucket's cap), so on a slow link each fills while the ones before it still
+// cross. With shrinking too (the default), the last ones then shrink from where they meet.
+TEST(DataParallel, TheFirstBucketsGrowFromTheFirstCap) {
+  using Layout = std::vector<std::vector<int64_t>>;
+  auto mesh = dp_mesh();
+  const int64_t p = hp_test::world_size();
+  {
+    Net net(7);
+    auto reducer = dp::data_parallel(
+        net, mesh, dp::GradientReducerOptions().first_bucket_cap_bytes(64).shrink_last_buckets(false));
+    // 64 bytes (the first cap); spare's weight alone (1024 > 64 before it); then 1088 with 1088
+    // before, 1152 with 2176 before, 2176 with 3328 before; fc1's weight would take that to 4224.
+    EXPECT_EQ(reducer->bucket_parameters(), (Layout{{9}, {8}, {7, 6}, {5, 4, 3}, {2, 1}, {0}}));
+    loss_of(net, 0, mesh.get_local_rank(0), mesh.size(0)).backward();
+    expect_gradients(net, expected_average([&](Net& copy, int64_t q) { loss_of(copy, 0, q, p).backward(); }));
+  }
+  Net net(7);
+  auto reducer = dp::data_parallel(net, mesh, dp::GradientReducerOptions().first_bucket_cap_bytes(64));
+  // fc2's weight would take its bucket past the 2176 bytes before it; fc1's bias has 2048 after it.
+  EXPECT_EQ(reducer->bucket_parameters(), (Layout{{9}, {8}, {7, 6}, {5, 4, 3}, {2}, {1}, {0}}));
 }
 
 // Gradients as views of the buckets: the same bits as copies, whether the optimizer zeroes .grad
@@ -358,7 +384,7 @@ struct Chain : torch::nn::Module {
 TEST(DataParallel, OnceRebuiltTheLastBucketsShrinkByTheTimeLeft) {
   auto mesh = dp_mesh();
   const int64_t r = mesh.get_local_rank(0), p = mesh.size(0);
-  const auto options = dp::GradientReducerOptions().first_bucket_cap_bytes(64);
+  const auto options = dp::GradientReducerOptions().first_bucket_cap_bytes(64).grow_first_buckets(false);
   Chain timed, by_bytes;
   auto timed_reducer = dp::data_parallel(timed, mesh, options);
   auto bytes_reducer =
@@ -473,6 +499,14 @@ TEST(DataParallel, RanksWithDifferentBucketLayoutsGetAnErrorNotAHang) {
   // first backward: refused at construction too.
   HP_EXPECT_THROW_MSG(
       (void)dp::data_parallel(net, mesh, small_buckets().rebuild_buckets(hp_test::rank() == 0)),
+      "GradientReducer: expected every rank of");
+  // The same first buckets, but the caps of a rebuilt layout differ (a rank that shrinks the
+  // last buckets by the first backward's time would lay them out otherwise): refused too.
+  HP_EXPECT_THROW_MSG(
+      (void)dp::data_parallel(net, mesh, small_buckets().shrink_last_buckets(hp_test::rank() == 0)),
+      "GradientReducer: expected every rank of");
+  HP_EXPECT_THROW_MSG(
+      (void)dp::data_parallel(net, mesh, small_buckets().grow_first_buckets(hp_test::rank() == 0)),
       "GradientReducer: expected every rank of");
   // The group stays usable, and a matching layout works.
   auto reducer = dp::data_parallel(net, mesh, small_buckets());

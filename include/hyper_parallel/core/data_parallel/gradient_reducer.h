@@ -2,7 +2,8 @@
 // GradientReducer: averages the gradients of a set of parameters over a data-parallel group,
 // in buckets whose all-reduces run while the backward goes on (as DDP does):
 //   - the parameters are laid out in buckets of at most `bucket_cap_bytes` (the first one of at
-//     most `first_bucket_cap_bytes`, the last ones shrinking toward the backward's end), one dtype
+//     most `first_bucket_cap_bytes`, the next ones growing from it, the last ones shrinking
+//     toward the backward's end), one dtype
 //     each, in reverse order (the order a backward produces their gradients);
 //   - a hook on each parameter's gradient accumulator marks it ready; bucket b is started
 //     (comm::start_all_reduce) once its gradients and those of buckets 0..b-1 are all ready, so
@@ -43,6 +44,12 @@ struct GradientReducerOptions {
   /// Largest first bucket (the last layers' gradients, ready first): small, so the link starts
   /// early in the backward (DDP's default, 1 MiB). A parameter larger than a cap is a bucket alone.
   TORCH_ARG(int64_t, first_bucket_cap_bytes) = int64_t{1} << 20;
+  /// true: the first buckets grow: a bucket holds no more than the buckets before it together
+  /// (at least first_bucket_cap_bytes), so they double up to bucket_cap_bytes. On a link slower
+  /// than the backward, each bucket then fills while the link is still busy with the ones before
+  /// it, and the link never waits for a full cap of gradients (the last layer's, say) to be
+  /// produced. false: DDP's layout, one small first bucket, then full caps.
+  TORCH_ARG(bool, grow_first_buckets) = true;
   /// true: the last buckets (the first layers' gradients, ready at the backward's end) shrink: a
   /// bucket holds no more than the gradients the backward produces after it (at least
   /// first_bucket_cap_bytes). The last bucket waits for the backward's end with nothing left to
