@@ -51,7 +51,7 @@ struct Config {
   llama3::MC2Scope scope;
   GradientSync dp = GradientSync::kNone;
   bool defer_weight_grads = true;  // MC2Options::defer_weight_grads
-  bool ddp_layout = false;         // no grow_first_buckets, no shrink_last_buckets
+  bool ddp_layout = false;         // no grow_first_buckets, no shrink_last_buckets, no row-sparse embedding
 };
 
 // The meshes: TP over the world, or {dp, tp}.
@@ -85,13 +85,15 @@ Run build(const Config& c, const llama3::ModelArgs& args, int64_t seq_len, const
                                  .mc2_options(tp::MC2Options().defer_weight_grads(c.defer_weight_grads))
                                  .seq_len(seq_len));
   if (c.dp != GradientSync::kNone) {
-    run.reducer =
-        hp::data_parallel::data_parallel(*run.model, *meshes.dp,
-                                         hp::data_parallel::GradientReducerOptions()
-                                             .overlap(c.dp == GradientSync::kOverlapped)
-                                             .grow_first_buckets(!c.ddp_layout)
-                                             .shrink_last_buckets(!c.ddp_layout)
-                                             .bucket_cap_bytes(static_cast<int64_t>(bucket_mb * (1 << 20))));
+    const auto options = hp::data_parallel::GradientReducerOptions()
+                             .overlap(c.dp == GradientSync::kOverlapped)
+                             .grow_first_buckets(!c.ddp_layout)
+                             .shrink_last_buckets(!c.ddp_layout)
+                             .bucket_cap_bytes(static_cast<int64_t>(bucket_mb * (1 << 20)));
+    // DDP's: over the parameters, so that the embedding's gradient is reduced dense too.
+    run.reducer = c.ddp_layout
+                      ? hp::data_parallel::data_parallel(run.model->parameters(), *meshes.dp, options)
+                      : hp::data_parallel::data_parallel(*run.model, *meshes.dp, options);
   }
   run.optimizer = std::make_unique<torch::optim::AdamW>(
       run.model->parameters(), torch::optim::AdamWOptions(1e-3).weight_decay(0.1).betas({0.9, 0.95}));
@@ -168,6 +170,9 @@ struct LinkRate {
   double bytes_per_s = 0, cpu_ms_per_mb = 0;
 };
 LinkRate link_rate(const hp::comm::Group& group, int64_t bytes) {
+  // Rank 0's byte count: the ranks' own can differ (a row-sparse embedding sends each rank's
+  // rows), and every rank must stream as many messages.
+  bytes = hp::comm::broadcast(at::full({1}, bytes, at::kLong), 0, group).item<int64_t>();
   const int64_t elems = (int64_t{1} << 20) / 2;
   const bench::NeighbourStream stream(group, bytes / (2 * elems), elems);
   const double cpu0 = bench::process_cpu_seconds();
@@ -349,7 +354,8 @@ Meshes make_meshes(int64_t dp) {
 // MC2 all (row and shared-gather weight gradients deferred into the next row backward's gather
 // window). With DP: blocking against overlapped gradient reductions, and the overlapped ones in
 // DDP's bucket layout ("DP overlap DDP": rebuilt in the backward's order, neither growing first
-// buckets nor shrinking last ones) (MC2 all inside each replica when TP > 1).
+// buckets nor shrinking last ones, the embedding's gradient reduced dense) (MC2 all inside each replica when
+// TP > 1).
 std::vector<Config> configs_for(const Meshes& meshes) {
   if (!meshes.dp) {
     return {{"plain TP", false, llama3::MC2Scope::kFfn},

@@ -8,6 +8,7 @@
 #include <hyper_parallel/core/comm/op.h>
 #include <hyper_parallel/core/comm/p2p.h>
 #include <hyper_parallel/core/comm/pending_all_reduce.h>
+#include <hyper_parallel/core/comm/row_sparse_all_reduce.h>
 #include <hyper_parallel/core/comm/process_group.h>
 #include <hyper_parallel/core/comm/schedule.h>
 #include <hyper_parallel/core/comm/trace.h>

@@ -33,14 +33,17 @@ def data_parallel(module: torch.nn.Module, device_mesh, *, bucket_cap_mb: float 
     ``gradient_as_bucket_view=True``: as DDP's, each reduced ``.grad`` lives in its bucket, so
     the next backward accumulates there with no copy in or out (a ``.grad`` reference taken
     before the first reduction is not updated; after a failed backward, zero the gradients or
-    set them to None: they hold unspecified values). Collective: every rank of the mesh calls
-    it, with the same parameters and options."""
+    set them to None: they hold unspecified values). The weights of ``torch.nn.Embedding``
+    submodules are reduced row-sparse: only the rows of the tokens a step saw travel (bitwise
+    the dense result). Collective: every rank of the mesh calls it, with the same parameters and
+    options."""
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"data_parallel: expected a torch.nn.Module, got {type(module).__name__}")
     if hasattr(module, _REDUCER):
         raise ValueError("data_parallel: expected a module data_parallel has not been applied to, got one it has")
+    embeddings = [m.weight for m in module.modules() if isinstance(m, torch.nn.Embedding) and m.weight.requires_grad]
     reducer = _C.data_parallel(list(module.parameters()), device_mesh, int(bucket_cap_mb * (1 << 20)), overlap,
-                               gradient_as_bucket_view)
+                               gradient_as_bucket_view, list({id(w): w for w in embeddings}.values()))
     object.__setattr__(module, _REDUCER, reducer)
     return module
 

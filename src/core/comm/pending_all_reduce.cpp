@@ -17,101 +17,110 @@
 #include <hyper_parallel/core/comm/p2p.h>
 #include <hyper_parallel/core/comm/schedule.h>
 #include <hyper_parallel/core/comm/skip_transfers.h>
+#include <hyper_parallel/core/comm/trace.h>
 #include <hyper_parallel/core/comm/work.h>
 
 #include "completion_thread.h"
 #include "flight_recorder.h"
+#include "pending_all_reduce_state.h"
 
 namespace hyper_parallel::comm {
 
 namespace detail {
 
-struct PendingAllReduceState {
-  PendingAllReduceState(at::Tensor b, ReduceOp o, Group g)
-      : buffer(std::move(b)), op(o), group(std::move(g)), tags(reserve_tags(group)) {}
+at::Tensor PendingAllReduceState::block(int64_t b) const {
+  const int64_t n = buffer.numel(), p = group.size();
+  return buffer.narrow(0, chunk_offset(n, p, b), chunk_size(n, p, b));
+}
 
-  at::Tensor block(int64_t b) const {
-    const int64_t n = buffer.numel(), p = group.size();
-    return buffer.narrow(0, chunk_offset(n, p, b), chunk_size(n, p, b));
+void PendingAllReduceState::post_reduce(int64_t step) {
+  const int64_t p = group.size(), r = group.rank();
+  partials.resize(p);
+  partials[r] = block(r);
+  for (int64_t q = 0; q < p; ++q) {
+    if (q == r) continue;
+    partials[q] = at::empty_like(partials[r]);
+    receives.push_back(irecv(partials[q], q, group, tags.step(step)));
   }
-
-  // Phase 1, on the calling thread: block b to its owner b; the other ranks' partials of this
-  // rank's block arrive.
-  void post_reduce() {
-    const int64_t p = group.size(), r = group.rank();
-    partials.resize(p);
-    partials[r] = block(r);
-    for (int64_t q = 0; q < p; ++q) {
-      if (q == r) continue;
-      partials[q] = at::empty_like(partials[r]);
-      receives.push_back(irecv(partials[q], q, group, tags.step(0)));
-    }
-    for (int64_t s = 1; s < p; ++s) {
-      const int64_t owner = (r + s) % p;  // each rank starts with a different peer
-      sends.push_back(isend(block(owner), owner, group, tags.step(0)));
-    }
+  for (int64_t s = 1; s < p; ++s) {
+    const int64_t owner = (r + s) % p;  // each rank starts with a different peer
+    sends.push_back(isend(block(owner), owner, group, tags.step(step)));
   }
+}
 
-  // Phase 2, on the completion thread: this rank's block, summed in rank order, to every other
-  // rank; theirs into place. Their memory was sent from in phase 1, so its sends are waited first.
-  void gather() {
-    const int64_t p = group.size(), r = group.rank();
-    wait_all();
-    sum_partials_into(partials[r]);
-    partials.clear();
-    for (int64_t q = 0; q < p; ++q) {
-      if (q != r) receives.push_back(irecv(block(q), q, group, tags.step(1)));
-    }
-    for (int64_t s = 1; s < p; ++s) sends.push_back(isend(block(r), (r + s) % p, group, tags.step(1)));
-    wait_all();
+// Phase 1's sends read the blocks phase 2 overwrites, so they are waited first.
+void PendingAllReduceState::gather(int64_t step) {
+  const int64_t p = group.size(), r = group.rank();
+  wait_all();
+  sum_in_rank_order(partials, partials[r], op);
+  partials.clear();
+  for (int64_t q = 0; q < p; ++q) {
+    if (q != r) receives.push_back(irecv(block(q), q, group, tags.step(step)));
   }
+  for (int64_t s = 1; s < p; ++s) sends.push_back(isend(block(r), (r + s) % p, group, tags.step(step)));
+  wait_all();
+}
 
-  // The partials summed in rank order in the accumulate dtype, divided for an average, rounded
-  // once into `out`; a slice at a time through a scratch of one slice, so that no temporary the
-  // size of the block is allocated (and page-faulted) per bucket and each slice's passes stay in
-  // cache. The same operations per element as one whole-block sum: the same bits.
-  void sum_partials_into(const at::Tensor& out) const {
-    constexpr int64_t kSliceElements = int64_t{1} << 17;
-    const int64_t n = out.numel(), p = group.size();
-    auto scratch =
-        at::empty({std::min(n, kSliceElements)}, out.options().dtype(accumulate_type(out.scalar_type())));
-    for (int64_t offset = 0; offset < n; offset += kSliceElements) {
-      const int64_t len = std::min(kSliceElements, n - offset);
-      auto sum = scratch.narrow(0, 0, len);
-      sum.copy_(partials[0].narrow(0, offset, len));
-      for (int64_t q = 1; q < p; ++q) sum.add_(partials[q].narrow(0, offset, len));
-      if (op == ReduceOp::kAvg) sum.div_(p);
-      out.narrow(0, offset, len).copy_(sum);
-    }
+void PendingAllReduceState::wait_all() {
+  for (auto& w : receives) w.wait();
+  for (auto& w : sends) w.wait();
+  receives.clear();
+  sends.clear();
+}
+
+void PendingAllReduceState::complete(std::exception_ptr failure) {
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    error = std::move(failure);
+    done = true;
   }
+  cv.notify_all();
+}
 
-  void wait_all() {
-    for (auto& w : receives) w.wait();
-    for (auto& w : sends) w.wait();
-    receives.clear();
-    sends.clear();
+// A slice at a time through a scratch of one slice, so that no temporary the size of the block
+// is allocated (and page-faulted) per bucket and each slice's passes stay in cache.
+void sum_in_rank_order(const std::vector<at::Tensor>& partials, const at::Tensor& out, ReduceOp op) {
+  constexpr int64_t kSliceElements = int64_t{1} << 17;
+  const int64_t n = out.numel(), p = static_cast<int64_t>(partials.size());
+  auto scratch =
+      at::empty({std::min(n, kSliceElements)}, out.options().dtype(accumulate_type(out.scalar_type())));
+  for (int64_t offset = 0; offset < n; offset += kSliceElements) {
+    const int64_t len = std::min(kSliceElements, n - offset);
+    auto sum = scratch.narrow(0, 0, len);
+    sum.copy_(partials[0].reshape({-1}).narrow(0, offset, len));
+    for (int64_t q = 1; q < p; ++q) sum.add_(partials[q].reshape({-1}).narrow(0, offset, len));
+    if (op == ReduceOp::kAvg) sum.div_(p);
+    out.view({-1}).narrow(0, offset, len).copy_(sum);
   }
+}
 
-  void complete(std::exception_ptr failure) {
-    {
-      std::lock_guard<std::mutex> lock(mutex);
-      error = std::move(failure);
-      done = true;
-    }
-    cv.notify_all();
-  }
-
-  at::Tensor buffer;
-  ReduceOp op;
-  Group group;
-  OpTags tags;
-  std::vector<at::Tensor> partials;
-  std::vector<Work> receives, sends;
-  std::mutex mutex;
-  std::condition_variable cv;
-  bool done = false;
-  std::exception_ptr error;
-};
+void complete_on_completion_thread(const std::shared_ptr<PendingAllReduceState>& state, OpScope& scope,
+                                   std::function<void(PendingAllReduceState&)> work) {
+  // Thread-local settings, carried to the completion thread: skipped transfers (benchmarks'
+  // compute-only twins), the counters' region, the op's flight-recorder record, which stays open
+  // until the work ends (a hang or a failure there names this op and the peer), and the trace's
+  // op, so that the transfers posted there are this op's.
+  const bool skipped = transfers_skipped();
+  completion_thread(state->group.impl())
+      .submit([state, work = std::move(work), skipped, region = current_region(),
+               record = scope.keep_record_open(), op = trace::detail::current_op()] {
+        std::exception_ptr failure;
+        FlightRecorder::set_current(record);
+        try {
+          CommRegion counted_in(region);
+          trace::detail::CurrentOpGuard traced_as(op);
+          at::NoGradGuard no_grad;
+          std::optional<SkipTransfers> skip;
+          if (skipped) skip.emplace();
+          work(*state);
+        } catch (...) {
+          failure = std::current_exception();
+        }
+        if (record) FlightRecorder::get().end(record, failure == nullptr);
+        FlightRecorder::set_current(nullptr);
+        state->complete(std::move(failure));
+      });
+}
 
 }  // namespace detail
 
@@ -162,28 +171,8 @@ PendingAllReduce start_all_reduce(const at::Tensor& buffer, ReduceOp op, const G
     state->done = true;  // the sum and the average of one rank's tensor: itself
     return PendingAllReduce(std::move(state));
   }
-  state->post_reduce();
-  // Thread-local settings, carried to the completion thread: skipped transfers (benchmarks'
-  // compute-only twins), the counters' region, and the op's flight-recorder record, which stays
-  // open until phase 2 ends (a hang or a failure there names this op and the peer).
-  const bool skipped = detail::transfers_skipped();
-  detail::completion_thread(group.impl())
-      .submit([state, skipped, region = detail::current_region(), record = scope.keep_record_open()] {
-        std::exception_ptr failure;
-        detail::FlightRecorder::set_current(record);
-        try {
-          CommRegion counted_in(region);
-          at::NoGradGuard no_grad;
-          std::optional<detail::SkipTransfers> skip;
-          if (skipped) skip.emplace();
-          state->gather();
-        } catch (...) {
-          failure = std::current_exception();
-        }
-        if (record) detail::FlightRecorder::get().end(record, failure == nullptr);
-        detail::FlightRecorder::set_current(nullptr);
-        state->complete(std::move(failure));
-      });
+  state->post_reduce(/*step=*/0);
+  detail::complete_on_completion_thread(state, scope, [](detail::PendingAllReduceState& s) { s.gather(1); });
   return PendingAllReduce(std::move(state));
 }
 

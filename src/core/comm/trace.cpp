@@ -162,6 +162,9 @@ int64_t now_us() {
 
 int64_t current_op() { return t_current_op; }
 
+CurrentOpGuard::CurrentOpGuard(int64_t op) : previous_(t_current_op) { t_current_op = op; }
+CurrentOpGuard::~CurrentOpGuard() { t_current_op = previous_; }
+
 void record_transfer(const std::string& name, int64_t op, int64_t post_us, int64_t end_us, int64_t bytes,
                      int64_t lane) {
   record({name, "transfer", post_us, end_us - post_us, 1000 + lane, op, bytes, {}});

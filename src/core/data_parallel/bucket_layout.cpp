@@ -7,6 +7,14 @@
 
 namespace hyper_parallel::data_parallel::detail {
 
+namespace {
+
+bool is_row_sparse(const BucketCaps& caps, int64_t param) {
+  return param < static_cast<int64_t>(caps.row_sparse.size()) && caps.row_sparse[param];
+}
+
+}  // namespace
+
 std::vector<int64_t> reverse_order(int64_t count) {
   std::vector<int64_t> order(count);
   for (int64_t i = 0; i < count; ++i) order[i] = count - 1 - i;
@@ -39,7 +47,8 @@ std::vector<BucketSpan> lay_out_buckets(const std::vector<at::Tensor>& params,
     if (caps.grow_first) cap = std::min(cap, std::max(caps.first_cap_bytes, bytes_before));
     if (caps.shrink_last) cap = std::min(cap, std::max(caps.first_cap_bytes, bytes_after[k]));
     const bool fits = !buckets.empty() && params[buckets.back().params[0]].scalar_type() == p.scalar_type() &&
-                      (buckets.back().numel + p.numel()) * p.element_size() <= cap;
+                      (buckets.back().numel + p.numel()) * p.element_size() <= cap &&
+                      !is_row_sparse(caps, order[k]) && !buckets.back().row_sparse;
     if (!fits) {
       if (!buckets.empty())
         bytes_before += buckets.back().numel * params[buckets.back().params[0]].element_size();
@@ -50,6 +59,7 @@ std::vector<BucketSpan> lay_out_buckets(const std::vector<at::Tensor>& params,
     bucket.offsets.push_back(bucket.numel);
     bucket.numels.push_back(p.numel());
     bucket.numel += p.numel();
+    bucket.row_sparse = is_row_sparse(caps, order[k]);
   }
   return buckets;
 }
@@ -58,7 +68,8 @@ std::string describe_buckets(const std::vector<BucketSpan>& buckets, const std::
   std::ostringstream s;
   s << buckets.size() << " buckets:";
   for (size_t b = 0; b < buckets.size(); ++b) {
-    s << (b ? "," : "") << " [" << params[buckets[b].params[0]].scalar_type();
+    s << (b ? "," : "") << " [" << (buckets[b].row_sparse ? "row-sparse " : "")
+      << params[buckets[b].params[0]].scalar_type();
     for (auto p : buckets[b].params) s << " " << params[p].sizes();
     s << "]";
   }

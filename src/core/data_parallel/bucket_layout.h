@@ -15,6 +15,7 @@ struct BucketSpan {
   std::vector<int64_t> params;
   std::vector<int64_t> offsets, numels;
   int64_t numel = 0;
+  bool row_sparse = false;  // one parameter whose gradient's all-zero rows need not travel
 };
 
 /// The caps a layout follows (GradientReducerOptions' bucket_cap_bytes, first_bucket_cap_bytes,
@@ -22,6 +23,7 @@ struct BucketSpan {
 struct BucketCaps {
   int64_t cap_bytes = 0, first_cap_bytes = 0;
   bool grow_first = false, shrink_last = false;
+  std::vector<bool> row_sparse;  // per parameter: a bucket of its own, reduced row-sparse
 };
 
 /// params.size() - 1, ..., 1, 0: the order a backward produces the gradients of a model's
@@ -34,8 +36,8 @@ std::vector<int64_t> bytes_after_in_order(const std::vector<at::Tensor>& params,
 
 /// Buckets over `params` taken in `order` (indices, in the order a backward produces their
 /// gradients): a new bucket starts where the dtype changes or the next parameter would take the
-/// bucket past its cap, `first_cap_bytes` for the first bucket and `cap_bytes` for the others (a
-/// parameter larger than the cap has a bucket of its own). With `grow_first`, a bucket holds no
+/// bucket past its cap or either is row-sparse, `first_cap_bytes` for the first bucket and `cap_bytes` for
+/// the others (a parameter larger than the cap has a bucket of its own). With `grow_first`, a bucket holds no
 /// more than the buckets before it together (at least `first_cap_bytes`), so the first buckets
 /// double in size up to the cap. With `shrink_last`, a bucket also
 /// holds no more than `bytes_after[k]` (at least `first_cap_bytes`) once it takes the parameter

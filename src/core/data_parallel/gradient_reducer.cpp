@@ -1,7 +1,9 @@
 #include <hyper_parallel/core/nn/pending_gradient.h>
 #include <hyper_parallel/core/data_parallel/gradient_reducer.h>
 
+#include <algorithm>
 #include <sstream>
+#include <string>
 #include <unordered_set>
 #include <utility>
 
@@ -17,6 +19,7 @@
 #include <hyper_parallel/core/comm/collectives.h>
 #include <hyper_parallel/core/comm/counters.h>
 #include <hyper_parallel/core/comm/pending_all_reduce.h>
+#include <hyper_parallel/core/comm/row_sparse_all_reduce.h>
 #include <hyper_parallel/core/comm/skip_transfers.h>
 
 #include "backward_order.h"
@@ -63,6 +66,23 @@ void check_layout_agrees(const std::string& mine, const comm::Group& group) {
                       "bucket options), got ",
                       ranks.str());
   }
+}
+
+// Per kept parameter: whether `row_sparse` names it.
+std::vector<bool> row_sparse_flags(const std::vector<at::Tensor>& params,
+                                   const std::vector<at::Tensor>& row_sparse) {
+  std::vector<bool> flags(params.size(), false);
+  for (size_t k = 0; k < row_sparse.size(); ++k) {
+    const auto& t = row_sparse[k];
+    const auto at = std::find_if(params.begin(), params.end(), [&](const at::Tensor& p) {
+      return t.defined() && p.unsafeGetTensorImpl() == t.unsafeGetTensorImpl();
+    });
+    TORCH_CHECK_VALUE(at != params.end(), "GradientReducer: expected row_sparse_parameters[", k,
+                      "] to be one of the parameters it averages (defined, requiring grad), got ",
+                      t.defined() ? "another tensor of sizes " + c10::str(t.sizes()) : "an undefined tensor");
+    flags[at - params.begin()] = true;
+  }
+  return flags;
 }
 
 }  // namespace
@@ -297,8 +317,16 @@ void GradientReducer::Impl::start(Bucket& bucket, bool abandoning) {
     }
     bucket.buffer[span.numel + static_cast<int64_t>(j)].fill_(grad.defined() ? 1 : 0);
   }
-  bucket.reduce =
-      comm::start_all_reduce(bucket.buffer, comm::ReduceOp::kAvg, group, comm::Agreement::kAgreedInAdvance);
+  if (span.row_sparse) {
+    const auto& param = params[span.params[0]];
+    const int64_t rows = param.dim() == 0 ? 1 : param.size(0);
+    bucket.reduce =
+        comm::start_row_sparse_all_reduce(bucket.buffer, rows, rows == 0 ? 0 : param.numel() / rows,
+                                          comm::ReduceOp::kAvg, group, comm::Agreement::kAgreedInAdvance);
+  } else {
+    bucket.reduce =
+        comm::start_all_reduce(bucket.buffer, comm::ReduceOp::kAvg, group, comm::Agreement::kAgreedInAdvance);
+  }
 }
 
 void GradientReducer::Impl::launch(Bucket& bucket) {
@@ -403,7 +431,7 @@ GradientReducer::GradientReducer(const std::vector<at::Tensor>& params, comm::Gr
   impl.group = std::move(group);
   impl.options = options;
   impl.caps = {options.bucket_cap_bytes(), options.first_bucket_cap_bytes(), options.grow_first_buckets(),
-               options.shrink_last_buckets()};
+               options.shrink_last_buckets(), row_sparse_flags(impl.params, options.row_sparse_parameters())};
   const auto order = detail::reverse_order(static_cast<int64_t>(impl.params.size()));
   const auto spans = detail::lay_out_buckets(impl.params, order,
                                              detail::bytes_after_in_order(impl.params, order), impl.caps);

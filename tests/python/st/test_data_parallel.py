@@ -151,3 +151,52 @@ def test_errors_name_what_was_expected(capsys):
         trainer.parse_args(["--dp", "3", "--batch-size", "4"])
     assert exit_info.value.code == 2
     assert "--batch-size (4) must be divisible by --dp (3)" in capsys.readouterr().err
+
+
+class Embedder(nn.Module):
+    """A token embedding and a projection: each replica looks up 3 tokens of its own."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(5)
+        self.embed = nn.Embedding(64, DIM)
+        self.out = nn.Linear(DIM, DIM)
+
+    def loss(self, step, replica):
+        ids = (torch.arange(3) * 11 + step + 5 * replica) % 64
+        return self.out(self.embed(ids)).pow(2).mean()
+
+
+def test_embedding_gradients_travel_row_sparse_with_the_dense_bits():
+    """An nn.Embedding's gradient is reduced row-sparse (a bucket of its own; only the rows some
+    rank looked up travel): bitwise the gradients of a module whose embedding is reduced dense,
+    the average of every replica's, with fewer bytes sent."""
+    mesh = dp_mesh()
+    r, p = mesh.get_local_rank(0), mesh.size(0)
+    sparse = data_parallel(Embedder(), mesh)
+    assert gradient_reducer(sparse).bucket_parameters()[-1] == [0]  # embed.weight, alone
+    dense = Embedder()
+    dense_reducer = dense_reducer_over(dense, mesh)
+    for step in range(3):
+        comm.reset_collective_counts()
+        sparse.loss(step, r).backward()
+        sparse_bytes = comm.payload_bytes_sent()
+        comm.reset_collective_counts()
+        dense.loss(step, r).backward()
+        dense_bytes = comm.payload_bytes_sent()
+        for a, b in zip(sparse.parameters(), dense.parameters()):
+            assert torch.equal(a.grad, b.grad)
+            a.grad, b.grad = None, None
+        assert p == 1 or sparse_bytes < dense_bytes - (p - 1) * 3 * 1024 // p
+    del dense_reducer
+    reference = Embedder()
+    for q in range(p):
+        reference.loss(2, q).backward()
+    sparse.loss(2, r).backward()
+    torch.testing.assert_close(sparse.embed.weight.grad, reference.embed.weight.grad / p, rtol=1e-6, atol=1e-7)
+
+
+def dense_reducer_over(module, mesh):
+    """The C++ reducer over `module`'s parameters with no row-sparse ones (every bucket dense)."""
+    from hyper_parallel import _C
+    return _C.data_parallel(list(module.parameters()), mesh, 25 << 20, True, False, [])

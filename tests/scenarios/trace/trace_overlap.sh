@@ -49,6 +49,20 @@ check(by_matmul, "serial_all_gather_then_matmul", lambda v: v < 0.1, "< 0.1")
 check(by_wgrad, "column_backward", lambda v: v >= 0.4, ">= 0.4", "wgrad")
 check(by_wgrad, "serial_column_backward", lambda v: v < 0.1, "< 0.1", "wgrad")
 PY
+# The started all-reduces: every send each rank posts carries the op (2 phases to 1 peer; a count,
+# indices and rows to 1 peer), none is left to op -1.
+/usr/bin/python3 - "$dir/rank0.json" <<'PY' || exit 1
+import json, sys
+events = [e for e in json.load(open(sys.argv[1]))["traceEvents"] if e.get("ph") == "X"]
+started = {e["args"]["op"]: e["args"]["detail"] for e in events
+           if e["cat"] == "op" and e["name"] == "all_reduce" and "(started)" in e["args"]["detail"]}
+for op, detail in started.items():
+    sends = [e for e in events if e["cat"] == "transfer" and e["args"]["op"] == op and e["name"].startswith("send")]
+    expected = 3 if "row-sparse" in detail else 2
+    print(f"{detail}: {len(sends)} sends traced as its own (expected {expected})")
+    if len(sends) != expected: print("FAIL"); sys.exit(1)
+if len(started) != 2: print(f"FAIL: expected 2 started all-reduces, got {len(started)}"); sys.exit(1)
+PY
 # The row chain, deferred and serial, each traced into a folder of its own.
 for mode in deferred serial; do
   mkdir -p "$dir/$mode"

@@ -95,6 +95,13 @@ int main(int argc, char** argv) {
     serial_backward();
     hp::comm::barrier(group);
   }
+  // A started all-reduce and a row-sparse one: the transfers their completion thread posts
+  // (phase 2; counts, indices and rows) carry their op in the trace, as phase 1's do.
+  auto bucket = at::randn({1 << 16}).to(at::kBFloat16);
+  hp::comm::start_all_reduce(bucket, hp::comm::ReduceOp::kAvg, group).wait();
+  auto rows = at::zeros({64 * 64 + 1}).to(at::kBFloat16);
+  rows.narrow(0, 64 * group.rank(), 64).fill_(1);
+  hp::comm::start_row_sparse_all_reduce(rows, 64, 64, hp::comm::ReduceOp::kAvg, group).wait();
   std::printf("rank %lld done\n", static_cast<long long>(group.rank()));
   hp::comm::destroy_process_group();
   return 0;

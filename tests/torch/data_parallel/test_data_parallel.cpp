@@ -508,10 +508,81 @@ TEST(DataParallel, RanksWithDifferentBucketLayoutsGetAnErrorNotAHang) {
   HP_EXPECT_THROW_MSG(
       (void)dp::data_parallel(net, mesh, small_buckets().grow_first_buckets(hp_test::rank() == 0)),
       "GradientReducer: expected every rank of");
+  // Rank 0 alone reduces fc1's weight row-sparse (its own bucket, another protocol): refused.
+  const auto row_sparse =
+      hp_test::rank() == 0 ? std::vector<at::Tensor>{net.fc1->weight} : std::vector<at::Tensor>{};
+  HP_EXPECT_THROW_MSG((void)dp::data_parallel(net, mesh, small_buckets().row_sparse_parameters(row_sparse)),
+                      "GradientReducer: expected every rank of");
   // The group stays usable, and a matching layout works.
   auto reducer = dp::data_parallel(net, mesh, small_buckets());
   loss_of(net, 0, mesh.get_local_rank(0), mesh.size(0)).backward();
   EXPECT_TRUE(net.fc1->weight.grad().defined());
+}
+
+// A token embedding and a projection: each replica looks up a few tokens of its own, so most of
+// the embedding gradient's rows are zero on every rank.
+struct Embedder : torch::nn::Module {
+  Embedder() {
+    at::manual_seed(5);
+    embed = register_module("embed", hp::nn::Embedding(64, kDim));
+    out = register_module("out", hp::nn::Linear(kDim, kDim));
+  }
+  at::Tensor loss(int64_t step, int64_t replica) {
+    auto ids = at::arange(3, at::kLong) * 11 + (step + 5 * replica) % 64;  // 3 tokens, wrapped
+    return out(embed(ids.remainder(64))).pow(2).mean();
+  }
+  hp::nn::Embedding embed{nullptr};
+  hp::nn::Linear out{nullptr};
+};
+
+// data_parallel(module) reduces an Embedding's gradient row-sparse: a bucket of its own, only
+// the rows some rank has travel, and the gradients are bitwise those of the dense reduction (a
+// reducer over the same parameters with no row-sparse ones), which average every replica's.
+TEST(DataParallel, EmbeddingGradientsTravelRowSparseWithTheDenseBits) {
+  auto mesh = dp_mesh();
+  const int64_t r = mesh.get_local_rank(0), p = mesh.size(0);
+  Embedder sparse, dense;
+  auto sparse_reducer = dp::data_parallel(sparse, mesh);
+  auto dense_reducer = dp::data_parallel(dense.parameters(), mesh);
+  // The embedding's weight is parameter 0: alone in its bucket, the last (its gradient comes last).
+  EXPECT_EQ(sparse_reducer->bucket_parameters().back(), std::vector<int64_t>{0});
+  for (int64_t step = 0; step < 3; ++step) {
+    for (auto* net : {&sparse, &dense}) {
+      for (auto& param : net->parameters()) param.mutable_grad() = at::Tensor();
+    }
+    hp::comm::reset_collective_counts();
+    sparse.loss(step, r).backward();
+    const int64_t sparse_bytes = hp::comm::payload_bytes_sent();
+    hp::comm::reset_collective_counts();
+    dense.loss(step, r).backward();
+    const int64_t dense_bytes = hp::comm::payload_bytes_sent();
+    for (size_t i = 0; i < 3; ++i) {
+      EXPECT_TRUE(at::equal(sparse.parameters()[i].grad(), dense.parameters()[i].grad()))
+          << "parameter " << i;
+    }
+    // 3 of 64 rows (+ counts and indices) instead of 2 (P - 1) / P of the 4 KiB embedding.
+    if (p > 1) {
+      EXPECT_LT(sparse_bytes, dense_bytes - (p - 1) * 3 * 1024 / p) << "step " << step;
+    }
+  }
+  Embedder reference;
+  at::Tensor sum = at::zeros_like(reference.embed->weight);
+  for (int64_t q = 0; q < p; ++q) {
+    reference.embed->weight.mutable_grad() = at::Tensor();
+    reference.loss(2, q).backward();
+    sum += reference.embed->weight.grad();
+  }
+  hp_test::expect_close(sparse.embed->weight.grad(), sum / double(p), "the embedding's average gradient");
+}
+
+TEST(DataParallel, RowSparseParametersMustBeAmongTheParameters) {
+  Embedder net;
+  auto stranger = at::zeros({4, 4}, at::TensorOptions().requires_grad(true));
+  HP_EXPECT_THROW_MSG(
+      (void)dp::data_parallel(net.parameters(), dp_mesh(),
+                              dp::GradientReducerOptions().row_sparse_parameters({stranger})),
+      "GradientReducer: expected row_sparse_parameters[0] to be one of the parameters it averages "
+      "(defined, requiring grad), got another tensor of sizes [4, 4]");
 }
 
 // A parameter resized after data_parallel (set_data) is refused with a message, not averaged

@@ -69,6 +69,18 @@ void start(int64_t rank);
 int64_t now_us();
 /// The op id of the outermost OpSpan on the calling thread, or -1.
 int64_t current_op();
+/// Makes `op` the calling thread's current op while it lives (a library thread that finishes
+/// an op started on another thread: its transfers are that op's in the trace).
+class CurrentOpGuard {
+ public:
+  explicit CurrentOpGuard(int64_t op);
+  ~CurrentOpGuard();
+  CurrentOpGuard(const CurrentOpGuard&) = delete;
+  CurrentOpGuard& operator=(const CurrentOpGuard&) = delete;
+
+ private:
+  int64_t previous_;
+};
 /// Records a finished transfer span from `post_us` to `end_us` on a waiter thread's track.
 void record_transfer(const std::string& name, int64_t op, int64_t post_us, int64_t end_us, int64_t bytes,
                      int64_t lane);

@@ -73,6 +73,12 @@ struct GradientReducerOptions {
   /// rebuild moves the gradients with the buckets then, not later), and after a failed backward
   /// the gradients hold unspecified values (zero them or set them to none before the next one).
   TORCH_ARG(bool, gradient_as_bucket_view) = false;
+  /// Parameters (among `params`) whose gradients are mostly all-zero rows: an embedding's, which
+  /// only has the rows of the tokens a step saw. Each gets a bucket of its own, reduced by
+  /// comm::start_row_sparse_all_reduce: where the busiest rank's nonzero rows are fewer bytes
+  /// than a dense all-reduce moves, only they travel; the result is bitwise the dense one's.
+  /// data_parallel(module, ...) adds the weights of the module's Embedding modules.
+  TORCH_ARG(std::vector<at::Tensor>, row_sparse_parameters) = {};
 };
 
 class GradientReducer {

@@ -1,0 +1,136 @@
+#include <hyper_parallel/core/comm/row_sparse_all_reduce.h>
+
+#include <algorithm>
+#include <sstream>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <hyper_parallel/core/comm/p2p.h>
+
+#include "pending_all_reduce_state.h"
+
+namespace hyper_parallel::comm {
+
+namespace {
+
+// Tags of the steps: the row counts, then either the dense phases or the rows' indices and values.
+constexpr int64_t kCountStep = 0, kDenseReduceStep = 1, kDenseGatherStep = 2, kIndexStep = 3, kRowStep = 4;
+
+// The rows with any bit set: a row of -0.0 counts, since the dense sum's bits depend on it. Read
+// as the widest integers that tile a row (an embedding's bf16 row as int64 words: 4x fewer
+// compares than as int16).
+at::Tensor rows_with_bits(const at::Tensor& matrix) {
+  const int64_t row_bytes = matrix.size(1) * matrix.element_size();
+  if (row_bytes == 0) return at::empty({0}, at::kLong);  // rows of no elements have no bits
+  const auto word = row_bytes % 8 == 0 ? at::kLong : row_bytes % 4 == 0 ? at::kInt : at::kShort;
+  return matrix.view(word).ne(0).any(1).nonzero().view({-1});
+}
+
+// Every rank's row count (exchanged directly: a count from and to each peer).
+std::vector<int64_t> exchange_counts(detail::PendingAllReduceState& s, int64_t own) {
+  const int64_t p = s.group.size(), r = s.group.rank();
+  auto counts = at::zeros({p}, at::kLong);
+  counts[r] = own;
+  for (int64_t q = 0; q < p; ++q) {
+    if (q == r) continue;
+    s.receives.push_back(irecv(counts.narrow(0, q, 1), q, s.group, s.tags.step(kCountStep)));
+    s.sends.push_back(isend(counts.narrow(0, r, 1), q, s.group, s.tags.step(kCountStep)));
+  }
+  s.wait_all();
+  return std::vector<int64_t>(counts.data_ptr<int64_t>(), counts.data_ptr<int64_t>() + p);
+}
+
+// Row-sparse: each rank sends its rows (indices, then values with the dense tail appended) to
+// every other rank. Then every rank sums, in rank order, the rows any rank sent, with zeros where
+// a rank had none: the dense sum's operands, so its bits. Rows no rank sent are zero everywhere,
+// and zero in the buffer already.
+void exchange_rows(detail::PendingAllReduceState& s, const at::Tensor& matrix, const at::Tensor& tail,
+                   const at::Tensor& own_rows, const std::vector<int64_t>& counts) {
+  const int64_t p = s.group.size(), r = s.group.rank(), cols = matrix.size(1), t = tail.numel();
+  std::vector<at::Tensor> indices(p), values(p);
+  indices[r] = own_rows;
+  values[r] = at::cat({matrix.index_select(0, own_rows).view({-1}), tail});
+  for (int64_t q = 0; q < p; ++q) {
+    if (q == r) continue;
+    indices[q] = at::empty({counts[q]}, at::kLong);
+    values[q] = at::empty({counts[q] * cols + t}, matrix.options());
+    s.receives.push_back(irecv(indices[q], q, s.group, s.tags.step(kIndexStep)));
+    s.receives.push_back(irecv(values[q], q, s.group, s.tags.step(kRowStep)));
+  }
+  for (int64_t k = 1; k < p; ++k) {
+    const int64_t q = (r + k) % p;
+    s.sends.push_back(isend(indices[r], q, s.group, s.tags.step(kIndexStep)));
+    s.sends.push_back(isend(values[r], q, s.group, s.tags.step(kRowStep)));
+  }
+  s.wait_all();
+  const auto any_rank = std::get<0>(at::_unique(at::cat(indices), /*sorted=*/true));
+  std::vector<at::Tensor> rows(p), tails(p);
+  for (int64_t q = 0; q < p; ++q) {
+    rows[q] = at::zeros({any_rank.size(0), cols}, matrix.options());
+    const auto at_position = at::searchsorted(any_rank, indices[q]);
+    rows[q].index_copy_(0, at_position, values[q].narrow(0, 0, counts[q] * cols).view({counts[q], cols}));
+    tails[q] = values[q].narrow(0, counts[q] * cols, t);
+  }
+  auto summed = at::empty_like(rows[r]);
+  detail::sum_in_rank_order(rows, summed, s.op);
+  matrix.index_copy_(0, any_rank, summed);
+  detail::sum_in_rank_order(tails, tail, s.op);
+}
+
+void reduce(detail::PendingAllReduceState& s, int64_t rows, int64_t cols) {
+  const int64_t p = s.group.size();
+  auto matrix = s.buffer.narrow(0, 0, rows * cols).view({rows, cols});
+  auto tail = s.buffer.narrow(0, rows * cols, s.buffer.numel() - rows * cols);
+  const auto own_rows = rows_with_bits(matrix);
+  const auto counts = exchange_counts(s, own_rows.size(0));
+  // The bytes the busiest rank sends: its rows and their indices to each of the P - 1 peers,
+  // against a dense all-reduce's 2 (P - 1) / P of the buffer. Every rank decides alike, from the
+  // same counts.
+  const int64_t row_bytes = cols * s.buffer.element_size() + static_cast<int64_t>(sizeof(int64_t));
+  const int64_t most = *std::max_element(counts.begin(), counts.end());
+  if (most * row_bytes * p >= 2 * static_cast<int64_t>(s.buffer.nbytes())) {
+    s.post_reduce(kDenseReduceStep);
+    s.gather(kDenseGatherStep);
+    return;
+  }
+  exchange_rows(s, matrix, tail, own_rows, counts);
+}
+
+}  // namespace
+
+PendingAllReduce start_row_sparse_all_reduce(const at::Tensor& buffer, int64_t rows, int64_t cols,
+                                             ReduceOp op, const Group& group, Agreement agreement) {
+  TORCH_CHECK_TYPE(
+      buffer.defined() && at::isFloatingType(buffer.scalar_type()),
+      "hyper_parallel::comm::start_row_sparse_all_reduce: expected a floating-point tensor, got ",
+      buffer.defined() ? c10::toString(buffer.scalar_type()) : "an undefined tensor");
+  TORCH_CHECK_VALUE(
+      buffer.is_contiguous() && buffer.dim() == 1,
+      "hyper_parallel::comm::start_row_sparse_all_reduce: expected a contiguous 1-D buffer, got "
+      "sizes ",
+      buffer.sizes(), " and strides ", buffer.strides());
+  TORCH_CHECK_VALUE(rows >= 0 && cols >= 0 && rows * cols <= buffer.numel(),
+                    "hyper_parallel::comm::start_row_sparse_all_reduce: expected rows x cols within the ",
+                    buffer.numel(), " elements of the buffer, got ", rows, " x ", cols);
+  std::ostringstream what;
+  what << buffer.scalar_type() << "[" << rows << ", " << cols << "] + " << buffer.numel() - rows * cols
+       << " dense, row-sparse, on " << group.name() << " (started)";
+  OpScope scope(group,
+                {CollectiveKind::kAllReduce,
+                 buffer.scalar_type(),
+                 {buffer.numel(), static_cast<int64_t>(op == ReduceOp::kAvg), rows, cols},
+                 {"numel", "avg", "rows", "cols"}},
+                what.str(), /*counted=*/true, agreement);
+  auto state = std::make_shared<detail::PendingAllReduceState>(buffer.detach(), op, group);
+  if (group.size() == 1) {
+    state->done = true;
+    return PendingAllReduce(std::move(state));
+  }
+  detail::complete_on_completion_thread(
+      state, scope, [rows, cols](detail::PendingAllReduceState& s) { reduce(s, rows, cols); });
+  return PendingAllReduce(std::move(state));
+}
+
+}  // namespace hyper_parallel::comm

@@ -1,0 +1,106 @@
+// start_row_sparse_all_reduce: bitwise the dense start_all_reduce's result, on every rank, for
+// world sizes 1..8 (non-powers of two included), every float dtype, sum and average; rows that
+// some ranks have and others lack, rows of -0.0, no rows, no columns, dense tails of 0, 1 and 3
+// elements. The bytes sent are exact: the rows any rank has, or a dense all-reduce's where that
+// moves fewer.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+
+#include <hyper_parallel/core/comm.h>
+
+#include "common/test_util.h"
+
+namespace comm = hyper_parallel::comm;
+
+namespace {
+
+// Rank q's buffer: a rows x cols matrix whose row i is nonzero where (i + q) % every == 0 (rows
+// every-th apart, a different set on each rank), row 1 -0.0 on rank 0 only, then `tail` dense
+// elements.
+at::Tensor input_of(int64_t q, int64_t rows, int64_t cols, int64_t every, int64_t tail,
+                    at::ScalarType dtype) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(2000 + q);
+  auto matrix = at::randn({rows, cols}, gen, at::TensorOptions(at::kDouble)).to(dtype);
+  for (int64_t i = 0; i < rows; ++i) {
+    if ((i + q) % every != 0) matrix[i].zero_();
+  }
+  if (q == 0 && rows > 1 && every > 1) matrix[1].fill_(-0.0);
+  return at::cat({matrix.view({-1}), at::randn({tail}, gen, at::TensorOptions(at::kDouble)).to(dtype)});
+}
+
+void expect_equal_on_every_rank(const at::Tensor& result) {
+  auto all = comm::all_gather(result.view({1, -1}), 0, comm::world());
+  for (int64_t q = 1; q < all.size(0); ++q) EXPECT_TRUE(at::equal(all[q], all[0])) << "rank " << q;
+}
+
+struct Case {
+  int64_t rows, cols, every, tail;
+};
+
+TEST(RowSparseAllReduce, GivesTheDenseAllReducesBitsOnEveryRank) {
+  const int64_t r = hp_test::rank();
+  for (auto dtype : {at::kFloat, at::kDouble, at::kBFloat16, at::kHalf}) {
+    for (auto op : {comm::ReduceOp::kSum, comm::ReduceOp::kAvg}) {
+      for (const auto& c : {Case{64, 16, 8, 1}, Case{64, 16, 1, 1}, Case{37, 5, 3, 3}, Case{0, 16, 1, 1},
+                            Case{9, 0, 1, 2}, Case{20, 4, 1000, 0}, Case{1, 1, 1, 0}}) {
+        SCOPED_TRACE(std::string(c10::toString(dtype)) + " " + comm::to_string(op) + " rows " +
+                     std::to_string(c.rows) + " cols " + std::to_string(c.cols) + " every " +
+                     std::to_string(c.every) + " tail " + std::to_string(c.tail));
+        auto dense = input_of(r, c.rows, c.cols, c.every, c.tail, dtype);
+        auto sparse = dense.clone();
+        comm::start_all_reduce(dense, op, comm::world()).wait();
+        comm::start_row_sparse_all_reduce(sparse, c.rows, c.cols, op, comm::world()).wait();
+        EXPECT_TRUE(at::equal(sparse, dense))
+            << "max abs diff " << (sparse.to(at::kDouble) - dense.to(at::kDouble)).abs().max();
+        if (c.rows > 1 && c.cols > 0) {  // row 1: -0.0 on rank 0 (equal bits, sign included)
+          EXPECT_EQ(std::signbit(sparse[c.cols].item<double>()), std::signbit(dense[c.cols].item<double>()));
+        }
+        expect_equal_on_every_rank(sparse);
+      }
+    }
+  }
+}
+
+// 64 rows of 16 fp32 (64 bytes) and one flag, every 8th row on each rank: 8 rows each, and rank
+// 0's row of -0.0 (its bits count). Each rank sends its count (8 bytes), its k indices (8 k
+// bytes) and k rows and the flag ((16 k + 1) 4 bytes) to each of the P - 1 others. With every row on every
+// rank, the dense all-reduce's bytes (2 (P - 1) / P of the 4100-byte buffer) after the counts.
+TEST(RowSparseAllReduce, SendsOnlyTheRowsAnyRankHasOrTheDenseBytesWhereFewer) {
+  const int64_t p = hp_test::world_size(), r = hp_test::rank();
+  if (p == 1) GTEST_SKIP() << "one rank sends nothing";
+  auto sparse = input_of(r, 64, 16, 8, 1, at::kFloat);
+  comm::reset_collective_counts();
+  comm::start_row_sparse_all_reduce(sparse, 64, 16, comm::ReduceOp::kAvg, comm::world()).wait();
+  const int64_t k = r == 0 ? 9 : 8;
+  EXPECT_EQ(comm::payload_bytes_sent(), (p - 1) * (8 + 8 * k + (16 * k + 1) * 4));
+  EXPECT_EQ(comm::collective_count(comm::CollectiveKind::kAllReduce), 1);
+
+  auto dense_rows = input_of(r, 64, 16, 1, 1, at::kFloat);
+  auto reference = dense_rows.clone();
+  comm::reset_collective_counts();
+  comm::start_all_reduce(reference, comm::ReduceOp::kAvg, comm::world()).wait();
+  const int64_t dense_bytes = comm::payload_bytes_sent();
+  comm::reset_collective_counts();
+  comm::start_row_sparse_all_reduce(dense_rows, 64, 16, comm::ReduceOp::kAvg, comm::world()).wait();
+  EXPECT_EQ(comm::payload_bytes_sent(), (p - 1) * 8 + dense_bytes);
+  EXPECT_TRUE(at::equal(dense_rows, reference));
+}
+
+TEST(RowSparseAllReduce, RefusesWhatItCannotReduce) {
+  auto buffer = at::zeros({10});
+  HP_EXPECT_THROW_MSG(comm::start_row_sparse_all_reduce(buffer, 4, 3, comm::ReduceOp::kSum, comm::world()),
+                      "expected rows x cols within the 10 elements of the buffer, got 4 x 3");
+  HP_EXPECT_THROW_MSG(comm::start_row_sparse_all_reduce(at::zeros({10}, at::kLong), 2, 5,
+                                                        comm::ReduceOp::kSum, comm::world()),
+                      "expected a floating-point tensor, got Long");
+  HP_EXPECT_THROW_MSG(
+      comm::start_row_sparse_all_reduce(at::zeros({2, 5}), 2, 5, comm::ReduceOp::kSum, comm::world()),
+      "expected a contiguous 1-D buffer, got sizes [2, 5]");
+}
+
+}  // namespace
