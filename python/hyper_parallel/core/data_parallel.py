@@ -41,9 +41,10 @@ def data_parallel(module: torch.nn.Module, device_mesh, *, bucket_cap_mb: float 
         raise TypeError(f"data_parallel: expected a torch.nn.Module, got {type(module).__name__}")
     if hasattr(module, _REDUCER):
         raise ValueError("data_parallel: expected a module data_parallel has not been applied to, got one it has")
-    embeddings = [m.weight for m in module.modules() if isinstance(m, torch.nn.Embedding) and m.weight.requires_grad]
+    embeddings = {id(m.weight): m.weight for m in module.modules()
+                  if isinstance(m, torch.nn.Embedding) and m.weight.requires_grad}
     reducer = _C.data_parallel(list(module.parameters()), device_mesh, int(bucket_cap_mb * (1 << 20)), overlap,
-                               gradient_as_bucket_view, list({id(w): w for w in embeddings}.values()))
+                               gradient_as_bucket_view, list(embeddings.values()))
     object.__setattr__(module, _REDUCER, reducer)
     return module
 
