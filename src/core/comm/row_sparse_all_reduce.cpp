@@ -1,6 +1,7 @@
 #include <hyper_parallel/core/comm/row_sparse_all_reduce.h>
 
 #include <algorithm>
+#include <numeric>
 #include <sstream>
 #include <vector>
 
@@ -24,7 +25,9 @@ constexpr int64_t kCountStep = 0, kDenseReduceStep = 1, kDenseGatherStep = 2, kI
 at::Tensor rows_with_bits(const at::Tensor& matrix) {
   const int64_t row_bytes = matrix.size(1) * matrix.element_size();
   if (row_bytes == 0) return at::empty({0}, at::kLong);  // rows of no elements have no bits
-  const auto word = row_bytes % 8 == 0 ? at::kLong : row_bytes % 4 == 0 ? at::kInt : at::kShort;
+  // The word must tile the rows and the buffer's offset in its storage alike.
+  const int64_t tiled = std::gcd(row_bytes, matrix.storage_offset() * matrix.element_size());
+  const auto word = tiled % 8 == 0 ? at::kLong : tiled % 4 == 0 ? at::kInt : at::kShort;
   return matrix.view(word).ne(0).any(1).nonzero().view({-1});
 }
 
@@ -111,7 +114,7 @@ PendingAllReduce start_row_sparse_all_reduce(const at::Tensor& buffer, int64_t r
       "hyper_parallel::comm::start_row_sparse_all_reduce: expected a contiguous 1-D buffer, got "
       "sizes ",
       buffer.sizes(), " and strides ", buffer.strides());
-  TORCH_CHECK_VALUE(rows >= 0 && cols >= 0 && rows * cols <= buffer.numel(),
+  TORCH_CHECK_VALUE(rows >= 0 && cols >= 0 && (cols == 0 || rows <= buffer.numel() / cols),
                     "hyper_parallel::comm::start_row_sparse_all_reduce: expected rows x cols within the ",
                     buffer.numel(), " elements of the buffer, got ", rows, " x ", cols);
   std::ostringstream what;
@@ -120,8 +123,8 @@ PendingAllReduce start_row_sparse_all_reduce(const at::Tensor& buffer, int64_t r
   OpScope scope(group,
                 {CollectiveKind::kAllReduce,
                  buffer.scalar_type(),
-                 {buffer.numel(), static_cast<int64_t>(op == ReduceOp::kAvg), rows, cols},
-                 {"numel", "avg", "rows", "cols"}},
+                 {buffer.numel(), static_cast<int64_t>(op == ReduceOp::kAvg), rows, cols + 1},
+                 {"numel", "avg", "rows", "row_sparse_cols+1"}},  // never a dense all-reduce's signature
                 what.str(), /*counted=*/true, agreement);
   auto state = std::make_shared<detail::PendingAllReduceState>(buffer.detach(), op, group);
   if (group.size() == 1) {

@@ -437,7 +437,9 @@ GradientReducer::GradientReducer(const std::vector<at::Tensor>& params, comm::Gr
                                              detail::bytes_after_in_order(impl.params, order), impl.caps);
   // The options that shape a later layout too: a rank that rebuilds broadcasts, once, where the
   // others would not, and the rebuilt layout follows the caps.
-  check_layout_agrees(detail::describe_buckets(spans, impl.params) +
+  check_layout_agrees(detail::describe_buckets(spans, impl.params) + ", caps " +
+                          std::to_string(options.bucket_cap_bytes()) + "/" +
+                          std::to_string(options.first_bucket_cap_bytes()) +
                           (options.rebuild_buckets() ? ", rebuilt after the first backward" : "") +
                           (options.grow_first_buckets() ? ", the first growing" : "") +
                           (options.shrink_last_buckets() ? ", the last shrinking" : ""),

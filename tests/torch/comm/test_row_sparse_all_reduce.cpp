@@ -1,5 +1,5 @@
 // start_row_sparse_all_reduce: bitwise the dense start_all_reduce's result, on every rank, for
-// world sizes 1..8 (non-powers of two included), every float dtype, sum and average; rows that
+// world sizes 1, 2, 3, 4 and 8, every float dtype, sum and average; rows that
 // some ranks have and others lack, rows of -0.0, no rows, no columns, dense tails of 0, 1 and 3
 // elements. The bytes sent are exact: the rows any rank has, or a dense all-reduce's where that
 // moves fewer.
@@ -20,42 +20,49 @@ namespace comm = hyper_parallel::comm;
 namespace {
 
 // Rank q's buffer: a rows x cols matrix whose row i is nonzero where (i + q) % every == 0 (rows
-// every-th apart, a different set on each rank), row 1 -0.0 on rank 0 only, then `tail` dense
-// elements.
-at::Tensor input_of(int64_t q, int64_t rows, int64_t cols, int64_t every, int64_t tail,
-                    at::ScalarType dtype) {
+// every-th apart, a different set on each rank) or, with `shared` > 0, i % shared == 0 (on every
+// rank: sums of P operands), row 1 -0.0 on rank 0 only, then `tail` dense elements.
+at::Tensor input_of(int64_t q, int64_t rows, int64_t cols, int64_t every, int64_t tail, at::ScalarType dtype,
+                    int64_t shared = 0) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(2000 + q);
   auto matrix = at::randn({rows, cols}, gen, at::TensorOptions(at::kDouble)).to(dtype);
   for (int64_t i = 0; i < rows; ++i) {
-    if ((i + q) % every != 0) matrix[i].zero_();
+    if ((i + q) % every != 0 && (shared == 0 || i % shared != 0)) matrix[i].zero_();
   }
   if (q == 0 && rows > 1 && every > 1) matrix[1].fill_(-0.0);
   return at::cat({matrix.view({-1}), at::randn({tail}, gen, at::TensorOptions(at::kDouble)).to(dtype)});
 }
 
+// Bitwise: as integers, so that -0.0 and +0.0 differ.
+bool same_bits(const at::Tensor& a, const at::Tensor& b) {
+  const auto word = a.element_size() == 2 ? at::kShort : a.element_size() == 4 ? at::kInt : at::kLong;
+  return a.sizes() == b.sizes() && at::equal(a.view(word), b.view(word));
+}
+
 void expect_equal_on_every_rank(const at::Tensor& result) {
   auto all = comm::all_gather(result.view({1, -1}), 0, comm::world());
-  for (int64_t q = 1; q < all.size(0); ++q) EXPECT_TRUE(at::equal(all[q], all[0])) << "rank " << q;
+  for (int64_t q = 1; q < all.size(0); ++q) EXPECT_TRUE(same_bits(all[q], all[0])) << "rank " << q;
 }
 
 struct Case {
-  int64_t rows, cols, every, tail;
+  int64_t rows, cols, every, tail, shared = 0;
 };
 
 TEST(RowSparseAllReduce, GivesTheDenseAllReducesBitsOnEveryRank) {
   const int64_t r = hp_test::rank();
   for (auto dtype : {at::kFloat, at::kDouble, at::kBFloat16, at::kHalf}) {
     for (auto op : {comm::ReduceOp::kSum, comm::ReduceOp::kAvg}) {
-      for (const auto& c : {Case{64, 16, 8, 1}, Case{64, 16, 1, 1}, Case{37, 5, 3, 3}, Case{0, 16, 1, 1},
-                            Case{9, 0, 1, 2}, Case{20, 4, 1000, 0}, Case{1, 1, 1, 0}}) {
+      for (const auto& c :
+           {Case{64, 16, 8, 1}, Case{64, 16, 1, 1}, Case{37, 5, 3, 3}, Case{0, 16, 1, 1}, Case{9, 0, 1, 2},
+            Case{20, 4, 1000, 0}, Case{1, 1, 1, 0}, Case{256, 64, 64, 1, 32}}) {
         SCOPED_TRACE(std::string(c10::toString(dtype)) + " " + comm::to_string(op) + " rows " +
                      std::to_string(c.rows) + " cols " + std::to_string(c.cols) + " every " +
                      std::to_string(c.every) + " tail " + std::to_string(c.tail));
-        auto dense = input_of(r, c.rows, c.cols, c.every, c.tail, dtype);
+        auto dense = input_of(r, c.rows, c.cols, c.every, c.tail, dtype, c.shared);
         auto sparse = dense.clone();
         comm::start_all_reduce(dense, op, comm::world()).wait();
         comm::start_row_sparse_all_reduce(sparse, c.rows, c.cols, op, comm::world()).wait();
-        EXPECT_TRUE(at::equal(sparse, dense))
+        EXPECT_TRUE(same_bits(sparse, dense))
             << "max abs diff " << (sparse.to(at::kDouble) - dense.to(at::kDouble)).abs().max();
         if (c.rows > 1 && c.cols > 0) {  // row 1: -0.0 on rank 0 (equal bits, sign included)
           EXPECT_EQ(std::signbit(sparse[c.cols].item<double>()), std::signbit(dense[c.cols].item<double>()));
@@ -91,6 +98,16 @@ TEST(RowSparseAllReduce, SendsOnlyTheRowsAnyRankHasOrTheDenseBytesWhereFewer) {
   EXPECT_TRUE(at::equal(dense_rows, reference));
 }
 
+// A buffer one element into its storage: the rows are read as words that tile that offset too.
+TEST(RowSparseAllReduce, ABufferAtAnOffsetInItsStorage) {
+  auto input = input_of(hp_test::rank(), 32, 64, 4, 1, at::kBFloat16);
+  auto dense = input.clone();
+  auto sparse = at::cat({at::zeros({1}, input.options()), input}).narrow(0, 1, input.numel());
+  comm::start_all_reduce(dense, comm::ReduceOp::kAvg, comm::world()).wait();
+  comm::start_row_sparse_all_reduce(sparse, 32, 64, comm::ReduceOp::kAvg, comm::world()).wait();
+  EXPECT_TRUE(same_bits(sparse, dense));
+}
+
 TEST(RowSparseAllReduce, RefusesWhatItCannotReduce) {
   auto buffer = at::zeros({10});
   HP_EXPECT_THROW_MSG(comm::start_row_sparse_all_reduce(buffer, 4, 3, comm::ReduceOp::kSum, comm::world()),
@@ -98,6 +115,9 @@ TEST(RowSparseAllReduce, RefusesWhatItCannotReduce) {
   HP_EXPECT_THROW_MSG(comm::start_row_sparse_all_reduce(at::zeros({10}, at::kLong), 2, 5,
                                                         comm::ReduceOp::kSum, comm::world()),
                       "expected a floating-point tensor, got Long");
+  HP_EXPECT_THROW_MSG(
+      comm::start_row_sparse_all_reduce(buffer, int64_t{1} << 62, 4, comm::ReduceOp::kSum, comm::world()),
+      "expected rows x cols within the 10 elements of the buffer");
   HP_EXPECT_THROW_MSG(
       comm::start_row_sparse_all_reduce(at::zeros({2, 5}), 2, 5, comm::ReduceOp::kSum, comm::world()),
       "expected a contiguous 1-D buffer, got sizes [2, 5]");

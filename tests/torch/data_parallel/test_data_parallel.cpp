@@ -508,6 +508,11 @@ TEST(DataParallel, RanksWithDifferentBucketLayoutsGetAnErrorNotAHang) {
   HP_EXPECT_THROW_MSG(
       (void)dp::data_parallel(net, mesh, small_buckets().grow_first_buckets(hp_test::rank() == 0)),
       "GradientReducer: expected every rank of");
+  // The same first layout, but another first cap, which shapes the rebuilt one: refused.
+  HP_EXPECT_THROW_MSG(
+      (void)dp::data_parallel(net, mesh,
+                              small_buckets().first_bucket_cap_bytes(hp_test::rank() == 0 ? 2048 : 4096)),
+      "GradientReducer: expected every rank of");
   // Rank 0 alone reduces fc1's weight row-sparse (its own bucket, another protocol): refused.
   const auto row_sparse =
       hp_test::rank() == 0 ? std::vector<at::Tensor>{net.fc1->weight} : std::vector<at::Tensor>{};

@@ -6,7 +6,8 @@
 //     toward the backward's end), one dtype
 //     each, in reverse order (the order a backward produces their gradients);
 //   - a hook on each parameter's gradient accumulator marks it ready; bucket b is started
-//     (comm::start_all_reduce) once its gradients and those of buckets 0..b-1 are all ready, so
+//     (comm::start_all_reduce; start_row_sparse_all_reduce for a row_sparse_parameters entry, a
+//     bucket alone) once its gradients and those of buckets 0..b-1 are all ready, so
 //     every rank starts the same buckets in the same order whatever its graph's timing;
 //   - after the first backward that reduces, the buckets are laid out again in the order it
 //     produced the gradients (rank 0's, broadcast once; DDP's bucket rebuild);
