@@ -24,65 +24,16 @@
 
 #include "backward_order.h"
 #include "bucket_layout.h"
+#include "first_layout.h"
 
 namespace hyper_parallel::data_parallel {
 
 namespace {
 
-std::vector<at::Tensor> kept_parameters(const std::vector<at::Tensor>& params) {
-  std::vector<at::Tensor> kept;
-  std::unordered_set<const void*> seen;
-  for (size_t i = 0; i < params.size(); ++i) {
-    const auto& p = params[i];
-    TORCH_CHECK_VALUE(p.defined(),
-                      "GradientReducer: expected defined parameters, got an undefined one at index ", i);
-    if (!p.requires_grad() || !seen.insert(p.unsafeGetTensorImpl()).second) continue;
-    TORCH_CHECK_VALUE(p.is_leaf(),
-                      "GradientReducer: expected leaf parameters, got a non-leaf tensor at index ", i);
-    TORCH_CHECK_TYPE(at::isFloatingType(p.scalar_type()),
-                     "GradientReducer: expected floating-point parameters, got ", p.scalar_type(),
-                     " at index ", i);
-    kept.push_back(p);
-  }
-  return kept;
-}
-
 // True where `grad` is the bucket's view for it: the backward accumulated into the buffer.
 bool is_view_of_bucket(const at::Tensor& grad, const at::Tensor& view) {
   return grad.defined() && grad.data_ptr() == view.data_ptr() && grad.sizes() == view.sizes() &&
          grad.strides() == view.strides();
-}
-
-// Every rank must lay out the same buckets: compared once, here, so that the buckets can start
-// later without a round trip each.
-void check_layout_agrees(const std::string& mine, const comm::Group& group) {
-  const auto all = comm::all_gather_strings(mine, group);
-  for (const auto& other : all) {
-    if (other == mine) continue;
-    std::ostringstream ranks;
-    for (size_t q = 0; q < all.size(); ++q) ranks << (q ? "; " : "") << "rank " << q << ": " << all[q];
-    TORCH_CHECK_VALUE(false, "GradientReducer: expected every rank of ", group.name(),
-                      " to lay out the same gradient buckets (the same parameters, shapes, dtypes and "
-                      "bucket options), got ",
-                      ranks.str());
-  }
-}
-
-// Per kept parameter: whether `row_sparse` names it.
-std::vector<bool> row_sparse_flags(const std::vector<at::Tensor>& params,
-                                   const std::vector<at::Tensor>& row_sparse) {
-  std::vector<bool> flags(params.size(), false);
-  for (size_t k = 0; k < row_sparse.size(); ++k) {
-    const auto& t = row_sparse[k];
-    const auto at = std::find_if(params.begin(), params.end(), [&](const at::Tensor& p) {
-      return t.defined() && p.unsafeGetTensorImpl() == t.unsafeGetTensorImpl();
-    });
-    TORCH_CHECK_VALUE(at != params.end(), "GradientReducer: expected row_sparse_parameters[", k,
-                      "] to be one of the parameters it averages (defined, requiring grad), got ",
-                      t.defined() ? "another tensor of sizes " + c10::str(t.sizes()) : "an undefined tensor");
-    flags[at - params.begin()] = true;
-  }
-  return flags;
 }
 
 }  // namespace
@@ -427,25 +378,13 @@ GradientReducer::GradientReducer(const std::vector<at::Tensor>& params, comm::Gr
                     "GradientReducer: expected bucket_cap_bytes > 0 and first_bucket_cap_bytes > 0, got ",
                     options.bucket_cap_bytes(), " and ", options.first_bucket_cap_bytes());
   auto& impl = *impl_;
-  impl.params = kept_parameters(params);
+  auto initial = detail::agree_on_first_layout(params, options, group);
+  impl.params = std::move(initial.params);
+  impl.caps = std::move(initial.caps);
   impl.group = std::move(group);
   impl.options = options;
-  impl.caps = {options.bucket_cap_bytes(), options.first_bucket_cap_bytes(), options.grow_first_buckets(),
-               options.shrink_last_buckets(), row_sparse_flags(impl.params, options.row_sparse_parameters())};
-  const auto order = detail::reverse_order(static_cast<int64_t>(impl.params.size()));
-  const auto spans = detail::lay_out_buckets(impl.params, order,
-                                             detail::bytes_after_in_order(impl.params, order), impl.caps);
-  // The options that shape a later layout too: a rank that rebuilds broadcasts, once, where the
-  // others would not, and the rebuilt layout follows the caps.
-  check_layout_agrees(detail::describe_buckets(spans, impl.params) + ", caps " +
-                          std::to_string(options.bucket_cap_bytes()) + "/" +
-                          std::to_string(options.first_bucket_cap_bytes()) +
-                          (options.rebuild_buckets() ? ", rebuilt after the first backward" : "") +
-                          (options.grow_first_buckets() ? ", the first growing" : "") +
-                          (options.shrink_last_buckets() ? ", the last shrinking" : ""),
-                      impl.group);
   impl.ready.assign(impl.params.size(), false);
-  impl.install_layout(spans);
+  impl.install_layout(initial.spans);
   for (size_t i = 0; i < impl.params.size(); ++i) {
     auto accumulator = torch::autograd::impl::grad_accumulator(impl.params[i]);
     impl.hook_keys.push_back(
