@@ -24,7 +24,7 @@ _REDUCER = "_hp_gradient_reducer"
 
 
 def data_parallel(module: torch.nn.Module, device_mesh, *, bucket_cap_mb: float = 25, overlap: bool = True,
-                  gradient_as_bucket_view: bool = False):
+                  gradient_as_bucket_view: bool = False, row_sparse_embeddings: bool = True):
     """Averages ``module``'s gradients over ``device_mesh`` (1-D: the data-parallel dimension)
     and returns the module. Parallelize it over its other dimensions first. Buckets of at most
     ``bucket_cap_mb`` MiB, in reverse parameter order and, after the first backward, in the
@@ -35,14 +35,16 @@ def data_parallel(module: torch.nn.Module, device_mesh, *, bucket_cap_mb: float 
     before the first reduction is not updated; after a failed backward, zero the gradients or
     set them to None: they hold unspecified values). The weights of ``torch.nn.Embedding``
     submodules are reduced row-sparse: only the rows of the tokens a step saw travel (bitwise
-    the dense result). Collective: every rank of the mesh calls it, with the same parameters and
+    the dense result); ``row_sparse_embeddings=False`` reduces them dense (a weight tied to the
+    output projection has every row, which the row-sparse op only finds out after a round trip
+    of counts). Collective: every rank of the mesh calls it, with the same parameters and
     options."""
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"data_parallel: expected a torch.nn.Module, got {type(module).__name__}")
     if hasattr(module, _REDUCER):
         raise ValueError("data_parallel: expected a module data_parallel has not been applied to, got one it has")
     embeddings = {id(m.weight): m.weight for m in module.modules()
-                  if isinstance(m, torch.nn.Embedding) and m.weight.requires_grad}
+                  if row_sparse_embeddings and isinstance(m, torch.nn.Embedding) and m.weight.requires_grad}
     reducer = _C.data_parallel(list(module.parameters()), device_mesh, int(bucket_cap_mb * (1 << 20)), overlap,
                                gradient_as_bucket_view, list(embeddings.values()))
     object.__setattr__(module, _REDUCER, reducer)

@@ -45,6 +45,39 @@ std::vector<int64_t> exchange_counts(detail::PendingAllReduceState& s, int64_t o
   return std::vector<int64_t>(counts.data_ptr<int64_t>(), counts.data_ptr<int64_t>() + p);
 }
 
+// The union of the ranks' rows (`any_rank`, ascending), summed a slice of its rows at a time:
+// each rank's rows in the slice, padded with zeros where it had none, are the dense sum's
+// operands. P slices of about kSliceElements each, not P copies of the union (for a 1 GB
+// embedding at P = 8, that would be up to 8 GB).
+void sum_union_in_row_slices(const at::Tensor& matrix, const at::Tensor& any_rank,
+                             const std::vector<at::Tensor>& positions, const std::vector<at::Tensor>& rows,
+                             ReduceOp op) {
+  constexpr int64_t kSliceElements = int64_t{1} << 17;
+  const int64_t p = static_cast<int64_t>(rows.size()), u = any_rank.size(0), cols = matrix.size(1);
+  if (u == 0) return;
+  const int64_t slice_rows = std::min(u, std::max<int64_t>(1, kSliceElements / std::max<int64_t>(cols, 1)));
+  std::vector<at::Tensor> padded(p), slices(p);
+  for (auto& t : padded) t = at::empty({slice_rows, cols}, matrix.options());
+  auto summed = at::empty({slice_rows, cols}, matrix.options());
+  std::vector<int64_t> next(p, 0);  // per rank, its first row not summed yet
+  for (int64_t first = 0; first < u; first += slice_rows) {
+    const int64_t len = std::min(slice_rows, u - first);
+    for (int64_t q = 0; q < p; ++q) {
+      // A rank's positions ascend (rows_with_bits's do), so its rows in the slice are a run.
+      const int64_t* pos = positions[q].data_ptr<int64_t>();
+      int64_t end = next[q];
+      while (end < positions[q].size(0) && pos[end] < first + len) ++end;
+      slices[q] = padded[q].narrow(0, 0, len).zero_();
+      slices[q].index_copy_(0, positions[q].narrow(0, next[q], end - next[q]) - first,
+                            rows[q].narrow(0, next[q], end - next[q]));
+      next[q] = end;
+    }
+    auto out = summed.narrow(0, 0, len);
+    detail::sum_in_rank_order(slices, out, op);
+    matrix.index_copy_(0, any_rank.narrow(0, first, len), out);
+  }
+}
+
 // Row-sparse: each rank sends its rows (indices, then values with the dense tail appended) to
 // every other rank. Then every rank sums, in rank order, the rows any rank sent, with zeros where
 // a rank had none: the dense sum's operands, so its bits. Rows no rank sent are zero everywhere,
@@ -54,7 +87,10 @@ void exchange_rows(detail::PendingAllReduceState& s, const at::Tensor& matrix, c
   const int64_t p = s.group.size(), r = s.group.rank(), cols = matrix.size(1), t = tail.numel();
   std::vector<at::Tensor> indices(p), values(p);
   indices[r] = own_rows;
-  values[r] = at::cat({matrix.index_select(0, own_rows).view({-1}), tail});
+  values[r] = at::empty({counts[r] * cols + t}, matrix.options());  // rows gathered in place, no cat
+  auto own_values = values[r].narrow(0, 0, counts[r] * cols).view({counts[r], cols});
+  at::index_select_out(own_values, matrix, 0, own_rows);
+  values[r].narrow(0, counts[r] * cols, t).copy_(tail);
   for (int64_t q = 0; q < p; ++q) {
     if (q == r) continue;
     indices[q] = at::empty({counts[q]}, at::kLong);
@@ -69,16 +105,13 @@ void exchange_rows(detail::PendingAllReduceState& s, const at::Tensor& matrix, c
   }
   s.wait_all();
   const auto any_rank = std::get<0>(at::_unique(at::cat(indices), /*sorted=*/true));
-  std::vector<at::Tensor> rows(p), tails(p);
+  std::vector<at::Tensor> positions(p), rows(p), tails(p);
   for (int64_t q = 0; q < p; ++q) {
-    rows[q] = at::zeros({any_rank.size(0), cols}, matrix.options());
-    const auto at_position = at::searchsorted(any_rank, indices[q]);
-    rows[q].index_copy_(0, at_position, values[q].narrow(0, 0, counts[q] * cols).view({counts[q], cols}));
+    positions[q] = at::searchsorted(any_rank, indices[q]);
+    rows[q] = values[q].narrow(0, 0, counts[q] * cols).view({counts[q], cols});
     tails[q] = values[q].narrow(0, counts[q] * cols, t);
   }
-  auto summed = at::empty_like(rows[r]);
-  detail::sum_in_rank_order(rows, summed, s.op);
-  matrix.index_copy_(0, any_rank, summed);
+  sum_union_in_row_slices(matrix, any_rank, positions, rows, s.op);
   detail::sum_in_rank_order(tails, tail, s.op);
 }
 

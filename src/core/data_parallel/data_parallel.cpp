@@ -22,6 +22,7 @@ std::shared_ptr<GradientReducer> data_parallel(const std::vector<at::Tensor>& pa
 std::shared_ptr<GradientReducer> data_parallel(torch::nn::Module& module, const dtensor::DeviceMesh& mesh,
                                                GradientReducerOptions options) {
   auto row_sparse = options.row_sparse_parameters();
+  if (!options.row_sparse_embeddings()) return data_parallel(module.parameters(), mesh, options);
   std::vector<torch::nn::Module*> modules{&module};  // not modules(): the module may be on the stack
   for (const auto& m : module.modules(/*include_self=*/false)) modules.push_back(m.get());
   for (auto* m : modules) {

@@ -1,6 +1,7 @@
 #include "first_layout.h"
 
 #include <algorithm>
+#include <exception>
 #include <sstream>
 #include <string>
 #include <unordered_set>
@@ -32,10 +33,21 @@ std::vector<at::Tensor> kept_parameters(const std::vector<at::Tensor>& params) {
   return kept;
 }
 
+// A rank's description when building its layout failed: its peers name the error instead of
+// reporting a layout difference (a layout cannot start with it).
+constexpr const char* kFailedPrefix = "\001failed: ";
+
 // Every rank must lay out the same buckets: compared once, here, so that the buckets can start
-// later without a round trip each.
-void check_layout_agrees(const std::string& mine, const comm::Group& group) {
-  const auto all = comm::all_gather_strings(mine, group);
+// later without a round trip each. A peer that failed to build its layout is named with its
+// error (it rethrows its own).
+void check_layout_agrees(const std::string& mine, const std::vector<std::string>& all,
+                         const comm::Group& group) {
+  const std::string failed = kFailedPrefix;
+  for (size_t q = 0; q < all.size(); ++q) {
+    TORCH_CHECK_VALUE(all[q].rfind(failed, 0) != 0, "GradientReducer: expected every rank of ", group.name(),
+                      " to build its gradient buckets, got an error on rank ", q, ": ",
+                      all[q].substr(failed.size()));
+  }
   for (const auto& other : all) {
     if (other == mine) continue;
     std::ostringstream ranks;
@@ -64,25 +76,41 @@ std::vector<bool> row_sparse_flags(const std::vector<at::Tensor>& params,
   return flags;
 }
 
-}  // namespace
-
-FirstLayout agree_on_first_layout(const std::vector<at::Tensor>& params,
-                                  const GradientReducerOptions& options, const comm::Group& group) {
-  FirstLayout out;
+// This rank's first layout, and its description for the agreement: the layout and the options
+// that shape a later one (a rank that rebuilds broadcasts, once, where the others would not, and
+// the rebuilt layout follows the caps).
+std::string lay_out_first(FirstLayout& out, const std::vector<at::Tensor>& params,
+                          const GradientReducerOptions& options) {
   out.params = kept_parameters(params);
   out.caps = {options.bucket_cap_bytes(), options.first_bucket_cap_bytes(), options.grow_first_buckets(),
               options.shrink_last_buckets(), row_sparse_flags(out.params, options.row_sparse_parameters())};
   const auto order = reverse_order(static_cast<int64_t>(out.params.size()));
   out.spans = lay_out_buckets(out.params, order, bytes_after_in_order(out.params, order), out.caps);
-  // The options that shape a later layout too: a rank that rebuilds broadcasts, once, where the
-  // others would not, and the rebuilt layout follows the caps.
-  check_layout_agrees(describe_buckets(out.spans, out.params) + ", caps " +
-                          std::to_string(options.bucket_cap_bytes()) + "/" +
-                          std::to_string(options.first_bucket_cap_bytes()) +
-                          (options.rebuild_buckets() ? ", rebuilt after the first backward" : "") +
-                          (options.grow_first_buckets() ? ", the first growing" : "") +
-                          (options.shrink_last_buckets() ? ", the last shrinking" : ""),
-                      group);
+  return describe_buckets(out.spans, out.params) + ", caps " + std::to_string(options.bucket_cap_bytes()) +
+         "/" + std::to_string(options.first_bucket_cap_bytes()) +
+         (options.rebuild_buckets() ? ", rebuilt after the first backward" : "") +
+         (options.grow_first_buckets() ? ", the first growing" : "") +
+         (options.shrink_last_buckets() ? ", the last shrinking" : "");
+}
+
+}  // namespace
+
+FirstLayout agree_on_first_layout(const std::vector<at::Tensor>& params,
+                                  const GradientReducerOptions& options, const comm::Group& group) {
+  FirstLayout out;
+  std::string mine;
+  std::exception_ptr failure;
+  // A rank whose parameters or options are refused still joins the exchange, with its error, so
+  // that its peers fail at once instead of waiting for it there until the timeout.
+  try {
+    mine = lay_out_first(out, params, options);
+  } catch (const c10::Error& e) {
+    failure = std::current_exception();
+    mine = kFailedPrefix + std::string(e.what_without_backtrace());
+  }
+  const auto all = comm::all_gather_strings(mine, group);
+  if (failure) std::rethrow_exception(failure);
+  check_layout_agrees(mine, all, group);
   return out;
 }
 

@@ -196,6 +196,26 @@ def test_embedding_gradients_travel_row_sparse_with_the_dense_bits():
     torch.testing.assert_close(sparse.embed.weight.grad, reference.embed.weight.grad / p, rtol=1e-6, atol=1e-7)
 
 
+def test_row_sparse_embeddings_false_keeps_the_embedding_dense():
+    """row_sparse_embeddings=False: the embedding shares a bucket with the dense parameters and
+    the bytes sent are the dense reducer's."""
+    mesh = dp_mesh()
+    r = mesh.get_local_rank(0)
+    module = data_parallel(Embedder(), mesh, row_sparse_embeddings=False)
+    dense = Embedder()
+    dense_reducer = dense_reducer_over(dense, mesh)
+    assert gradient_reducer(module).bucket_parameters() == dense_reducer.bucket_parameters()
+    assert len(dense_reducer.bucket_parameters()) == 1
+    comm.reset_collective_counts()
+    module.loss(0, r).backward()
+    module_bytes = comm.payload_bytes_sent()
+    comm.reset_collective_counts()
+    dense.loss(0, r).backward()
+    assert module_bytes == comm.payload_bytes_sent()
+    for a, b in zip(module.parameters(), dense.parameters()):
+        assert torch.equal(a.grad, b.grad)
+
+
 def dense_reducer_over(module, mesh):
     """The C++ reducer over `module`'s parameters with no row-sparse ones (every bucket dense)."""
     from hyper_parallel import _C

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -71,6 +72,61 @@ TEST(RowSparseAllReduce, GivesTheDenseAllReducesBitsOnEveryRank) {
       }
     }
   }
+}
+
+// Rows of 40000 elements: the union is summed 3 rows at a time (slices of 2^17 elements), so a
+// rank's rows fall in many slices, some in none, and the rows every rank has (0, 16, 32) sum
+// P operands across slices. Sparse at every world size here (fewer bytes than dense).
+TEST(RowSparseAllReduce, SumsTheUnionASliceOfRowsAtATime) {
+  const int64_t p = hp_test::world_size(), r = hp_test::rank();
+  for (auto dtype : {at::kFloat, at::kBFloat16}) {
+    for (auto op : {comm::ReduceOp::kSum, comm::ReduceOp::kAvg}) {
+      SCOPED_TRACE(std::string(c10::toString(dtype)) + " " + comm::to_string(op));
+      auto dense = input_of(r, 48, 40000, 8, 3, dtype, /*shared=*/16);
+      auto sparse = dense.clone();
+      comm::reset_collective_counts();
+      comm::start_all_reduce(dense, op, comm::world()).wait();
+      const int64_t dense_bytes = comm::payload_bytes_sent();
+      comm::reset_collective_counts();
+      comm::start_row_sparse_all_reduce(sparse, 48, 40000, op, comm::world()).wait();
+      if (p > 1) {
+        EXPECT_LT(comm::payload_bytes_sent(), dense_bytes) << "expected the sparse path";
+      }
+      EXPECT_TRUE(same_bits(sparse, dense))
+          << "max abs diff " << (sparse.to(at::kDouble) - dense.to(at::kDouble)).abs().max();
+      expect_equal_on_every_rank(sparse);
+    }
+  }
+}
+
+// The process's resident set, in bytes: its peak since the last reset (VmHWM) or now (VmRSS).
+int64_t resident_bytes(const std::string& field) {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind(field + ":", 0) == 0) return std::stoll(line.substr(field.size() + 1)) * 1024;
+  }
+  return -1;
+}
+
+// The sum's extra memory is the rows received (and this rank's, sent): about one matrix over
+// all ranks, not a zero-padded copy of the union per rank (P + 1 matrices here, where every
+// row is some rank's). A 32 MiB matrix, every P-th row on each rank.
+TEST(RowSparseAllReduce, SumsWithoutACopyOfTheUnionPerRank) {
+  const int64_t p = hp_test::world_size(), r = hp_test::rank();
+  if (p == 1) GTEST_SKIP() << "one rank exchanges nothing";
+  constexpr int64_t kRows = 2048, kCols = 4096;
+  auto sparse = input_of(r, kRows, kCols, p, 1, at::kFloat);
+  const int64_t matrix_bytes = kRows * kCols * 4;
+  std::ofstream("/proc/self/clear_refs") << "5";  // VmHWM := VmRSS
+  const int64_t before = resident_bytes("VmRSS");
+  ASSERT_GT(before, 0);
+  comm::reset_collective_counts();
+  comm::start_row_sparse_all_reduce(sparse, kRows, kCols, comm::ReduceOp::kAvg, comm::world()).wait();
+  ASSERT_LT(comm::payload_bytes_sent(), matrix_bytes) << "expected the sparse path";
+  const int64_t peak = resident_bytes("VmHWM") - before;
+  EXPECT_LT(peak, 2 * matrix_bytes) << "peak " << peak / (1 << 20) << " MiB over a "
+                                    << matrix_bytes / (1 << 20) << " MiB matrix";
 }
 
 // 64 rows of 16 fp32 (64 bytes) and one flag, every 8th row on each rank: 8 rows each, and rank

@@ -590,6 +590,50 @@ TEST(DataParallel, RowSparseParametersMustBeAmongTheParameters) {
       "(defined, requiring grad), got another tensor of sizes [4, 4]");
 }
 
+// row_sparse_embeddings(false): data_parallel(module) leaves the embedding with the dense
+// parameters (in one bucket with them here: all of them fit the first cap) and sends the dense
+// reducer's bytes.
+TEST(DataParallel, RowSparseEmbeddingsFalseLeavesThemDense) {
+  auto mesh = dp_mesh();
+  Embedder net, reference;
+  auto reducer = dp::data_parallel(net, mesh, dp::GradientReducerOptions().row_sparse_embeddings(false));
+  auto dense_reducer = dp::data_parallel(reference.parameters(), mesh);
+  EXPECT_EQ(reducer->bucket_parameters(), dense_reducer->bucket_parameters());
+  EXPECT_EQ(reducer->bucket_parameters().size(), 1u);
+  hp::comm::reset_collective_counts();
+  net.loss(0, mesh.get_local_rank(0)).backward();
+  const int64_t bytes = hp::comm::payload_bytes_sent();
+  hp::comm::reset_collective_counts();
+  reference.loss(0, mesh.get_local_rank(0)).backward();
+  EXPECT_EQ(bytes, hp::comm::payload_bytes_sent());
+  for (size_t i = 0; i < 3; ++i)
+    EXPECT_TRUE(at::equal(net.parameters()[i].grad(), reference.parameters()[i].grad()));
+}
+
+// A rank whose row_sparse_parameters are refused still joins the layout exchange, with its
+// error: its peers fail at once, naming that rank and its error, instead of waiting for it at
+// the exchange until the timeout.
+TEST(DataParallel, ARankThatRefusesItsOptionsFailsItsPeersAtOnce) {
+  auto mesh = dp_mesh();
+  Embedder net;
+  auto stranger = at::zeros({4, 4}, at::TensorOptions().requires_grad(true));
+  auto options = dp::GradientReducerOptions();
+  if (mesh.get_local_rank(0) == 0) options.row_sparse_parameters({stranger});
+  const auto start = std::chrono::steady_clock::now();
+  if (mesh.get_local_rank(0) == 0) {
+    HP_EXPECT_THROW_MSG((void)dp::data_parallel(net.parameters(), mesh, options),
+                        "GradientReducer: expected row_sparse_parameters[0] to be one of the parameters");
+  } else {
+    HP_EXPECT_THROW_MSG((void)dp::data_parallel(net.parameters(), mesh, options),
+                        "to build its gradient buckets, got an error on rank 0: GradientReducer: expected "
+                        "row_sparse_parameters[0] to be one of the parameters it averages");
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30)) << "not at once";
+  // The group is still usable: every rank made the same exchange.
+  auto reducer = dp::data_parallel(net, mesh);
+  EXPECT_EQ(reducer->bucket_parameters().back(), std::vector<int64_t>{0});
+}
+
 // A parameter resized after data_parallel (set_data) is refused with a message, not averaged
 // over a stale layout.
 TEST(DataParallel, ParametersChangedAfterwardsAreRefused) {

@@ -10,7 +10,9 @@
 //      all-reduce sends (2 (P - 1) / P of the buffer), every rank sends its rows (indices, then
 //      values, the dense tail appended) to every other rank, and every rank sums, in rank order
 //      in the accumulate dtype, the rows any rank sent, a zero row standing for a rank that had
-//      none: the operands of the dense sum, so its bits. Otherwise, the dense two-phase
+//      none: the operands of the dense sum, so its bits. The union is summed a slice of rows
+//      at a time, so the extra memory is the rows received plus P slices, not P copies of the
+//      union. Otherwise, the dense two-phase
 //      all-reduce (pending_all_reduce.h). Every rank decides alike, from the same counts.
 // Rows no rank sent are zero on every rank, and the dense result's are zero too.
 //

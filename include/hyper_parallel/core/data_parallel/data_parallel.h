@@ -23,7 +23,8 @@ namespace hyper_parallel::data_parallel {
 /// Averages `module`'s gradients over `mesh` (1-D: the dp dimension). Parallelize the module
 /// over its other dimensions first: the buckets are laid out from the parameters' shapes now.
 /// The weights of its Embedding modules (hyper_parallel::nn's and torch::nn's) that require grad
-/// join options.row_sparse_parameters: only the rows of the tokens a step saw travel.
+/// join options.row_sparse_parameters (unless options.row_sparse_embeddings is false): only the
+/// rows of the tokens a step saw travel.
 /// The reducer stays active while the returned pointer lives (dropping it turns data parallelism
 /// off: hence [[nodiscard]]).
 [[nodiscard]] std::shared_ptr<GradientReducer> data_parallel(torch::nn::Module& module,

@@ -78,8 +78,14 @@ struct GradientReducerOptions {
   /// only has the rows of the tokens a step saw. Each gets a bucket of its own, reduced by
   /// comm::start_row_sparse_all_reduce: where the busiest rank's nonzero rows are fewer bytes
   /// than a dense all-reduce moves, only they travel; the result is bitwise the dense one's.
-  /// data_parallel(module, ...) adds the weights of the module's Embedding modules.
+  /// data_parallel(module, ...) adds the weights of the module's Embedding modules (see
+  /// row_sparse_embeddings).
   TORCH_ARG(std::vector<at::Tensor>, row_sparse_parameters) = {};
+  /// data_parallel(module, ...) only: true adds the weights of the module's Embedding modules to
+  /// row_sparse_parameters. false leaves them dense: for an embedding whose gradient has every
+  /// row (a weight tied to the output projection), which the row-sparse op would only find out
+  /// after a round trip of counts.
+  TORCH_ARG(bool, row_sparse_embeddings) = true;
 };
 
 class GradientReducer {
