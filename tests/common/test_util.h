@@ -47,6 +47,21 @@ inline void expect_close(const at::Tensor& actual, const at::Tensor& expected, c
     }                                                                              \
   } while (0)
 
+/// While alive, libtorch runs as on a CPU without AVX-512: mkldnn off, so its bf16 matmuls take
+/// the fallback that rounds the running sum to bf16 (the library must still accumulate in float32).
+class OneDnnDisabled {
+ public:
+  OneDnnDisabled() : was_enabled_(at::globalContext().userEnabledMkldnn()) {
+    at::globalContext().setUserEnabledMkldnn(false);
+  }
+  ~OneDnnDisabled() { at::globalContext().setUserEnabledMkldnn(was_enabled_); }
+  OneDnnDisabled(const OneDnnDisabled&) = delete;
+  OneDnnDisabled& operator=(const OneDnnDisabled&) = delete;
+
+ private:
+  bool was_enabled_;
+};
+
 inline int64_t world_size() { return hyper_parallel::comm::world_size(); }
 inline int64_t rank() { return hyper_parallel::comm::global_rank(); }
 

@@ -23,7 +23,12 @@ worlds=(1 2 3 4 8)
 
 machine() {
   local model flags torch_version
-  model=$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//')
+  # The name alone does not tell CPU generations apart ("AMD EPYC"), and OpenBLAS picks its
+  # float32 kernels by family and model, or by OPENBLAS_CORETYPE where that is set.
+  model="$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//')"
+  model+=" (family $(grep -m1 '^cpu family' /proc/cpuinfo | cut -d: -f2 | tr -d ' ')"
+  model+=", model $(grep -m1 '^model[[:space:]]*:' /proc/cpuinfo | cut -d: -f2 | tr -d ' ')"
+  model+=", OPENBLAS_CORETYPE ${OPENBLAS_CORETYPE:-unset})"
   flags=$(grep -m1 '^flags' /proc/cpuinfo | tr ' ' '\n' | grep -E '^(avx2|avx512f|avx512_bf16|amx_bf16|amx_tile)$' | sort | tr '\n' ' ')
   torch_version=$(dpkg-query -W -f='${Version}' libtorch-dev 2>/dev/null || echo unknown)
   echo "# machine: $model | $flags| libtorch-dev $torch_version"

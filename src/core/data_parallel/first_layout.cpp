@@ -81,6 +81,9 @@ std::vector<bool> row_sparse_flags(const std::vector<at::Tensor>& params,
 // the rebuilt layout follows the caps).
 std::string lay_out_first(FirstLayout& out, const std::vector<at::Tensor>& params,
                           const GradientReducerOptions& options) {
+  TORCH_CHECK_VALUE(options.bucket_cap_bytes() > 0 && options.first_bucket_cap_bytes() > 0,
+                    "GradientReducer: expected bucket_cap_bytes > 0 and first_bucket_cap_bytes > 0, got ",
+                    options.bucket_cap_bytes(), " and ", options.first_bucket_cap_bytes());
   out.params = kept_parameters(params);
   out.caps = {options.bucket_cap_bytes(), options.first_bucket_cap_bytes(), options.grow_first_buckets(),
               options.shrink_last_buckets(), row_sparse_flags(out.params, options.row_sparse_parameters())};
@@ -107,6 +110,9 @@ FirstLayout agree_on_first_layout(const std::vector<at::Tensor>& params,
   } catch (const c10::Error& e) {
     failure = std::current_exception();
     mine = kFailedPrefix + std::string(e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    failure = std::current_exception();
+    mine = kFailedPrefix + std::string(e.what());
   }
   const auto all = comm::all_gather_strings(mine, group);
   if (failure) std::rethrow_exception(failure);

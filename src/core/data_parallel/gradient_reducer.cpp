@@ -374,9 +374,6 @@ GradientReducer::GradientReducer(const std::vector<at::Tensor>& params, comm::Gr
     : impl_(std::make_shared<Impl>()) {
   TORCH_CHECK_VALUE(group.is_member(),
                     "GradientReducer: expected a group this rank is a member of, got a non-member");
-  TORCH_CHECK_VALUE(options.bucket_cap_bytes() > 0 && options.first_bucket_cap_bytes() > 0,
-                    "GradientReducer: expected bucket_cap_bytes > 0 and first_bucket_cap_bytes > 0, got ",
-                    options.bucket_cap_bytes(), " and ", options.first_bucket_cap_bytes());
   auto& impl = *impl_;
   auto initial = detail::agree_on_first_layout(params, options, group);
   impl.params = std::move(initial.params);

@@ -1,5 +1,7 @@
 #include <hyper_parallel/core/nn/linear.h>
 
+#include <hyper_parallel/core/nn/matmul.h>
+
 #include <cmath>
 
 #include <ATen/ATen.h>
@@ -27,7 +29,7 @@ at::Tensor LinearImpl::forward(const at::Tensor& input) {
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == weight.size(1), "nn::Linear: expected input [..., ",
               weight.size(1), "], got ", x.sizes());
   const auto& kernel = forward_kernel();
-  auto y = kernel ? kernel->forward(x, weight, bias) : at::linear(x, weight, bias);
+  auto y = kernel ? kernel->forward(x, weight, bias) : nn::linear(x, weight, bias);
   return run_output_hooks(y);
 }
 

@@ -5,6 +5,8 @@
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
 
+#include <hyper_parallel/core/nn/matmul.h>
+
 namespace hyper_parallel::tensor_parallel {
 
 using dtensor::DeviceMesh;
@@ -91,7 +93,7 @@ at::Tensor replicate_for_column(const at::Tensor& local, const DeviceMesh& mesh,
 
 at::Tensor rowwise_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
                           const DeviceMesh& mesh, const Placement& output, bool use_local_output) {
-  auto partial = at::linear(x, weight);
+  auto partial = nn::linear(x, weight);
   auto y = DTensor::from_local(partial, mesh, {dtensor::Partial()}).redistribute({output}).to_local();
   if (bias.defined()) y = y + bias;
   if (use_local_output) return y;

@@ -610,26 +610,31 @@ TEST(DataParallel, RowSparseEmbeddingsFalseLeavesThemDense) {
     EXPECT_TRUE(at::equal(net.parameters()[i].grad(), reference.parameters()[i].grad()));
 }
 
-// A rank whose row_sparse_parameters are refused still joins the layout exchange, with its
-// error: its peers fail at once, naming that rank and its error, instead of waiting for it at
-// the exchange until the timeout.
+// A rank whose options are refused (its row_sparse_parameters, or a zero bucket cap) still joins
+// the layout exchange, with its error: its peers fail at once, naming that rank and its error,
+// instead of waiting for it at the exchange until the timeout.
 TEST(DataParallel, ARankThatRefusesItsOptionsFailsItsPeersAtOnce) {
   auto mesh = dp_mesh();
   Embedder net;
   auto stranger = at::zeros({4, 4}, at::TensorOptions().requires_grad(true));
-  auto options = dp::GradientReducerOptions();
-  if (mesh.get_local_rank(0) == 0) options.row_sparse_parameters({stranger});
-  const auto start = std::chrono::steady_clock::now();
-  if (mesh.get_local_rank(0) == 0) {
-    HP_EXPECT_THROW_MSG((void)dp::data_parallel(net.parameters(), mesh, options),
-                        "GradientReducer: expected row_sparse_parameters[0] to be one of the parameters");
-  } else {
-    HP_EXPECT_THROW_MSG((void)dp::data_parallel(net.parameters(), mesh, options),
-                        "to build its gradient buckets, got an error on rank 0: GradientReducer: expected "
-                        "row_sparse_parameters[0] to be one of the parameters it averages");
+  const std::vector<std::pair<dp::GradientReducerOptions, std::string>> refusals = {
+      {dp::GradientReducerOptions().row_sparse_parameters({stranger}),
+       "GradientReducer: expected row_sparse_parameters[0] to be one of the parameters it averages"},
+      {dp::GradientReducerOptions().bucket_cap_bytes(0),
+       "GradientReducer: expected bucket_cap_bytes > 0 and first_bucket_cap_bytes > 0, got 0 and"}};
+  for (const auto& [refused, message] : refusals) {
+    SCOPED_TRACE(message);
+    const bool refuses = mesh.get_local_rank(0) == 0;
+    const auto start = std::chrono::steady_clock::now();
+    if (refuses) {
+      HP_EXPECT_THROW_MSG((void)dp::data_parallel(net.parameters(), mesh, refused), message);
+    } else {
+      HP_EXPECT_THROW_MSG((void)dp::data_parallel(net.parameters(), mesh, dp::GradientReducerOptions()),
+                          "to build its gradient buckets, got an error on rank 0: " + message);
+    }
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30)) << "not at once";
   }
-  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30)) << "not at once";
-  // The group is still usable: every rank made the same exchange.
+  // The group is still usable: every rank made the same exchanges.
   auto reducer = dp::data_parallel(net, mesh);
   EXPECT_EQ(reducer->bucket_parameters().back(), std::vector<int64_t>{0});
 }

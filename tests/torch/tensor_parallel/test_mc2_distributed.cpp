@@ -147,11 +147,14 @@ class MC2Layers : public ::testing::Test {
     l->to(dtype);
     return l;
   }
+  void colwise_matches_reference();
+  void rowwise_matches_reference();
+  void mlp_chain_matches_unfused_path();
   std::optional<DeviceMesh> mesh;
   int64_t r = hp_test::rank();
 };
 
-TEST_F(MC2Layers, ColwiseForwardBackwardMatchesReference) {
+void MC2Layers::colwise_matches_reference() {
   // k = out = 512, seq 8, batch 2, batch-first [B, S, H] sharded on S.
   auto ref = linear(512, 512, at::kFloat, 3);
   auto m = linear(512, 512, at::kBFloat16, 3);
@@ -172,7 +175,7 @@ TEST_F(MC2Layers, ColwiseForwardBackwardMatchesReference) {
   expect_within_contract(m->bias.grad(), ref->bias.grad().narrow(0, r * 256, 256), "bias grad");
 }
 
-TEST_F(MC2Layers, RowwiseForwardBackwardMatchesReference) {
+void MC2Layers::rowwise_matches_reference() {
   auto ref = linear(512, 512, at::kFloat, 5);
   auto m = linear(512, 512, at::kBFloat16, 5);
   tp::parallelize_module(*m, *mesh, tp::MC2RowwiseParallel());
@@ -196,7 +199,7 @@ TEST_F(MC2Layers, RowwiseForwardBackwardMatchesReference) {
 
 // MC2 col -> SiLU -> MC2 row against ColwiseParallel(in Shard(1)) -> SiLU -> RowwiseParallel(out
 // Shard(1)) on the same shards: outputs and weight gradients.
-TEST_F(MC2Layers, MLPChainMatchesUnfusedSequenceParallelPath) {
+void MC2Layers::mlp_chain_matches_unfused_path() {
   for (auto dtype : {at::kBFloat16, at::kFloat}) {
     SCOPED_TRACE(c10::toString(dtype));
     const auto contract = dtype == at::kFloat ? tp::MC2Contract::relaxed() : tp::MC2Contract::strict();
@@ -224,6 +227,19 @@ TEST_F(MC2Layers, MLPChainMatchesUnfusedSequenceParallelPath) {
     expect_close(fc2->weight.grad(), uc2->weight.grad().to(at::kDouble), "fc2 weight grad");
     expect_close(fc2->bias.grad(), uc2->bias.grad().to(at::kDouble), "fc2 bias grad");
   }
+}
+
+TEST_F(MC2Layers, ColwiseForwardBackwardMatchesReference) { colwise_matches_reference(); }
+TEST_F(MC2Layers, RowwiseForwardBackwardMatchesReference) { rowwise_matches_reference(); }
+TEST_F(MC2Layers, MLPChainMatchesUnfusedSequenceParallelPath) { mlp_chain_matches_unfused_path(); }
+
+// The same on a CPU without AVX-512 (emulated: mkldnn off), where libtorch's own bf16 matmul
+// rounds its running sum to bf16: the fused and the plain layers still accumulate in float32.
+TEST_F(MC2Layers, MatchWhereLibtorchHasNoFloatAccumulatingBfloat16Matmul) {
+  hp_test::OneDnnDisabled cpu_without_avx512;
+  colwise_matches_reference();
+  rowwise_matches_reference();
+  mlp_chain_matches_unfused_path();
 }
 
 TEST_F(MC2Layers, Float16Colwise) {

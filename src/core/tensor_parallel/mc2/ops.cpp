@@ -7,6 +7,7 @@
 #include <hyper_parallel/core/comm/op.h>
 #include <hyper_parallel/core/comm/trace.h>
 #include <hyper_parallel/core/comm/schedule.h>
+#include <hyper_parallel/core/nn/matmul.h>
 
 namespace hyper_parallel::tensor_parallel {
 
@@ -14,10 +15,7 @@ namespace detail {
 
 at::Tensor local_matmul(const at::Tensor& a, const at::Tensor& b) {
   comm::trace::Span span("matmul");
-  if (a.scalar_type() == at::kHalf && a.is_cpu()) {
-    return at::mm(a.to(at::kFloat), b.to(at::kFloat)).to(at::kHalf);
-  }
-  return at::mm(a, b);
+  return nn::mm(a, b);
 }
 
 }  // namespace detail
@@ -29,11 +27,7 @@ using detail::local_matmul;
 
 void matmul_into(at::Tensor out, const at::Tensor& a, const at::Tensor& b) {
   comm::trace::Span span("matmul");
-  if (a.scalar_type() == at::kHalf && a.is_cpu()) {
-    out.copy_(at::mm(a.to(at::kFloat), b.to(at::kFloat)));
-  } else {
-    at::mm_out(out, a, b);
-  }
+  nn::mm_out(out, a, b);
 }
 
 void check_operands(const char* fn, const at::Tensor& a, const at::Tensor& b) {

@@ -73,8 +73,8 @@ at::Tensor mm_reduce_scatter(const at::Tensor& a, const at::Tensor& b, const com
                              const comm::InFlightFn& while_in_flight = {});
 
 namespace detail {
-/// a @ b on a's device. libtorch 1.13 has no CPU float16 matmul: there it computes in float32
-/// and rounds once.
+/// a @ b on a's device, traced as a matmul span; 16-bit CPU operands accumulate in float32
+/// (nn::mm).
 at::Tensor local_matmul(const at::Tensor& a, const at::Tensor& b);
 
 /// For benchmarks: the schedules of all_gather_matmul / matmul_reduce_scatter with no-op
