@@ -5,7 +5,7 @@
 // only where mkldnn is enabled, the CPU has AVX-512 (BW, VL and DQ) and the product has more than
 // 16·16·16 multiply-adds. Everywhere else at::mm, at::addmm and at::linear fall back to a loop
 // that rounds the running sum to bf16 after every addition: at k = 512 its error is about 10x
-// oneDNN's, and it runs about 14x slower than float32 OpenBLAS. There is no CPU float16 matmul at
+// oneDNN's, and it runs about 10x slower than float32 OpenBLAS. There is no CPU float16 matmul at
 // all. These functions take libtorch's own kernel where it accumulates in float32, and otherwise
 // compute in float32 and round once. Other dtypes and devices go to libtorch unchanged.
 //
