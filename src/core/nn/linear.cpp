@@ -1,11 +1,11 @@
 #include <hyper_parallel/core/nn/linear.h>
 
-#include <hyper_parallel/core/nn/matmul.h>
-
 #include <cmath>
 
 #include <ATen/ATen.h>
 #include <torch/nn/init.h>
+
+#include <hyper_parallel/core/nn/matmul.h>
 
 namespace hyper_parallel::nn {
 

@@ -61,7 +61,9 @@ at::Tensor mm(const at::Tensor& a, const at::Tensor& b) {
 }
 
 void mm_out(at::Tensor& out, const at::Tensor& a, const at::Tensor& b) {
-  if (take_native(a, b) || out.scalar_type() != a.scalar_type()) {
+  // An out of another dtype or shape gets libtorch's own handling (its error, or its resize).
+  if (take_native(a, b) || out.scalar_type() != a.scalar_type() ||
+      out.sizes() != at::IntArrayRef{a.size(0), b.size(1)}) {
     at::mm_out(out, a, b);
     return;
   }

@@ -44,6 +44,10 @@ TEST(FloatAccumulatedMatmul, WithoutOneDnnBfloat16IsTheFloatProductRoundedOnce) 
   auto out = at::empty({32, 48}, at::kBFloat16);
   nn::mm_out(out, a, b);
   EXPECT_TRUE(bits(out).equal(bits(y)));
+  // An out of another shape is libtorch's to resize, not a float32 result broadcast into it.
+  auto wrong = at::empty({1, 48}, at::kBFloat16);
+  nn::mm_out(wrong, a, b);
+  EXPECT_EQ(wrong.sizes(), (at::IntArrayRef{32, 48}));
 }
 
 TEST(FloatAccumulatedMatmul, SmallBfloat16ProductsAccumulateInFloatOnEveryCpu) {
