@@ -6,8 +6,10 @@
 // and it counts the payload bytes each rank sends per step, in the forward and in the backward.
 // The link's rate is measured in the same run (a send/recv stream), giving the step's bound
 // max(T_compute_only, T_wire) and each configuration's step ÷ bound, and the phase-wise bound
-// max(forward compute, forward wire) + max(backward compute, backward wire) + optimizer. It also
-// reports each configuration's peak RSS over its steps (VmHWM, reset before each step).
+// max(forward compute, forward wire) + max(backward compute, backward wire) + optimizer, and the
+// floor: the phase-wise bound with the compute each phase's transfers take from the shared cores
+// (measured beside the same stream) added to its compute. It also reports each configuration's
+// peak RSS over its steps (VmHWM, reset before each step).
 // With --dp N (TP = world / N) it compares data parallelism with blocking gradient reductions
 // against the overlapped buckets of data_parallel (with MC2 all when TP > 1); each replica runs
 // batch / N sequences.
@@ -16,6 +18,7 @@
 //   bash bench/run_bench.sh bench_llama_step 2gbit 2 -- --dp 2 --rates 500mbit 2gbit
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -164,10 +167,12 @@ double peak_rss_mb() {
 
 // The link's rate: this rank streams `bytes` to the next rank in 1 MiB messages while receiving
 // as much from the previous one; the slowest rank's bytes per second.
-// Also the transport's own CPU cost: the process's CPU seconds over the stream's runs (a warm-up
-// and 3 timed) per MB this rank sent (as many arrived), in ms/MB.
+// Also the transport's own CPU cost over the stream's runs (a warm-up and 3 timed), per MB this
+// rank sent (as many arrived), in ms/MB: the process's CPU; the machine's busy time per rank on
+// it (the kernel's softirq work on idle cores too); and the matmul time lost beside the stream
+// (what an overlapped step pays, the cores being shared with the matmuls).
 struct LinkRate {
-  double bytes_per_s = 0, cpu_ms_per_mb = 0;
+  double bytes_per_s = 0, cpu_ms_per_mb = 0, machine_ms_per_mb = 0, compute_lost_ms_per_mb = 0;
 };
 LinkRate link_rate(const hp::comm::Group& group, int64_t bytes) {
   // Rank 0's byte count: the ranks' own can differ (a row-sparse embedding sends each rank's
@@ -175,10 +180,20 @@ LinkRate link_rate(const hp::comm::Group& group, int64_t bytes) {
   bytes = hp::comm::broadcast(at::full({1}, bytes, at::kLong), 0, group).item<int64_t>();
   const int64_t elems = (int64_t{1} << 20) / 2;
   const bench::NeighbourStream stream(group, bytes / (2 * elems), elems);
-  const double cpu0 = bench::process_cpu_seconds();
+  const double cpu0 = bench::process_cpu_seconds(), machine0 = bench::machine_busy_seconds();
   const double seconds = bench::time_calls(group, 3, [&] { stream.run(); }).median;
   const double cpu = bench::process_cpu_seconds() - cpu0;
-  return {stream.bytes() / seconds, cpu * 1e3 / (4 * stream.bytes() / 1e6)};
+  const double machine =
+      (bench::machine_busy_seconds() - machine0) / static_cast<double>(bench::local_ranks());
+  const double mb = static_cast<double>(stream.bytes()) / 1e6;
+  LinkRate link{stream.bytes() / seconds, cpu * 1e3 / (4 * mb), machine0 < 0 ? -1 : machine * 1e3 / (4 * mb)};
+  // Streams of at least half a second, so that the matmuls counted beside them are many.
+  const int repeats = static_cast<int>(std::ceil(0.5 / seconds));
+  const auto streams = [&] {
+    for (int i = 0; i < repeats; ++i) stream.run();
+  };
+  link.compute_lost_ms_per_mb = bench::compute_lost_seconds(group, 3, streams) * 1e3 / (repeats * mb);
+  return link;
 }
 
 // One configuration's result at one rate: the slowest rank's step statistics, its compute-only
@@ -276,35 +291,43 @@ void report_exposed_waits(const Bench& b, const std::vector<Measured>& results) 
 
 // Speedups are against the first configuration (plain TP, or DP blocking). The bound is max(compute-only
 // step, bytes sent / measured link rate); the phase-wise bound adds max(compute, wire) of the forward and of
-// the backward, and the optimizer's compute.
+// the backward, and the optimizer's compute; the floor is the phase-wise bound with each phase's compute
+// lengthened by what its transfers cost the compute beside them (the link's compute lost per MB): what a
+// schedule that keeps each phase's transfers in that phase can at best expect on these cores.
 void report(const Bench& b, const std::vector<Measured>& results, const std::string& preset,
             const std::string& rate, const LinkRate& link, const Meshes& meshes) {
-  const double rate_bytes = link.bytes_per_s;
+  const double rate_bytes = link.bytes_per_s, lost_per_byte = link.compute_lost_ms_per_mb / 1e9;
   std::printf(
       "Llama 3 %s, DP %lld x TP %lld, bf16, SP + loss parallel, batch %lld x seq %lld, %d steps after %d "
       "warm-up, interleaved; link: %s%s (measured %.2f Gbit/s)\n",
       preset.c_str(), static_cast<long long>(meshes.replicas()), static_cast<long long>(meshes.tp.size(0)),
       static_cast<long long>(b.batch_size), static_cast<long long>(b.seq_len), b.steps, b.warmup,
       bench::link_name().c_str(), rate.empty() ? "" : (", rate " + rate).c_str(), rate_bytes * 8 / 1e9);
-  std::printf("%-17s %9s %17s %10s %9s %9s %9s %8s %8s %8s %8s %9s %9s\n", "config", "ms/step", "(min..max)",
-              "tokens/s", "compute", "exposed", "MB sent", "speedup", "÷bound", "phases", "÷phases",
-              "peak RSS", "CPU ms/MB");
+  std::printf("%-17s %9s %17s %10s %9s %9s %9s %8s %8s %8s %8s %8s %8s %9s %9s\n", "config", "ms/step",
+              "(min..max)", "tokens/s", "compute", "exposed", "MB sent", "speedup", "÷bound", "phases",
+              "÷phases", "floor", "÷floor", "peak RSS", "CPU ms/MB");
   const double t_plain = results[0].step.median;
   for (size_t c = 0; c < results.size(); ++c) {
     const auto& m = results[c];
     const double t = m.step.median, bound = std::max(m.compute, m.bytes / rate_bytes);
     const double phases = std::max(m.compute_forward, m.forward_bytes / rate_bytes) +
                           std::max(m.compute_backward, m.backward_bytes / rate_bytes) + m.compute_optimizer;
+    const double floor_bound =
+        std::max(m.compute_forward + m.forward_bytes * lost_per_byte, m.forward_bytes / rate_bytes) +
+        std::max(m.compute_backward + m.backward_bytes * lost_per_byte, m.backward_bytes / rate_bytes) +
+        m.compute_optimizer;
     std::printf(
-        "%-17s %9.1f %8.1f..%-8.1f %10.0f %9.1f %9.1f %9.2f %7.2fx %7.2fx %8.1f %7.2fx %6.0f MB %9.2f\n",
+        "%-17s %9.1f %8.1f..%-8.1f %10.0f %9.1f %9.1f %9.2f %7.2fx %7.2fx %8.1f %7.2fx %8.1f %7.2fx %6.0f MB "
+        "%9.2f\n",
         b.configs[c].name.c_str(), t * 1e3, m.step.min * 1e3, m.step.max * 1e3, b.batch_size * b.seq_len / t,
         m.compute * 1e3, (t - m.compute) * 1e3, m.bytes / 1e6, t_plain / t, t / bound, phases * 1e3,
-        t / phases, m.peak_rss_mb, m.transport_cpu_ms_per_mb);
+        t / phases, floor_bound * 1e3, t / floor_bound, m.peak_rss_mb, m.transport_cpu_ms_per_mb);
   }
   std::printf(
-      "CPU ms/MB: (step CPU - compute-only CPU) / MB sent, all threads; the link alone (a 1 MiB "
-      "send/recv stream) costs %.2f ms of CPU per MB sent\n",
-      link.cpu_ms_per_mb);
+      "CPU ms/MB: (step CPU - compute-only CPU) / MB sent, all threads. The link alone (a 1 MiB send/recv "
+      "stream), per MB sent: %.2f ms of this process's CPU, %.2f ms of the machine's per rank (softirq "
+      "included; -1: no /proc/stat), %.2f ms of matmul lost beside it (the floor's)\n",
+      link.cpu_ms_per_mb, link.machine_ms_per_mb, link.compute_lost_ms_per_mb);
   report_exposed_waits(b, results);
   std::fflush(stdout);
 }
