@@ -536,4 +536,28 @@ TEST(StyleRules, TheKindIsCheckedBeforeTheMesh) {
                       "parallelized by ColwiseParallel");
 }
 
+// The vocabulary-parallel loss and its logits' gradient on each rank's chunk against torch's
+// cross_entropy on the full logits: a vocabulary that does not divide over the ranks (at 4 ranks,
+// chunks of 2, 2, 2 and 1), targets on every chunk, a scaled upstream gradient, float32 and bf16.
+TEST(VocabParallelCrossEntropy, LossAndLogitsGradientMatchCrossEntropy) {
+  const int64_t p = hp_test::world_size(), r = hp_test::rank(), vocab = 7;
+  const auto mesh = tp_mesh();
+  for (const auto dtype : {at::kFloat, at::kBFloat16}) {
+    at::manual_seed(11);
+    const auto full = at::randn({2, 5, vocab}).to(dtype);
+    const auto targets = at::arange(10).remainder(vocab).view({2, 5});  // every id, so every chunk
+    auto ref_logits = full.to(at::kDouble).requires_grad_();
+    const auto ref_loss = at::cross_entropy_loss(ref_logits.flatten(0, 1), targets.flatten());
+    (ref_loss * 0.7).backward();
+    const int64_t start = shard_offset(vocab, p, r), size = shard_size(vocab, p, r);
+    auto local = full.narrow(-1, start, size).clone().requires_grad_();
+    const auto loss = tp::vocab_parallel_cross_entropy(local, targets, vocab, mesh);
+    (loss * 0.7).backward();
+    const std::string what = std::string("rank ") + std::to_string(r) + ", " + c10::toString(dtype);
+    expect_close(loss, ref_loss.to(loss.scalar_type()), what + ": loss");
+    ASSERT_EQ(local.grad().scalar_type(), dtype) << what;
+    expect_close(local.grad(), ref_logits.grad().narrow(-1, start, size), what + ": d logits");
+  }
+}
+
 }  // namespace
