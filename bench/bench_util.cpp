@@ -15,6 +15,7 @@
 #include <ATen/ATen.h>
 
 #include <hyper_parallel/core/comm/collectives.h>
+#include <hyper_parallel/core/nn/matmul.h>
 #include <hyper_parallel/core/comm/p2p.h>
 
 namespace bench {
@@ -56,7 +57,7 @@ class MatmulThread {
         thread_([this] {
           at::NoGradGuard no_grad;
           while (!stop_) {
-            at::mm(a_, b_);
+            hyper_parallel::nn::mm(a_, b_);  // the models' product: float-accumulated on every CPU
             ++done_;
           }
         }) {}

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
+#include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/container/modulelist.h>
@@ -558,6 +559,25 @@ TEST(VocabParallelCrossEntropy, LossAndLogitsGradientMatchCrossEntropy) {
     ASSERT_EQ(local.grad().scalar_type(), dtype) << what;
     expect_close(local.grad(), ref_logits.grad().narrow(-1, start, size), what + ": d logits");
   }
+}
+
+// A double backward: an upstream gradient that requires grad gets a logits gradient that is
+// differentiable in it (linear: d sum(g) / d v = sum(g) / v), equal to the single backward's.
+TEST(VocabParallelCrossEntropy, LogitsGradientIsDifferentiableInTheUpstreamGradient) {
+  const int64_t p = hp_test::world_size(), r = hp_test::rank(), vocab = 7;
+  at::manual_seed(12);
+  const auto full = at::randn({3, vocab});
+  const auto targets = at::arange(3).mul(3).remainder(vocab);
+  const int64_t start = shard_offset(vocab, p, r), size = shard_size(vocab, p, r);
+  auto local = full.narrow(-1, start, size).clone().requires_grad_();
+  const auto loss = tp::vocab_parallel_cross_entropy(local, targets, vocab, tp_mesh());
+  const auto v = at::full({}, 0.7).requires_grad_();
+  const auto g = torch::autograd::grad({loss}, {local}, {v}, /*retain_graph=*/true, /*create_graph=*/true)[0];
+  const auto d = torch::autograd::grad({g.sum()}, {v})[0];
+  expect_close(d, g.sum().detach() / 0.7, "d sum(d logits) / d upstream");
+  auto plain = full.narrow(-1, start, size).clone().requires_grad_();
+  (tp::vocab_parallel_cross_entropy(plain, targets, vocab, tp_mesh()) * 0.7).backward();
+  expect_close(g.detach(), plain.grad(), "double-backward path against the single one");
 }
 
 }  // namespace
