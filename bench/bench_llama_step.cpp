@@ -18,7 +18,6 @@
 //   bash bench/run_bench.sh bench_llama_step 2gbit 2 -- --dp 2 --rates 500mbit 2gbit
 #include <algorithm>
 #include <chrono>
-#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -36,6 +35,7 @@
 #include <hyper_parallel/hyper_parallel.h>
 
 #include "bench_util.h"
+#include "link_cost.h"
 #include "common/run_main.h"
 #include "llama3/model.h"
 #include "llama3/parallelize.h"
@@ -165,37 +165,6 @@ double peak_rss_mb() {
   return 0;
 }
 
-// The link's rate: this rank streams `bytes` to the next rank in 1 MiB messages while receiving
-// as much from the previous one; the slowest rank's bytes per second.
-// Also the transport's own CPU cost over the stream's runs (a warm-up and 3 timed), per MB this
-// rank sent (as many arrived), in ms/MB: the process's CPU; the machine's busy time per rank on
-// it (the kernel's softirq work on idle cores too); and the matmul time lost beside the stream
-// (what an overlapped step pays, the cores being shared with the matmuls).
-struct LinkRate {
-  double bytes_per_s = 0, cpu_ms_per_mb = 0, machine_ms_per_mb = 0, compute_lost_ms_per_mb = 0;
-};
-LinkRate link_rate(const hp::comm::Group& group, int64_t bytes) {
-  // Rank 0's byte count: the ranks' own can differ (a row-sparse embedding sends each rank's
-  // rows), and every rank must stream as many messages.
-  bytes = hp::comm::broadcast(at::full({1}, bytes, at::kLong), 0, group).item<int64_t>();
-  const int64_t elems = (int64_t{1} << 20) / 2;
-  const bench::NeighbourStream stream(group, bytes / (2 * elems), elems);
-  const double cpu0 = bench::process_cpu_seconds(), machine0 = bench::machine_busy_seconds();
-  const double seconds = bench::time_calls(group, 3, [&] { stream.run(); }).median;
-  const double cpu = bench::process_cpu_seconds() - cpu0;
-  const double machine =
-      (bench::machine_busy_seconds() - machine0) / static_cast<double>(bench::local_ranks());
-  const double mb = static_cast<double>(stream.bytes()) / 1e6;
-  LinkRate link{stream.bytes() / seconds, cpu * 1e3 / (4 * mb), machine0 < 0 ? -1 : machine * 1e3 / (4 * mb)};
-  // Streams of at least half a second, so that the matmuls counted beside them are many.
-  const int repeats = static_cast<int>(std::ceil(0.5 / seconds));
-  const auto streams = [&] {
-    for (int i = 0; i < repeats; ++i) stream.run();
-  };
-  link.compute_lost_ms_per_mb = bench::compute_lost_seconds(group, 3, streams) * 1e3 / (repeats * mb);
-  return link;
-}
-
 // One configuration's result at one rate: the slowest rank's step statistics, its compute-only
 // twin's median (whole step and by phase), the payload bytes a rank sends per step (forward,
 // backward) and the peak RSS over its steps.
@@ -295,7 +264,7 @@ void report_exposed_waits(const Bench& b, const std::vector<Measured>& results) 
 // lengthened by what its transfers cost the compute beside them (the link's compute lost per MB): what a
 // schedule that keeps each phase's transfers in that phase can at best expect on these cores.
 void report(const Bench& b, const std::vector<Measured>& results, const std::string& preset,
-            const std::string& rate, const LinkRate& link, const Meshes& meshes) {
+            const std::string& rate, const bench::LinkCost& link, const Meshes& meshes) {
   const double rate_bytes = link.bytes_per_s, lost_per_byte = link.compute_lost_ms_per_mb / 1e9;
   std::printf(
       "Llama 3 %s, DP %lld x TP %lld, bf16, SP + loss parallel, batch %lld x seq %lld, %d steps after %d "
@@ -442,7 +411,7 @@ int main(int argc, char** argv) {
     for (const auto& rate : rates) {
       if (!rate.empty()) bench::set_rate("bench_llama_step", rate_cmd, rate, group);
       const auto results = measure(b, meshes);
-      const auto link = link_rate(group, std::max<int64_t>(results[0].bytes, int64_t{8} << 20));
+      const auto link = bench::measure_link(group, std::max<int64_t>(results[0].bytes, int64_t{8} << 20));
       if (print) report(b, results, preset, rate, link, meshes);
       if (print && rate == rates.front()) report_buckets(b);
       // What the trainers add to every step to stop together on a preemption notice.

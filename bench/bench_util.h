@@ -20,23 +20,6 @@ void keep_freed_memory();
 /// User + system CPU seconds this process (all its threads) has used so far.
 double process_cpu_seconds();
 
-/// CPU seconds the whole machine has been busy so far (/proc/stat: user, nice, system, irq and
-/// softirq of every core), or -1 where /proc/stat cannot be read. Unlike process_cpu_seconds it
-/// counts the kernel's network work done in softirq context on an otherwise idle core, which no
-/// process is charged for.
-double machine_busy_seconds();
-
-/// The ranks on this machine (LOCAL_WORLD_SIZE, set by hp-run), at least 1.
-int64_t local_ranks();
-
-/// What one call of `transfers` costs the compute running beside it, in seconds: a thread runs
-/// bf16 matmuls while `transfers` runs on the calling thread, and the matmuls it completes are
-/// compared with those it completes alone over as long. The slowest rank's median of `iters`.
-/// This is the cost an overlapped step pays: the transport's CPU (the process's and the
-/// kernel's) taken from the cores, and the caches it evicts. Collective (`transfers` is).
-double compute_lost_seconds(const hyper_parallel::comm::Group& group, int iters,
-                            const std::function<void()>& transfers);
-
 /// Median and spread (min, max) in seconds; each is the slowest rank's.
 struct Stats {
   double median = 0, min = 0, max = 0;
