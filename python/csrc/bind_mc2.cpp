@@ -71,6 +71,14 @@ void bind_ops_and_layout(py::module& m) {
 
 // The fused Linear's passes, each one call: MC2Linear's autograd nodes run the same functions.
 void bind_fused_linear(py::module& m) {
+  // The layout contract for the autograd Functions' gradients (autograd/gradient_layout.h).
+  m.def(
+      "gradient_in_layout",
+      [](const std::optional<at::Tensor>& grad, std::vector<int64_t> sizes, std::vector<int64_t> strides) {
+        return hyper_parallel::autograd::in_layout(
+            or_undefined(grad), hyper_parallel::autograd::GradientLayout::of(sizes, strides));
+      },
+      py::arg("grad"), py::arg("sizes"), py::arg("strides"));
   m.def(
       "mc2_column_forward",
       [](const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, py::handle g,

@@ -6,6 +6,8 @@
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
+#include <hyper_parallel/core/autograd/gradient_layout.h>
+
 namespace hyper_parallel::detail {
 namespace {
 
@@ -16,11 +18,12 @@ class FunctionalBackward final : public torch::autograd::Node {
     at::TensorOptions options;
   };
   FunctionalBackward(uint64_t sequence_nr, BackwardFn fn, std::string name, std::vector<OutputMeta> outputs,
-                     bool materialize)
+                     std::vector<autograd::GradientLayout> input_layouts, bool materialize)
       : Node(sequence_nr),
         fn_(std::move(fn)),
         name_(std::move(name)),
         outputs_(std::move(outputs)),
+        input_layouts_(std::move(input_layouts)),
         materialize_(materialize) {}
 
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
@@ -30,7 +33,12 @@ class FunctionalBackward final : public torch::autograd::Node {
     for (size_t i = 0; materialize_ && i < grads.size(); ++i) {
       if (!grads[i].defined()) grads[i] = at::zeros(outputs_[i].sizes, outputs_[i].options);
     }
-    return fn_(std::move(grads));
+    auto input_grads = fn_(std::move(grads));
+    // The layout contract (autograd/gradient_layout.h): each gradient in its input's layout.
+    for (size_t i = 0; i < input_grads.size() && i < input_layouts_.size(); ++i) {
+      input_grads[i] = autograd::in_layout(input_grads[i], input_layouts_[i]);
+    }
+    return input_grads;
   }
   std::string name() const override { return name_; }
   void release_variables() override { fn_ = nullptr; }
@@ -40,6 +48,7 @@ class FunctionalBackward final : public torch::autograd::Node {
   BackwardFn fn_;
   std::string name_;
   std::vector<OutputMeta> outputs_;  // to make zeros for outputs that got no gradient
+  std::vector<autograd::GradientLayout> input_layouts_;
   bool materialize_;
 };
 
@@ -54,9 +63,13 @@ std::vector<at::Tensor> attach_backward(const std::vector<at::Tensor>& inputs,
   if (!any || !torch::autograd::GradMode::is_enabled()) return outputs;
   std::vector<FunctionalBackward::OutputMeta> metas;
   for (auto& out : outputs) metas.push_back({out.sizes().vec(), out.options()});
+  std::vector<autograd::GradientLayout> layouts;
+  for (const auto& t : inputs)
+    layouts.push_back(t.defined() ? autograd::GradientLayout::of(t) : autograd::GradientLayout{});
   std::shared_ptr<FunctionalBackward> node(
       new FunctionalBackward(sequence_nr ? *sequence_nr : at::sequence_number::get_and_increment(),
-                             std::move(backward), std::move(name), std::move(metas), materialize_grads),
+                             std::move(backward), std::move(name), std::move(metas), std::move(layouts),
+                             materialize_grads),
       torch::autograd::deleteNode);
   node->set_next_edges(torch::autograd::collect_next_edges(inputs));
   for (auto& out : outputs) {

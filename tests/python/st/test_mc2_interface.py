@@ -182,3 +182,26 @@ def test_sub_mesh_groups_on_a_2x2_mesh():
     x = torch.ones(2, 8, dtype=torch.bfloat16)
     y = AllGatherMatmulFunction.apply(x, torch.ones(4, 8, dtype=torch.bfloat16), tp, 2, None)
     assert y.shape == (4, 4) and torch.equal(y, torch.full((4, 4), 8.0, dtype=torch.bfloat16))
+
+
+@multirank
+@pytest.mark.parametrize("transposed", [False, True], ids=["contiguous", "transposed"])
+def test_functions_hand_back_gradients_in_their_inputs_layout(new_group, transposed):
+    """Each gradient in the memory layout of its input (docs/known-torch-bugs.md): a transposed
+    x gets a transposed gradient, as torch's own mm backward gives it, a contiguous one a
+    contiguous gradient. Read where autograd hands it on, before any accumulation."""
+    ws, k, n = dist.get_world_size(), 256, 256
+    torch.manual_seed(60)
+    for function, rows in ((AllGatherMatmulFunction, 4), (MatmulReduceScatterFunction, 4 * ws)):
+        leaf = torch.randn(k, rows).bfloat16().requires_grad_(True) if transposed else \
+            torch.randn(rows, k).bfloat16().requires_grad_(True)
+        x = leaf.t() if transposed else leaf * 1
+        w = torch.randn(n, k).bfloat16().requires_grad_(True)
+        seen = {}
+        x.register_hook(lambda g: seen.update(x=g))
+        w.register_hook(lambda g: seen.update(w=g))
+        y = function.apply(x, w, new_group, ws, None)
+        y.backward(torch.randn_like(y))
+        assert seen["x"].shape == x.shape and seen["x"].stride() == x.stride(), function.__name__
+        assert seen["w"].stride() == w.stride(), function.__name__
+

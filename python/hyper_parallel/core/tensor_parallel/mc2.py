@@ -67,6 +67,7 @@ class AllGatherMatmulFunction(torch.autograd.Function):
         out, gathered = _C.mc2_column_forward(x, w, bias, group, world_size)
         ctx.save_for_backward(gathered, w)
         ctx.group = group
+        ctx.x_layout = (x.shape, x.stride())
         return out
 
     @staticmethod
@@ -75,7 +76,9 @@ class AllGatherMatmulFunction(torch.autograd.Function):
         need_x, need_w, _, _, need_b = ctx.needs_input_grad
         grad_x, grad_w, grad_b = _C.mc2_column_backward(grad_out, None, gathered, w, ctx.group, MC2Options(),
                                                         need_x, need_w, need_b)
-        return grad_x, grad_w, None, None, grad_b
+        # Each gradient in its input's memory layout (docs/known-torch-bugs.md).
+        return (_C.gradient_in_layout(grad_x, *ctx.x_layout), _C.gradient_in_layout(grad_w, w.shape, w.stride()),
+                None, None, grad_b)
 
 
 class MatmulReduceScatterFunction(torch.autograd.Function):
@@ -94,7 +97,8 @@ class MatmulReduceScatterFunction(torch.autograd.Function):
         x, w = ctx.saved_tensors
         need_x, need_w, _, _, need_b = ctx.needs_input_grad
         grad_x, grad_w, grad_b = _C.mc2_row_backward(grad_out, x, w, ctx.group, MC2Options(), need_x, need_w, need_b)
-        return grad_x, grad_w, None, None, grad_b
+        return (_C.gradient_in_layout(grad_x, x.shape, x.stride()), _C.gradient_in_layout(grad_w, w.shape, w.stride()),
+                None, None, grad_b)
 
 
 class MC2Linear(nn.Linear):

@@ -9,12 +9,14 @@
 
 #include "../../autograd/attach_backward.h"
 #include "../../autograd/gather_window.h"
+#include "../../autograd/saved_tensor.h"
 #include "deferred_weight_grad.h"
 
 namespace hyper_parallel::tensor_parallel {
 namespace {
 
 using detail::local_matmul;
+using hyper_parallel::detail::SavedTensor;
 
 at::Tensor sum_rows(const at::Tensor& t) {
   return t.sum(0, /*keepdim=*/false, comm::accumulate_type(t.scalar_type())).to(t.scalar_type());
@@ -142,15 +144,17 @@ std::pair<at::Tensor, at::Tensor> mc2_column_linear_gathered(const at::Tensor& x
     at::NoGradGuard no_grad;
     std::tie(y, gathered) = mc2_column_forward(x, w, bias, group, options);
   }
-  // The closure keeps the plain gather (no autograd history), not the output: no cycle.
+  // The closure keeps the plain gather (no autograd history), not the output: no cycle. The
+  // gather and the weight are read at their forward versions (an in-place change is an error).
+  const char* name = "MC2ColumnLinearBackward";
   auto outs = hyper_parallel::detail::attach_backward(
       {x, w, bias}, {y, gathered},
-      [gathered, w = w.detach(), group, options,
+      [g = SavedTensor(gathered, name, "gathered input"), w = SavedTensor(w, name, "weight"), group, options,
        needs = needs_of(x, w, bias)](std::vector<at::Tensor> grads) -> std::vector<at::Tensor> {
-        auto g = mc2_column_backward(grads[0], grads[1], gathered, w, group, options, needs);
-        return {g.input, g.weight, g.bias};
+        auto r = mc2_column_backward(grads[0], grads[1], g.get(), w.get(), group, options, needs);
+        return {r.input, r.weight, r.bias};
       },
-      "MC2ColumnLinearBackward", /*materialize_grads=*/false);
+      name, /*materialize_grads=*/false);
   return {outs[0], outs[1]};
 }
 
@@ -172,11 +176,12 @@ at::Tensor mc2_shared_column_linear(const at::Tensor& gathered, const at::Tensor
   // gather host recorded last before this layer (the next gather of the backward).
   return attach_linear_backward(
       gathered, w, bias, y, deferral_host(hyper_parallel::detail::gather_host(), options, needs),
-      [g = gathered.detach(), w = w.detach(), needs](const at::Tensor& dy_in) {
+      [g = SavedTensor(gathered, "MC2SharedColumnLinearBackward", "gathered input"),
+       w = SavedTensor(w, "MC2SharedColumnLinearBackward", "weight"), needs](const at::Tensor& dy_in) {
         auto dy = dy_in.contiguous();
-        auto dx = needs.input ? local_matmul(dy, w) : at::Tensor();
-        return std::make_pair(
-            dx, detail::DeferredWeightGrad::Job([dy, g, needs] { return weight_grads_of(dy, g, needs); }));
+        auto dx = needs.input ? local_matmul(dy, w.get()) : at::Tensor();
+        return std::make_pair(dx, detail::DeferredWeightGrad::Job(
+                                      [dy, g, needs] { return weight_grads_of(dy, g.get(), needs); }));
       },
       "MC2SharedColumnLinearBackward");
 }
@@ -192,11 +197,12 @@ at::Tensor mc2_row_linear(const at::Tensor& x, const at::Tensor& w, const at::Te
   // dW = dY_fullᵀ X needs the whole gather: with a host, it runs in the next backward gather's window.
   y = attach_linear_backward(
       x, w, bias, y, deferral_host(hyper_parallel::detail::gather_host(), options, needs),
-      [x = x.detach(), w = w.detach(), group, options, needs](const at::Tensor& dy) {
-        auto [dx, dy_full] = row_gather(dy, w, group, options);
+      [x = SavedTensor(x, "MC2RowLinearBackward", "input"),
+       w = SavedTensor(w, "MC2RowLinearBackward", "weight"), group, options, needs](const at::Tensor& dy) {
+        auto [dx, dy_full] = row_gather(dy, w.get(), group, options);
         return std::make_pair(needs.input ? dx : at::Tensor(),
                               detail::DeferredWeightGrad::Job([dy_full = dy_full, x, needs] {
-                                return weight_grads_of(dy_full, x, needs);
+                                return weight_grads_of(dy_full, x.get(), needs);
                               }));
       },
       "MC2RowLinearBackward");
