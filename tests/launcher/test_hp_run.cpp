@@ -165,7 +165,9 @@ TEST(HpRun, TimeoutKillsAllRanks) {
   const Result r = run_hp_run(sh_job(2, leaves_marker_if_alive(marker), {"--timeout", "1"}));
   EXPECT_EQ(r.exit_code, 124) << describe(r);
   EXPECT_NE(r.err.find("hp-run: timeout after 1 s; killing all ranks"), std::string::npos) << describe(r);
-  EXPECT_LT(r.seconds, 8.0);
+  // The ranks went at SIGTERM, not at the grace period's SIGKILL; the bound is a hang deadline.
+  EXPECT_EQ(r.err.find("after SIGTERM; sending SIGKILL"), std::string::npos) << describe(r);
+  EXPECT_LT(r.seconds, 30.0);
   std::this_thread::sleep_for(4s);
   EXPECT_FALSE(any_marker(marker)) << "a rank outlived the timeout";
 }

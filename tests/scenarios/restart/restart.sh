@@ -4,11 +4,14 @@
 # trains the same 12 fp32 steps (debug preset, --checkpoint-every 2) and must end with the last loss
 # and the final checkpoint of an uninterrupted run, bit for bit:
 #   kill_at_step   HP_FAULT_KILL_AT_STEP at a seeded rank and step, TP 2 (KILL_SEEDS seeds)
-#   kill_outside   kill -9 of a seeded rank at a seeded step from outside, TP 4
-#   sigstop        SIGSTOP on a rank after step 2; the others time out (HP_TIMEOUT_S=5)
+#   kill_outside   kill -9 from outside of a seeded rank, parked at a seeded step, TP 4
+#   sigstop        a rank stops (SIGSTOP) at step 2; the others time out (HP_TIMEOUT_S=15)
 #   save_fault     HP_CHECKPOINT_FAULT at each point, on the first attempt
 #   async_write    --async-checkpoint; a rank dies halfway through a background write
-#   preempt        SIGTERM to hp-run: checkpoint, exit 75; a relaunch without flags continues
+#   preempt        SIGTERM to hp-run while rank 0 is parked at step 3: checkpoint, exit 75; a
+#                  relaunch without flags continues
+# A rank is parked at a known step by HP_FAULT_STOP_AT_STEP (it stops itself there), so what
+# the script does from outside happens at that step whatever the machine's load.
 #   two_nodes      two `hp-run --nnodes 2` on this host; a rank of node 1 dies
 #   python         train.py --async-checkpoint killed at a step and restarted
 #   restart.sh HP_RUN LLAMA3_TRAIN PYTHONPATH [KILL_SEEDS=3] [CASES...]
@@ -61,6 +64,18 @@ wait_for_line() {
   done
 }
 
+# parked_rank PID: prints the pid of the rank process of job PID that stopped itself
+# (HP_FAULT_STOP_AT_STEP), once it has; fails if the job ends first.
+parked_rank() {
+  while kill -0 "$1" 2>/dev/null; do
+    for pid in $(pgrep -P "$1"); do
+      [[ $(cut -d' ' -f3 "/proc/$pid/stat" 2>/dev/null) == T ]] && { echo "$pid"; return 0; }
+    done
+    sleep 0.05
+  done
+  return 1
+}
+
 case_kill_at_step() {
   for ((seed = 1; seed <= kill_seeds; ++seed)); do
     RANDOM=$seed
@@ -76,37 +91,28 @@ case_kill_at_step() {
 
 case_kill_outside() {
   RANDOM=${KILL_OUTSIDE_SEED:-7}
-  local index=$((RANDOM % 4)) step=$((RANDOM % 10 + 1)) dir=$work/outside
-  "$hp_run" --nproc-per-node 4 "${restart_args[@]}" -- "$train" "${train_args[@]}" --checkpoint-dir "$dir" \
-    >"$out" 2>&1 &
+  local rank=$((RANDOM % 4)) step=$((RANDOM % 10 + 1)) dir=$work/outside
+  HP_FAULT_STOP_AT_STEP=$rank:$step "$hp_run" --nproc-per-node 4 "${restart_args[@]}" -- "$train" "${train_args[@]}" \
+    --checkpoint-dir "$dir" >"$out" 2>&1 &
   local job=$!
-  wait_for_line "step *$step |" $job || fail "kill_outside: the job ended before step $step"
   local victim
-  victim=$(pgrep -P $job | sed -n "$((index + 1))p")
+  victim=$(parked_rank $job) || fail "kill_outside: the job ended before rank $rank stopped at step $step"
   kill -9 "$victim"
   wait $job || fail "kill_outside: the job failed"
   [[ $(restarts "$out") == 1 ]] || fail "kill_outside: expected one restart"
   expect_like_reference "kill_outside" "$dir" "$work/ref4"
-  echo "kill_outside: seed ${KILL_OUTSIDE_SEED:-7}: kill -9 of rank process $index after step $step at TP 4;" \
+  echo "kill_outside: seed ${KILL_OUTSIDE_SEED:-7}: kill -9 of rank $rank, parked at step $step, at TP 4;" \
     "one restart; bitwise equal"
 }
 
 case_sigstop() {
   local dir=$work/sigstop
-  HP_TIMEOUT_S=5 "$hp_run" --nproc-per-node 2 "${restart_args[@]}" --grace 1 -- "$train" "${train_args[@]}" \
-    --checkpoint-dir "$dir" >"$out" 2>&1 &
-  local job=$!
-  # Step 2, not later: the job's 12 debug steps take about a second, and a rank looked up after
-  # step 5 was once already gone ("kill: '': not a pid").
-  wait_for_line "step *2 |" $job || fail "sigstop: the job ended before step 2"
-  local victim
-  victim=$(pgrep -P $job | sed -n 2p)
-  [[ -n $victim ]] || fail "sigstop: expected 2 ranks under hp-run after step 2, got $(pgrep -P $job | wc -l)"
-  kill -STOP "$victim"
-  wait $job || fail "sigstop: the job failed"
+  HP_FAULT_STOP_AT_STEP=1:2 HP_TIMEOUT_S=15 "$hp_run" --nproc-per-node 2 "${restart_args[@]}" --grace 1 -- "$train" \
+    "${train_args[@]}" --checkpoint-dir "$dir" >"$out" 2>&1 || fail "sigstop: the job failed"
+  grep -q "HP_FAULT_STOP_AT_STEP=1:2: rank 1 stops itself at step 2" "$out" || fail "sigstop: rank 1 did not stop"
   [[ $(restarts "$out") == 1 ]] || fail "sigstop: expected one restart"
   expect_like_reference "sigstop" "$dir" "$work/ref2"
-  echo "sigstop: a stopped rank after step 2; the others timed out; one restart; bitwise equal"
+  echo "sigstop: rank 1 stopped at step 2; the other timed out; one restart; bitwise equal"
 }
 
 case_save_fault() {
@@ -139,11 +145,15 @@ case_async_write() {
 
 case_preempt() {
   local dir=$work/preempt
-  "$hp_run" --nproc-per-node 2 "${restart_args[@]}" -- "$train" "${train_args[@]}" --checkpoint-dir "$dir" \
-    >"$out" 2>&1 &
+  HP_FAULT_STOP_AT_STEP=0:3 "$hp_run" --nproc-per-node 2 "${restart_args[@]}" -- "$train" "${train_args[@]}" \
+    --checkpoint-dir "$dir" >"$out" 2>&1 &
   local job=$!
-  wait_for_line "step *3 |" $job || fail "preempt: the job ended before step 3"
+  local parked
+  parked=$(parked_rank $job) || fail "preempt: the job ended before rank 0 stopped at step 3"
   kill -TERM $job
+  # Rank 0 resumes once hp-run has sent every rank its stop request (rank 0's waits, pending).
+  wait_for_line "asking every rank to checkpoint and stop" $job || fail "preempt: hp-run did not ask the ranks to stop"
+  kill -CONT "$parked"
   wait $job
   local code=$?
   [[ $code == 75 ]] || fail "preempt: expected exit status 75, got $code"
@@ -154,7 +164,8 @@ case_preempt() {
     fail "preempt: the relaunch failed"
   grep -q "resumed from step $step " "$out" || fail "preempt: expected the relaunch to resume from step $step"
   expect_like_reference "preempt" "$dir" "$work/ref2"
-  echo "preempt: SIGTERM after step 3; checkpoint at step $step, exit 75; the relaunch continued; bitwise equal"
+  echo "preempt: SIGTERM with rank 0 parked at step 3; checkpoint at step $step, exit 75; the relaunch continued;" \
+    "bitwise equal"
 }
 
 free_port_pair() {

@@ -7,7 +7,7 @@ hp_run=$1 program=$2
 out=$(mktemp)
 trap 'rm -f "$out"' EXIT
 fail() { echo "FAIL: $*"; echo "--- output ---"; cat "$out"; exit 1; }
-run() { HP_TIMEOUT_S=3 "$hp_run" --nproc-per-node 4 --grace 3 --timeout 120 -- "$program" "$@" >"$out" 2>&1; }
+run() { HP_TIMEOUT_S=15 "$hp_run" --nproc-per-node 4 --grace 3 --timeout 120 -- "$program" "$@" >"$out" 2>&1; }
 
 # (a) SIGSTOP: rank 2 cannot report or exit; the others name it.
 run stop

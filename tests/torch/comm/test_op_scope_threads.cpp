@@ -3,7 +3,7 @@
 // threads on two groups run side by side, as the asynchronous checkpoint writer does.
 #include <gtest/gtest.h>
 
-#include <chrono>
+#include <atomic>
 #include <numeric>
 #include <thread>
 
@@ -17,15 +17,43 @@ using hp::comm::ReduceOp;
 
 namespace {
 
+// Whether the flight recorder shows an all_reduce on "world" that has not completed.
+bool all_reduce_in_flight() {
+  const std::string dump = hp::comm::flight_recorder_dump();
+  for (size_t begin = 0, end; begin < dump.size(); begin = end + 1) {
+    end = dump.find('\n', begin);
+    if (end == std::string::npos) end = dump.size();
+    const auto line = dump.substr(begin, end - begin);
+    if (line.find(" all_reduce seq ") != std::string::npos && line.find(" on world:") != std::string::npos &&
+        line.find("— done") == std::string::npos && line.find("— failed") == std::string::npos) {
+      return true;
+    }
+  }
+  return false;
+}
+
+// Rank 0's first op waits for its peers, which join only after rank 0's second thread has tried
+// its op and failed (they wait in a barrier on another group meanwhile): no clock decides the
+// order.
 TEST(OpScopeThreads, SecondThreadOnTheSameGroupFails) {
   const auto world = hp::comm::world();
   if (world.size() < 2) GTEST_SKIP() << "needs a peer that keeps the first op waiting";
+  std::vector<int64_t> ranks(static_cast<size_t>(world.size()));
+  std::iota(ranks.begin(), ranks.end(), 0);
+  const auto release = hp::comm::new_group(ranks);
   const auto one = at::ones({4});
   if (world.rank() == 0) {
-    // The first op waits for rank 1, which joins late; meanwhile this thread tries another.
     at::Tensor first;
-    std::thread issuer([&] { first = hp::comm::all_reduce(one, ReduceOp::kSum, world); });
-    std::this_thread::sleep_for(std::chrono::milliseconds(150));
+    std::atomic<bool> issuer_done{false};
+    std::thread issuer([&] {
+      try {
+        first = hp::comm::all_reduce(one, ReduceOp::kSum, world);
+      } catch (const std::exception& e) {
+        ADD_FAILURE() << "the first op failed: " << e.what();
+      }
+      issuer_done = true;
+    });
+    while (!all_reduce_in_flight() && !issuer_done) std::this_thread::yield();
     try {
       hp::comm::all_reduce(one, ReduceOp::kSum, world);
       ADD_FAILURE() << "expected the second thread's op to fail";
@@ -35,10 +63,11 @@ TEST(OpScopeThreads, SecondThreadOnTheSameGroupFails) {
           << message;
       EXPECT_NE(message.find("all_reduce"), std::string::npos) << message;
     }
+    hp::comm::barrier(release);
     issuer.join();
     EXPECT_TRUE(at::equal(first, at::full({4}, static_cast<double>(world.size()))));
   } else {
-    if (world.rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(600));
+    hp::comm::barrier(release);
     hp::comm::all_reduce(one, ReduceOp::kSum, world);
   }
   // The group still works, from any thread, one at a time.

@@ -351,12 +351,14 @@ TEST(DataParallel, RebuildsTheBucketsInRankZerosBackwardOrder) {
   }
 }
 
-// The identity, whose backward takes 100 ms: compute the gradients after it wait for.
+// The identity, whose backward takes 1 s: compute the gradients after it wait for. The layout
+// below holds while the rest of the backward (microseconds of compute) stays under a quarter of
+// it: a 250 ms stall of the process under load still leaves it as it is.
 struct SlowInBackward : torch::autograd::Function<SlowInBackward> {
   static at::Tensor forward(torch::autograd::AutogradContext*, const at::Tensor& x) { return x.clone(); }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext*,
                                                  torch::autograd::variable_list grads) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    std::this_thread::sleep_for(std::chrono::seconds(1));
     return grads;
   }
 };

@@ -25,9 +25,14 @@ bool preemption_requested();
 /// (counted in CommRegion "preemption"), so every rank gets the same answer.
 bool agree_on_preemption(const Group& group);
 
-/// A fault point for tests: HP_FAULT_KILL_AT_STEP="<rank>:<step>" makes global rank <rank>
-/// SIGKILL itself when step <step> begins, on the first attempt only (restart_count() == 0), so
-/// that a restarted job runs through. A malformed value is a c10::Error naming it.
+/// The fault points of a step, for tests, on the first attempt only (restart_count() == 0), so
+/// that a restarted job runs through:
+/// - HP_FAULT_KILL_AT_STEP="<rank>:<step>" makes global rank <rank> SIGKILL itself when step
+///   <step> begins;
+/// - HP_FAULT_STOP_AT_STEP="<rank>:<step>" makes it SIGSTOP itself there (it waits, stopped,
+///   until a SIGCONT or a SIGKILL): a hung rank, or one parked for a test to act on from outside
+///   at a known step, whatever the machine's load.
+/// A malformed value is a c10::Error naming it.
 void maybe_kill_at_step(int64_t step);
 
 namespace detail {
