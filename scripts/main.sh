@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install_deps.sh
-bash scripts/build.sh
+bash scripts/build.sh hp-run llama3_train
 build_dir=${BUILD_DIR:-build}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 exec "$build_dir/tools/hp-run/hp-run" --nproc-per-node 2 --timeout 600 -- \

@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install_deps.sh
-HP_CMAKE_ARGS="-DHP_WERROR=ON ${HP_CMAKE_ARGS:-}" bash scripts/build.sh
+bash scripts/build.sh
 build_dir=${BUILD_DIR:-build}
 cd "$build_dir"
 ctest --output-on-failure --parallel 2 --timeout 900
