@@ -83,6 +83,18 @@ void bind_device_mesh(py::module& m) {
            })
       .def("__hash__", [](const dtensor::DeviceMesh& mesh) { return std::hash<std::string>()(mesh.str()); })
       .def("__repr__", &str_of<dtensor::DeviceMesh>);
+  // A mesh of another library (torch's, the original's) that offers get_group() and size(): the
+  // 1-d mesh over its group.
+  m.def(
+      "mesh_of_group",
+      [](const py::handle& group, int64_t size) {
+        const auto g = group_arg(group);
+        TORCH_CHECK_VALUE(g.is_member() && g.size() == size, "DeviceMesh: expected a mesh whose size() (",
+                          size, ") equals its get_group()'s size, got a group of ",
+                          g.is_member() ? g.size() : 0, " ranks");
+        return dtensor::DeviceMesh::from_group(g);
+      },
+      py::arg("group"), py::arg("size"));
   // make_group(ranks) makes one line's group (a torch.distributed ProcessGroup, or None for a
   // line this rank is not in); every rank calls it for every line, in the same order.
   m.def(

@@ -124,6 +124,7 @@ void bind_linear(py::module& m) {
           },
           py::arg("mode"), py::arg("group"), py::arg("world_size"), py::arg("sequence_dim"),
           py::arg("contract"), py::arg("options"))
+      .def("set_label", &tp::MC2Linear::set_label, py::arg("label"))
       .def("forward",
            [](const tp::MC2Linear& l, const at::Tensor& x, const at::Tensor& w,
               const std::optional<at::Tensor>& bias) { return l.forward(x, w, or_undefined(bias)); })

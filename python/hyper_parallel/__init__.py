@@ -14,13 +14,11 @@ Usage (under ``hp-run --nproc-per-node 2 -- /usr/bin/python3 train.py``)::
     parallelize_module(mlp, mesh, {"fc1": MC2ColwiseParallel(), "fc2": MC2RowwiseParallel()})
 """
 
+from hyper_parallel.core import tensor_parallel as _tensor_parallel
 from hyper_parallel.core.data_parallel import data_parallel, no_sync
 from hyper_parallel.core.dtensor import DeviceMesh, init_device_mesh
 from hyper_parallel.core.tensor_parallel import (
     ColwiseParallel,
-    MC2ColwiseParallel,
-    MC2Linear,
-    MC2RowwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
     PrepareModuleOutput,
@@ -33,6 +31,21 @@ from hyper_parallel.core.tensor_parallel import (
     parallelize_module,
 )
 from hyper_parallel import checkpoint  # noqa: E402  (hyper_parallel.checkpoint.save / load)
+
+# The MC2 names load their modules on first use, as in the original (the tensor_parallel
+# package resolves them).
+_LAZY_EXPORTS = _tensor_parallel._LAZY_EXPORTS
+
+
+def __getattr__(name):
+    if name in _LAZY_EXPORTS:
+        return getattr(_tensor_parallel, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + list(_LAZY_EXPORTS))
+
 
 __all__ = [
     "ColwiseParallel",

@@ -87,11 +87,13 @@ def finish() -> Optional[dict]:
 
 
 def load(dir: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *,
-         strict: bool = True) -> None:
+         strict: bool = True, strict_dtype: bool = False) -> None:
     """Loads ``dir`` (a step directory, or a root whose ``latest`` names one) into the model and
-    optimizer, resharding to this run's layouts. Nothing changes unless everything checks out
-    (keys, dtypes, shapes, crc32s); errors name the file and the key."""
-    _C.checkpoint_load(dir, _state(model, optimizer), strict)
+    optimizer, resharding to this run's layouts. A floating tensor saved in another floating
+    dtype is cast to this run's (with one warning; ``strict_dtype=True`` refuses it instead), as
+    PyTorch DCP does. Nothing changes unless everything checks out (keys, dtypes, shapes,
+    crc32s); errors name the file and the key."""
+    _C.checkpoint_load(dir, _state(model, optimizer), strict, strict_dtype)
 
 
 def latest_step(dir: str) -> Optional[int]:

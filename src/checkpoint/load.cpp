@@ -6,6 +6,8 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <map>
+#include <sstream>
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -41,10 +43,27 @@ std::string resolve(const char* fn, const std::string& dir) {
               "the COMPLETE marker (an interrupted save?) and without a 'latest' file");
 }
 
+// Whether an entry of dtype `ours` may take a tensor saved as `saved`: the same, or, unless
+// strict_dtype, both floating (copy_ casts). Counts the casts in `casts`.
+void check_dtype(const std::string& key, at::ScalarType ours, const std::string& saved,
+                 const std::string& where, const LoadOptions& options,
+                 std::map<std::string, int64_t>& casts) {
+  const auto dtype = detail::dtype_name(kLoad, ours, key);
+  if (dtype == saved) return;
+  const bool floating =
+      at::isFloatingType(ours) && at::isFloatingType(detail::dtype_from_name(kLoad, saved, key));
+  TORCH_CHECK(floating && !options.strict_dtype(), kLoad, ": ", key, ": expected dtype ", dtype,
+              " (this state), got ", saved, " in the checkpoint ", where,
+              floating ? " (LoadOptions().strict_dtype(false) casts floating tensors)" : "");
+  casts[saved + " to " + dtype] += 1;
+}
+
 // The region each entry of the state needs, after checking the state against the index: every
-// key present (and, strict, no extra one), dtypes and global shapes equal, local shapes right.
+// key present (and, strict, no extra one), dtypes equal (or cast), global shapes equal, local
+// shapes right.
 std::vector<Region> check_state(const State& state, const detail::Index& index, const std::string& where,
-                                bool strict) {
+                                const LoadOptions& options) {
+  const bool strict = options.strict();
   for (const auto& [key, entry] : state) {
     TORCH_CHECK(index.find(key) != nullptr, kLoad, ": ", key, ": missing from the checkpoint ", where,
                 " (the state has this key, the checkpoint does not)");
@@ -56,11 +75,10 @@ std::vector<Region> check_state(const State& state, const detail::Index& index, 
     }
   }
   std::vector<Region> regions;
+  std::map<std::string, int64_t> casts;
   for (const auto& [key, entry] : state) {
     const auto& info = *index.find(key);
-    const auto dtype = detail::dtype_name(kLoad, entry.local.scalar_type(), key);
-    TORCH_CHECK(dtype == info.dtype, kLoad, ": ", key, ": expected dtype ", dtype, " (this state), got ",
-                info.dtype, " in the checkpoint ", where);
+    check_dtype(key, entry.local.scalar_type(), info.dtype, where, options, casts);
     TORCH_CHECK(entry.global_shape == info.global_shape, kLoad, ": ", key, ": expected global shape ",
                 shape_str(entry.global_shape), " (this model), got ", shape_str(info.global_shape),
                 " in the checkpoint ", where, "; is it from a model of another size?");
@@ -71,6 +89,13 @@ std::vector<Region> check_state(const State& state, const detail::Index& index, 
                 entry.local.sizes());
     regions.push_back(std::move(region));
   }
+  if (!casts.empty()) {
+    std::ostringstream line;
+    for (const auto& [what, n] : casts) line << (line.tellp() > 0 ? ", " : "") << n << " from " << what;
+    TORCH_WARN(kLoad, ": cast floating tensors of the checkpoint ", where,
+               " to this state's dtypes: ", line.str(),
+               " (LoadOptions().strict_dtype(true) refuses instead)");
+  }
   return regions;
 }
 
@@ -80,7 +105,7 @@ void load(const std::string& dir, State& state, const LoadOptions& options) {
   const auto step_dir = resolve(kLoad, dir);
   const auto index = detail::read_index(kLoad, step_dir);
   // Everything is checked and read into new tensors before the state changes.
-  const auto regions = check_state(state, index, step_dir, options.strict());
+  const auto regions = check_state(state, index, step_dir, options);
   detail::Readers readers(kLoad, step_dir);
   std::vector<at::Tensor> loaded;
   size_t i = 0;

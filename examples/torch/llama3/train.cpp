@@ -11,14 +11,30 @@
 #include <hyper_parallel/core/comm.h>
 
 #include "common/run_main.h"
+#include "train_defaults.h"
 #include "trainer.h"
 
 namespace {
 
 // The command line, as TrainOptions. Returns nullopt after printing help; throws
 // CLI::ParseError on a bad flag.
+// The flags' defaults: the table train.py reads too (train_defaults.json).
+llama3::TrainOptions default_options() {
+  namespace d = llama3::train_defaults;
+  return llama3::TrainOptions()
+      .preset(d::kPreset)
+      .steps(d::kSteps)
+      .batch_size(d::kBatchSize)
+      .dp(d::kDp)
+      .dtype(d::kDtype)
+      .lr(d::kLr)
+      .seed(d::kSeed)
+      .mc2_scope(d::kMc2Scope)
+      .checkpoint_every(d::kCheckpointEvery);
+}
+
 std::optional<llama3::TrainOptions> parse_flags(int argc, char** argv) {
-  llama3::TrainOptions o;
+  auto o = default_options();
   std::string preset = o.preset(), dtype = o.dtype(), mc2_scope = o.mc2_scope();
   int64_t steps = o.steps(), batch_size = o.batch_size(), chunks = o.mc2_chunks_per_rank(), dp = o.dp();
   std::optional<int64_t> seq_len;

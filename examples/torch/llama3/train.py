@@ -1,14 +1,17 @@
 """Trains the Python Llama 3 with tensor (+ sequence) and data parallelism on synthetic data, the
-twin of llama3_train (same presets, data, optimizer, plan and checkpoint files). Run dp x TP
+twin of llama3_train (same presets, data, optimizer, plan, checkpoint files and flag defaults:
+train_defaults.json). Run dp x TP
 processes (PYTHONPATH=build/python):
     hp-run --nproc-per-node 2 -- /usr/bin/python3 examples/torch/llama3/train.py --enable-mc2
     hp-run --nproc-per-node 4 -- /usr/bin/python3 examples/torch/llama3/train.py --dp 2 --batch-size 4
     ... train.py --steps 20 --checkpoint-dir /tmp/ckpt --checkpoint-every 5     (then --resume)"""
 
 import argparse
+import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -24,22 +27,29 @@ from hyper_parallel.core import comm  # noqa: E402
 from hyper_parallel.core.tensor_parallel.mc2 import MC2Contract  # noqa: E402
 
 
+# The defaults of both trainers (llama3_train reads the same table).
+DEFAULTS = json.loads((Path(__file__).resolve().parent / "train_defaults.json").read_text())
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split(". Run")[0].replace("\n", " ") + ".")
-    p.add_argument("--preset", default="small", choices=["debug", "tiny", "small", "bench"], help="model size")
-    p.add_argument("--steps", type=int, default=10, help="training steps")
-    p.add_argument("--batch-size", type=int, default=2, help="sequences per step (the global batch, split over --dp)")
-    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas (TP = world size / dp)")
-    p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
-    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
-    p.add_argument("--seed", type=int, default=42, help="weights and data")
+    d = DEFAULTS
+    p.add_argument("--preset", default=d["preset"], choices=["debug", "tiny", "small", "bench"], help="model size")
+    p.add_argument("--steps", type=int, default=d["steps"], help="training steps")
+    p.add_argument("--batch-size", type=int, default=d["batch_size"],
+                   help="sequences per step (the global batch, split over --dp)")
+    p.add_argument("--dp", type=int, default=d["dp"], help="data-parallel replicas (TP = world size / dp)")
+    p.add_argument("--dtype", default=d["dtype"], choices=["fp32", "bf16"])
+    p.add_argument("--lr", type=float, default=d["lr"], help="AdamW learning rate")
+    p.add_argument("--seed", type=int, default=d["seed"], help="weights and data")
     p.add_argument("--no-sequence-parallel", action="store_true", help="replicate activations between blocks")
     p.add_argument("--loss-parallel", action="store_true", help="keep logits sharded over the vocabulary")
     p.add_argument("--enable-mc2", action="store_true", help="fuse the collectives into the matmuls")
-    p.add_argument("--mc2-scope", default="ffn", choices=["ffn", "all"], help="layers MC2 fuses")
+    p.add_argument("--mc2-scope", default=d["mc2_scope"], choices=["ffn", "all"], help="layers MC2 fuses")
     p.add_argument("--relaxed-mc2-contract", action="store_true", help="allow fp32 and any size under MC2")
     p.add_argument("--checkpoint-dir", help="checkpoint root: step-N/ directories and 'latest'")
-    p.add_argument("--checkpoint-every", type=int, default=0, help="save every N steps and at the last (0: never)")
+    p.add_argument("--checkpoint-every", type=int, default=d["checkpoint_every"],
+                   help="save every N steps and at the last (0: never)")
     p.add_argument("--resume", action="store_true",
                    help="require a checkpoint in --checkpoint-dir (training continues from its latest one whenever "
                         "there is one)")

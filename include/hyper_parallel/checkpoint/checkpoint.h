@@ -199,6 +199,10 @@ bool save_in_flight();
 struct LoadOptions {
   /// Refuse a checkpoint holding keys the state lacks. false loads a subset of it.
   TORCH_ARG(bool, strict) = true;
+  /// Refuse a floating tensor saved in another floating dtype. By default it is cast to the
+  /// state's dtype, as PyTorch DCP and Hugging Face loaders do (a float32 checkpoint resumes a
+  /// bfloat16 run), and the load says so in one warning line. Other dtypes must always match.
+  TORCH_ARG(bool, strict_dtype) = false;
 };
 
 /// Loads a checkpoint into `state`, resharding to each entry's layout. `dir` is a step-N
@@ -207,7 +211,8 @@ struct LoadOptions {
 ///
 /// Nothing is written into the state unless everything checks out: a missing COMPLETE marker,
 /// a key of the state missing from the checkpoint, a key of the checkpoint the state lacks
-/// (strict), a dtype or global-shape mismatch (a model of another size), a truncated file or a
+/// (strict), a dtype mismatch (but floating to floating, unless strict_dtype) or a global-shape
+/// mismatch (a model of another size), a truncated file or a
 /// crc32 mismatch is a c10::Error naming the path, the file and/or the key, raised before any
 /// tensor changes. The crc32 of a shard is checked whenever the whole shard is read (e.g. a load
 /// at the TP degree of the save); a partial read is checked by length.

@@ -88,6 +88,21 @@ DeviceMesh::DeviceMesh(std::string device_type, std::vector<int64_t> shape, std:
   impl_ = std::move(impl);
 }
 
+DeviceMesh DeviceMesh::from_group(const comm::Group& group, const std::string& dim_name) {
+  TORCH_CHECK_VALUE(group.is_member(),
+                    "DeviceMesh::from_group: expected a group this rank belongs to, got a "
+                    "non-member group");
+  // Built directly: the mesh's one line is this very group, even where it spans the whole world.
+  auto impl = std::make_shared<Impl>();
+  impl->device_type = "cpu";
+  impl->shape = {group.size()};
+  impl->ranks = group.global_ranks();
+  if (!dim_name.empty()) impl->dim_names = {dim_name};
+  impl->coordinate = {group.rank()};
+  impl->groups = {group};
+  return DeviceMesh(std::shared_ptr<const Impl>(std::move(impl)));
+}
+
 const std::string& DeviceMesh::device_type() const { return impl_->device_type; }
 int64_t DeviceMesh::ndim() const { return static_cast<int64_t>(impl_->shape.size()); }
 const std::vector<int64_t>& DeviceMesh::shape() const { return impl_->shape; }

@@ -6,6 +6,7 @@
 #include <c10/util/Exception.h>
 #include <torch/nn/module.h>
 
+#include <hyper_parallel/core/tensor_parallel/mc2/linear.h>
 #include <hyper_parallel/core/tensor_parallel/plan.h>
 
 namespace hyper_parallel::tensor_parallel {
@@ -45,6 +46,8 @@ void apply_all(const std::vector<Target>& targets, const dtensor::DeviceMesh& me
   for (const auto& t : targets) {
     try {
       t.style->apply(*t.module, mesh, src_data_rank);
+      // An MC2 layer's errors at forward name it by its path.
+      if (auto mc2 = MC2Linear::of(*t.module)) mc2->set_label(t.fqn.empty() ? "the root module" : t.fqn);
     } catch (c10::Error& e) {
       // Name the module; the error keeps its type (and so its Python exception class).
       e.add_context("while applying " + t.style->name() + " to " +

@@ -205,3 +205,56 @@ def test_functions_hand_back_gradients_in_their_inputs_layout(new_group, transpo
         assert seen["x"].shape == x.shape and seen["x"].stride() == x.stride(), function.__name__
         assert seen["w"].stride() == w.stride(), function.__name__
 
+
+@multirank
+def test_parallelized_in_float32_then_cast_to_bfloat16_runs():
+    """PyTorch users often parallelize in float32, then cast: the kernel's dtype limit is checked
+    when a layer runs, naming it, so that order works and gives the bits of a model parallelized
+    in bfloat16."""
+    from hyper_parallel import MC2ColwiseParallel, MC2RowwiseParallel, parallelize_module
+
+    def mlp(dtype):
+        torch.manual_seed(70)
+        return nn.Sequential(nn.Linear(512, 256 * WORLD), nn.SiLU(), nn.Linear(256 * WORLD, 512)).to(dtype)
+
+    mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("tp",))
+    plan = {"0": MC2ColwiseParallel(), "2": MC2RowwiseParallel()}
+    cast_after, bf16 = mlp(torch.float32), mlp(torch.bfloat16)
+    parallelize_module(cast_after, mesh, plan)
+    parallelize_module(bf16, mesh, {"0": MC2ColwiseParallel(), "2": MC2RowwiseParallel()})
+    torch.manual_seed(71)
+    x = torch.randn(2, 4, 512)
+    with pytest.raises(ValueError, match=r"MC2Linear\(0\)::forward: MC2 dtype: expected one of \{Half, BFloat16\}, "
+                                         r"got Float"):
+        cast_after(x)
+    cast_after.to(torch.bfloat16)
+    y = cast_after(x.bfloat16())
+    assert torch.equal(y, bf16(x.bfloat16()))
+    y.float().sum().backward()
+    assert cast_after[0].weight.grad.dtype == torch.bfloat16
+
+
+@multirank
+def test_meshes_and_groups_are_duck_typed(new_group):
+    """Any mesh with get_group() and size() serves (the original needs no more); a group handle
+    configure_mc2 cannot use is an error naming the layer when it first runs."""
+    from hyper_parallel import MC2ColwiseParallel, parallelize_module
+
+    class AnyMesh:
+        def get_group(self):
+            return new_group
+
+        def size(self):
+            return WORLD
+
+    torch.manual_seed(72)
+    layer = nn.Linear(512, 256 * WORLD).bfloat16()
+    parallelize_module(layer, AnyMesh(), {"": MC2ColwiseParallel()})
+    assert layer.mc2_group is new_group and layer.weight.shape == (256, 512)
+    assert layer(torch.randn(2, 4, 512).bfloat16()).shape == (2, 4 * WORLD, 256)
+    bad = MC2Linear.from_linear(nn.Linear(512, 256).bfloat16())
+    bad.configure_mc2("all_gather", "tp-group", WORLD, sequence_dim=1)
+    assert bad.mc2_group == "tp-group"
+    with pytest.raises(TypeError, match=r"MC2Linear \(in_features=512, out_features=256\): the group given to "
+                                        r"configure_mc2 cannot run the fused op: .*got str"):
+        bad(torch.randn(2, 4, 512).bfloat16())

@@ -18,6 +18,7 @@
 #include <hyper_parallel/hyper_parallel.h>
 
 #include "checkpoint_test_util.h"
+#include "common/test_util.h"
 #include "llama3/model.h"
 #include "llama3/parallelize.h"
 #include "llama3/trainer.h"
@@ -316,7 +317,9 @@ TEST(Checkpoint, CorruptOrMismatchedCheckpointsFailWithoutTouchingTheModel) {
     ckpt::State wrong = target.state;  // aliases the model, which must stay untouched
     auto& e = wrong.at("norm.weight");
     e.local = e.local.detach().to(at::kDouble);
-    expect_error([&] { ckpt::load(good, wrong); }, {"norm.weight", "expected dtype F64", "got F32"});
+    expect_error(
+        [&] { ckpt::load(good, wrong, ckpt::LoadOptions().strict_dtype(true)); },
+        {"norm.weight", "expected dtype F64", "got F32", "strict_dtype(false) casts floating tensors"});
     expect_untouched("dtype mismatch");
   }
   {
@@ -340,6 +343,36 @@ TEST(Checkpoint, CorruptOrMismatchedCheckpointsFailWithoutTouchingTheModel) {
   ckpt::load(good, target.state);
   EXPECT_TRUE(at::equal(target.state.at("tok_embeddings.weight").local,
                         saved.state.at("tok_embeddings.weight").local));
+}
+
+// A floating tensor saved in another floating dtype is cast to the state's, with one warning
+// line (PyTorch DCP and Hugging Face loaders cast too); strict_dtype refuses it; other dtypes
+// must match whatever the options.
+TEST(Checkpoint, FloatingTensorsAreCastToTheStatesDtypeOnLoad) {
+  SharedTmpDir dir("cast");
+  at::manual_seed(7);
+  ckpt::State saved;
+  saved.add("w", ckpt::Entry::replicated(at::randn({4, 3})));
+  saved.add("steps", ckpt::Entry::replicated(at::arange(3, at::kLong)));
+  ckpt::save(dir / "f32", saved, ckpt::SaveOptions().step(1).fsync(false));
+  ckpt::State bf16;
+  bf16.add("w", ckpt::Entry::replicated(at::zeros({4, 3}, at::kBFloat16)));
+  bf16.add("steps", ckpt::Entry::replicated(at::zeros({3}, at::kLong)));
+  {
+    hp_test::CapturedWarnings warnings;
+    ckpt::load(dir / "f32", bf16);
+    EXPECT_TRUE(warnings.contains("cast floating tensors of the checkpoint")) << warnings.messages.size();
+    EXPECT_TRUE(warnings.contains("1 from F32 to BF16"));
+    EXPECT_EQ(warnings.messages.size(), 1u);
+  }
+  EXPECT_TRUE(bf16.at("w").local.equal(saved.at("w").local.to(at::kBFloat16)));
+  EXPECT_TRUE(bf16.at("steps").local.equal(saved.at("steps").local));
+  expect_error([&] { ckpt::load(dir / "f32", bf16, ckpt::LoadOptions().strict_dtype(true)); },
+               {"w: expected dtype BF16 (this state), got F32"});
+  ckpt::State ints;
+  ints.add("w", ckpt::Entry::replicated(at::zeros({4, 3})));
+  ints.add("steps", ckpt::Entry::replicated(at::zeros({3}, at::kInt)));
+  expect_error([&] { ckpt::load(dir / "f32", ints); }, {"steps: expected dtype I32 (this state), got I64"});
 }
 
 TEST(Checkpoint, ExportFullWritesTheUnshardedModel) {

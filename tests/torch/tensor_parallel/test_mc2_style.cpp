@@ -244,10 +244,12 @@ TEST_F(MC2Style, SequenceRowsRoundTripAndTheNaiveFlattenCounterexample) {
 }
 
 TEST_F(MC2Style, FailsClosedOnEveryContractLimit) {
-  // dtype
+  // dtype: when the layer runs, naming it (a cast after apply changes it)
   auto fp32 = linear(512, 512, at::kFloat);
-  HP_EXPECT_THROW_MSG(tp::MC2ColwiseParallel().apply(*fp32, *mesh),
-                      "MC2ColwiseParallel: MC2 dtype: expected one of {Half, BFloat16}, got Float");
+  tp::parallelize_module(*fp32, *mesh, {{"", std::make_shared<tp::MC2ColwiseParallel>()}});
+  HP_EXPECT_THROW_MSG(
+      fp32(at::ones({2, 4, 512})),
+      "MC2Linear(the root module)::forward: MC2 dtype: expected one of {Half, BFloat16}, got Float");
   // k
   HP_EXPECT_THROW_MSG(tp::MC2ColwiseParallel().apply(*linear(128, 512), *mesh),
                       "MC2 contraction dim k (in_features): expected in [256, 65535), got 128");
@@ -273,7 +275,8 @@ TEST_F(MC2Style, FailsClosedOnEveryContractLimit) {
       row(at::ones({2, 7, 256}, at::kBFloat16)),
       "reduce_scatter needs the sequence length (dim 1 of [2, 7, 256]) divisible by world_size 2");
   // input dtype at forward
-  HP_EXPECT_THROW_MSG(row(at::ones({2, 8, 256}, at::kFloat)), "MC2Linear::forward: MC2 dtype");
+  HP_EXPECT_THROW_MSG(row(at::ones({2, 8, 256}, at::kFloat)),
+                      "MC2Linear(the root module)::forward: MC2 dtype");
   // The relaxed contract is explicit and runs the fused path in float32.
   auto relaxed = linear(16, 16, at::kFloat);
   tp::parallelize_module(
@@ -284,7 +287,8 @@ TEST_F(MC2Style, FailsClosedOnEveryContractLimit) {
   EXPECT_EQ(hp::comm::collective_count(CollectiveKind::kAllGatherMatmul), 1);
 }
 
-// Each limit of the kernel contract, forward and backward, for both styles, at apply time.
+// Each shape limit of the kernel contract, forward and backward, for both styles, at apply time
+// (a cast cannot change them; the dtype limit is checked when the layer runs).
 TEST_F(MC2Style, EveryContractLimitIsCheckedAtApplyTimeForBothStyles) {
   struct Case {
     const char* what;
@@ -310,10 +314,6 @@ TEST_F(MC2Style, EveryContractLimitIsCheckedAtApplyTimeForBothStyles) {
       {"row backward n upper bound", 1024, 65535, at::kBFloat16, false,
        "MC2RowwiseParallel: MC2 row backward contraction n (out_features): expected in [256, "
        "65535), got 65535"},
-      {"column dtype", 512, 512, at::kFloat, true,
-       "MC2ColwiseParallel: MC2 dtype: expected one of {Half, BFloat16}, got Float"},
-      {"row dtype", 512, 512, at::kDouble, false,
-       "MC2RowwiseParallel: MC2 dtype: expected one of {Half, BFloat16}, got Double"},
   };
   for (const auto& c : cases) {
     SCOPED_TRACE(c.what);
@@ -336,6 +336,44 @@ TEST_F(MC2Style, EveryContractLimitIsCheckedAtApplyTimeForBothStyles) {
   HP_EXPECT_THROW_MSG(tp::MC2RowwiseParallel(tp::MC2RowwiseParallelOptions().contract(only_4_8))
                           .apply(*linear(1024, 512), *mesh),
                       "MC2RowwiseParallel: MC2 world_size: expected one of [4, 8], got 2");
+}
+
+// An MLP whose Linears are children "up" and "down" (their paths name them in errors).
+struct TwoLayerMLP : torch::nn::Module {
+  explicit TwoLayerMLP(at::ScalarType dtype) {
+    at::manual_seed(2);
+    up = register_module("up", hp::nn::Linear(512, 1024));
+    down = register_module("down", hp::nn::Linear(1024, 512));
+    to(dtype);
+  }
+  void parallelize(const DeviceMesh& mesh) {
+    tp::parallelize_module(*this, mesh,
+                           {{"up", std::make_shared<tp::MC2ColwiseParallel>()},
+                            {"down", std::make_shared<tp::MC2RowwiseParallel>()}});
+  }
+  at::Tensor forward(const at::Tensor& x) { return down(at::silu(up(x))); }
+  hp::nn::Linear up{nullptr}, down{nullptr};
+};
+
+// PyTorch users often parallelize in float32, then cast the model: the kernel's dtype limit is
+// checked when a layer runs (naming it), so that order works, and gives the bits of a model
+// parallelized in bfloat16.
+TEST_F(MC2Style, ParallelizedInFloat32ThenCastToBfloat16Runs) {
+  TwoLayerMLP cast_after(at::kFloat), bf16(at::kBFloat16);
+  cast_after.parallelize(*mesh);
+  bf16.parallelize(*mesh);
+  at::manual_seed(3);
+  auto x = at::randn({2, 4, 512});
+  HP_EXPECT_THROW_MSG(cast_after.forward(x),
+                      "MC2Linear(up)::forward: MC2 dtype: expected one of {Half, BFloat16}, got Float");
+  cast_after.to(at::kBFloat16);
+  auto y = cast_after.forward(x.to(at::kBFloat16));
+  EXPECT_TRUE(y.equal(bf16.forward(x.to(at::kBFloat16))));
+  y.sum().backward();
+  EXPECT_EQ(cast_after.up->weight.grad().scalar_type(), at::kBFloat16);
+  // Cast back to float32: the next forward names the layer again.
+  cast_after.to(at::kFloat);
+  HP_EXPECT_THROW_MSG(cast_after.forward(x), "MC2Linear(up)::forward: MC2 dtype");
 }
 
 // The same limits hold for an MC2Linear configured by hand (no style): checked at forward.

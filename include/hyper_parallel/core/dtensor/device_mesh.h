@@ -26,6 +26,11 @@ class DeviceMesh {
   DeviceMesh(std::string device_type, std::vector<int64_t> shape, std::vector<int64_t> ranks,
              std::vector<std::string> dim_names = {}, const GroupFactory& make_group = {});
 
+  /// The 1-d mesh whose one line is `group` (a member's), named `dim_name` if given. It makes no
+  /// group, so it is not collective: any rank of the group may make it at any time (the Python
+  /// front end makes one for a mesh of another library that offers get_group() and size()).
+  static DeviceMesh from_group(const comm::Group& group, const std::string& dim_name = "");
+
   const std::string& device_type() const;
   int64_t ndim() const;
   const std::vector<int64_t>& shape() const;

@@ -19,6 +19,7 @@ transfers of the collective with the matmul, portably, over point-to-point trans
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from hyper_parallel import _C
@@ -108,14 +109,15 @@ class MC2Linear(nn.Linear):
     now an MC2Linear (``isinstance`` holds). ``configure_mc2(mode, group, world_size,
     sequence_dim=0)`` chooses the fused op, ``"all_gather"`` (column-parallel: input sharded on
     the sequence, output features sharded) or ``"reduce_scatter"`` (row-parallel: input features
-    sharded, output sharded on the sequence). The configuration lives in the C++ core, which also
-    runs the forward, its contract checks and the backward.
+    sharded, output sharded on the sequence). As in the original, the group handle is kept as
+    given and used when the layer first runs (a torch.distributed ProcessGroup or the core's
+    Group; anything else is then an error naming the layer). The C++ core runs the forward, the
+    contract's checks (the dtype limit each time the layer runs) and the backward.
     """
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._mc2 = _C.MC2LinearState()
-        self._mc2_group = None
+        _init_mc2_state(self)
 
     @classmethod
     def from_linear(cls, linear: nn.Module) -> "MC2Linear":
@@ -125,43 +127,80 @@ class MC2Linear(nn.Linear):
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"MC2Linear.from_linear: expected a torch.nn.Linear, got {type(linear).__name__}")
         linear.__class__ = cls
-        linear._mc2 = _C.MC2LinearState()
-        linear._mc2_group = None
+        _init_mc2_state(linear)
         return linear
 
     def configure_mc2(self, mode: str, group, world_size: int, sequence_dim: int = 0,
                       contract: Optional[MC2Contract] = None, options: Optional[MC2Options] = None) -> None:
         """Runs ``mode``'s fused op over ``group`` (a torch.distributed ProcessGroup of
-        ``world_size`` ranks; another size is a ValueError) on activations whose sequence is
-        leading dim ``sequence_dim`` (negative counts from the end of the leading dims)."""
-        self._mc2.configure_mc2(mode, group, world_size, sequence_dim, contract or MC2Contract.strict(),
-                                options or MC2Options())
-        self._mc2_group = group
+        ``world_size`` ranks) on activations whose sequence is leading dim ``sequence_dim``
+        (negative counts from the end of the leading dims). A mode other than the two, a world
+        size the contract excludes, or one other than a ProcessGroup's own size is a ValueError
+        now; a handle of another kind is kept and resolved when the layer first runs. A failed
+        call changes nothing."""
+        config = (_C.mc2_mode_from_string(mode), group, world_size, sequence_dim, contract or MC2Contract.strict(),
+                  options or MC2Options())
+        config[4].check_world_size("MC2Linear.configure_mc2", world_size)
+        state = _configured_state(config, getattr(self, "_hp_fqn", "")) if _is_group(group) else None
+        self._mc2_config, self._mc2 = config, state
 
     @property
     def is_configured(self) -> bool:
-        return self._mc2.is_configured
+        return self._mc2_config is not None
 
     @property
     def mc2_mode(self) -> Optional[str]:
-        return self._mc2.mode
+        return self._mc2_config[0] if self._mc2_config else None
 
     @property
     def mc2_group(self):
-        """The group configure_mc2 was given."""
-        return self._mc2_group
+        """The group handle configure_mc2 was given."""
+        return self._mc2_config[1] if self._mc2_config else None
 
     @property
     def mc2_world_size(self) -> Optional[int]:
-        return self._mc2.world_size
+        return self._mc2_config[2] if self._mc2_config else None
 
     @property
     def mc2_sequence_dim(self) -> Optional[int]:
-        return self._mc2.sequence_dim
+        return self._mc2_config[3] if self._mc2_config else None
+
+    def _state(self):
+        """The core's MC2Linear, configured on first use with the handle configure_mc2 kept."""
+        if self._mc2 is None:
+            label = getattr(self, "_hp_fqn", "")
+            if self._mc2_config is None:
+                self._mc2 = _C.MC2LinearState()  # its forward says it is not configured
+                return self._mc2
+            try:
+                self._mc2 = _configured_state(self._mc2_config, label)
+            except (TypeError, ValueError) as error:
+                name = repr(label) if label else f"(in_features={self.in_features}, out_features={self.out_features})"
+                raise type(error)(f"MC2Linear {name}: the group given to configure_mc2 cannot run the fused op: "
+                                  f"{error}") from error
+        return self._mc2
 
     def forward(self, input):  # pylint: disable=redefined-builtin
-        return self._mc2.forward(input, self.weight, self.bias)
+        return self._state().forward(input, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         mc2 = f"mc2_mode={self.mc2_mode}, mc2_world_size={self.mc2_world_size}" if self.is_configured else "unconfigured"
         return f"{super().extra_repr()}, {mc2}"
+
+
+def _init_mc2_state(linear: nn.Module) -> None:
+    linear._mc2_config = None
+    linear._mc2 = None
+
+
+def _is_group(handle) -> bool:
+    return isinstance(handle, (dist.ProcessGroup, _C.Group))
+
+
+def _configured_state(config, label: str):
+    """The core's MC2Linear for a configure_mc2 call's arguments (the core checks them)."""
+    mode, group, world_size, sequence_dim, contract, options = config
+    state = _C.MC2LinearState()
+    state.configure_mc2(mode, group, world_size, sequence_dim, contract, options)
+    state.set_label(label or "")
+    return state

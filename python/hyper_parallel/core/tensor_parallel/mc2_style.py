@@ -1,14 +1,20 @@
 """MC2ColwiseParallel / MC2RowwiseParallel: ColwiseParallel / RowwiseParallel under sequence
-parallelism with the collective fused into the matmul (an MC2Linear). Weights are sharded as the
-plain styles shard them; the input is not redistributed to Replicate: the fused op gathers.
+parallelism with the collective fused into the matmul (an MC2Linear). As in the original, a
+style's ``apply`` converts the ``nn.Linear`` into a configured MC2Linear in place (it needs only
+``mesh.get_group()`` and ``mesh.size()``), then runs the base style's ``apply``, which shards the
+weights as the plain style does; the input is not redistributed to Replicate: the fused op
+gathers.
 
-The layouts are checked when a style is made and the kernel contract when it is applied, by the
-C++ core, so the messages and exception types are the C++ library's: ValueError for layouts and
-limits, TypeError for a module that is not a Linear, NotImplementedError for an Embedding (its
-kind is checked before anything else).
+The layouts are checked when a style is made, the module's kind first at apply, the kernel's
+shape and world-size limits at apply (a cast cannot change them) and its dtype limit when a
+layer runs (so a model parallelized in float32 and then cast to bfloat16 works), all by the C++
+core, so the messages and exception types are the C++ library's: ValueError for layouts and
+limits, TypeError for a module that is not a Linear, NotImplementedError for an Embedding.
 """
 
 from typing import Optional
+
+from torch import nn
 
 from hyper_parallel import _C
 from hyper_parallel.core.dtensor.placement_types import Placement, Shard
@@ -16,25 +22,42 @@ from hyper_parallel.core.tensor_parallel.mc2 import MC2Contract, MC2Linear, MC2O
 from hyper_parallel.core.tensor_parallel.style import (
     ColwiseParallel,
     RowwiseParallel,
+    _module_kind,
     _replace_first_input,
-    _shard_module,
 )
 
+__all__ = ["MC2ColwiseParallel", "MC2RowwiseParallel"]
 
-def _apply_mc2(style, core, module, device_mesh):
-    """Shards the Linear, converts it into a configured MC2Linear and installs the hooks."""
-    _shard_module(core, module, device_mesh, style.src_data_rank)
-    MC2Linear.from_linear(module).configure_mc2(core.mc2_mode, device_mesh.get_group(), device_mesh.size(),
-                                                core.sequence_dim, contract=style.contract,
-                                                options=style.mc2_options)
-    module.register_forward_pre_hook(_replace_first_input(lambda x: core.prepare_input(x, device_mesh)))
-    module.register_forward_hook(lambda m, args, y: core.prepare_output(y, device_mesh))
-    return module
+
+def _apply_mc2(style, module: nn.Module, device_mesh, base_apply):
+    """The module's kind checked; the Linear converted in place into an MC2Linear configured with
+    the mesh's group (kept as given: resolved when the layer first runs) and size; then the base
+    style's apply. On an error the module is left as it was."""
+    core = style._core()
+    core.check_kind(_module_kind(module), type(module).__name__)
+    original = type(module)
+    linear = MC2Linear.from_linear(module)
+    try:
+        linear.configure_mc2(core.mc2_mode, device_mesh.get_group(), device_mesh.size(), core.sequence_dim,
+                             contract=style.contract, options=style.mc2_options)
+        return base_apply(linear, device_mesh)
+    except Exception:
+        if original is not MC2Linear:
+            linear.__class__ = original
+            del linear._mc2_config, linear._mc2
+        raise
+
+
+def _install_mc2_hooks(style, core, module, kind, mesh):  # pylint: disable=unused-argument
+    """The input hook (the fused op's input layout) and the output hook (its output tagged or
+    redistributed to output_layouts); the MC2Linear's own forward runs the fused op."""
+    module.register_forward_pre_hook(_replace_first_input(lambda x: core.prepare_input(x, mesh)))
+    module.register_forward_hook(lambda m, args, y: core.prepare_output(y, mesh))
 
 
 class MC2ColwiseParallel(ColwiseParallel):
     """ColwiseParallel whose input stays sequence-sharded (default Shard(1)): the MC2Linear
-    all-gathers it inside its matmul."""
+    all-gathers it inside its matmul. ``_sequence_dim`` is the input layout's Shard dim."""
 
     def __init__(self, *, input_layouts: Optional[Placement] = None, output_layouts: Optional[Placement] = None,
                  use_local_output: Optional[bool] = True, contract: Optional[MC2Contract] = None,
@@ -46,18 +69,21 @@ class MC2ColwiseParallel(ColwiseParallel):
                          use_local_output=True if use_local_output is None else use_local_output)
         # The fused op gathers: the input keeps its sequence sharding.
         self.desired_input_layouts = self.input_layouts
+        self._sequence_dim = self.input_layouts[0].dim
 
     def _core(self):
         return _C.MC2ColwiseParallel(self.input_layouts[0], self.output_layouts[0], self.use_local_output,
                                      self.contract, self.mc2_options)
 
     def apply(self, module, device_mesh):
-        return _apply_mc2(self, self._core(), module, device_mesh)
+        return _apply_mc2(self, module, device_mesh, super().apply)
+
+    _install_hooks = _install_mc2_hooks
 
 
 class MC2RowwiseParallel(RowwiseParallel):
     """RowwiseParallel whose output is sequence-sharded (default Shard(1)): the MC2Linear
-    reduce-scatters inside its matmul."""
+    reduce-scatters inside its matmul. ``_sequence_dim`` is the output layout's Shard dim."""
 
     def __init__(self, *, input_layouts: Optional[Placement] = None, output_layouts: Optional[Placement] = None,
                  reduce_dtype=None, use_local_output: bool = True, contract: Optional[MC2Contract] = None,
@@ -67,13 +93,14 @@ class MC2RowwiseParallel(RowwiseParallel):
         super().__init__(input_layouts=input_layouts,
                          output_layouts=output_layouts if output_layouts is not None else Shard(1),
                          use_local_output=use_local_output, reduce_dtype=reduce_dtype)
+        self._sequence_dim = self.output_layouts[0].dim
 
     def _core(self):
         return _C.MC2RowwiseParallel(self.input_layouts[0], self.output_layouts[0], self.use_local_output,
                                      self.contract, self.mc2_options)
 
     def apply(self, module, device_mesh):
-        return _apply_mc2(self, self._core(), module, device_mesh)
+        return _apply_mc2(self, module, device_mesh, super().apply)
 
-
-__all__ = ["MC2ColwiseParallel", "MC2RowwiseParallel"]
+    # The MC2Linear's own forward reduce-scatters: no row-parallel forward replaces it.
+    _install_hooks = _install_mc2_hooks

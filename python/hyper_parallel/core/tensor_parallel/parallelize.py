@@ -7,7 +7,7 @@ from typing import Dict, Optional, Union
 from torch import nn
 
 from hyper_parallel import _C
-from hyper_parallel.core.tensor_parallel.style import ParallelStyle
+from hyper_parallel.core.tensor_parallel.style import ParallelStyle, _core_mesh
 
 
 def _targets(module: nn.Module, plan: Dict[str, ParallelStyle]):
@@ -29,16 +29,18 @@ def _describe(fqn: str, module: nn.Module, style: ParallelStyle) -> str:
 
 def parallelize_module(
     module: nn.Module,
-    device_mesh: _C.DeviceMesh,
+    device_mesh,
     parallelize_plan: Optional[Union[ParallelStyle, Dict[str, ParallelStyle]]] = None,
     *,
     src_data_rank: Optional[int] = 0,
 ) -> nn.Module:
     """Applies ``parallelize_plan`` (one style, or a dict of module-path glob -> style; ``""`` is
-    the module itself) on a 1-d TP mesh and returns the module. A key matching nothing, or an
+    the module itself) on a 1-d TP mesh (ours, or any mesh with ``get_group()`` and ``size()``)
+    and returns the module. A key matching nothing, or an
     empty plan, is a warning. ``src_data_rank``: the TP rank whose parameter values are sharded
     (None: every rank shards its own copy, with no communication). Collective: every rank of the
     mesh calls it with the same model and plan, which is checked first."""
+    device_mesh = _core_mesh(device_mesh)
     _C.check_tp_mesh("parallelize_module", device_mesh)
     if isinstance(parallelize_plan, ParallelStyle):
         targets = [("", module, parallelize_plan)]
@@ -52,6 +54,7 @@ def parallelize_module(
     _C.check_plan_agrees([_describe(fqn, m, style) for fqn, m, style in targets], device_mesh)
     for fqn, m, style in targets:
         style.src_data_rank = src_data_rank
+        m._hp_fqn = fqn or "the root module"  # errors raised when the layer runs name it
         try:
             style.apply(m, device_mesh)
         except Exception as error:

@@ -32,11 +32,23 @@ def _layouts(value, default) -> Tuple:
     return tuple(value) if isinstance(value, (list, tuple)) else (value,)
 
 
-def _shard_module(core, module: nn.Module, device_mesh, src_data_rank) -> str:
+def _core_mesh(device_mesh):
+    """The C++ core's mesh for ``device_mesh``: ours as it is; any other mesh that offers
+    ``get_group()`` and ``size()`` (torch's, the original's) as the 1-d mesh over its group."""
+    if isinstance(device_mesh, _C.DeviceMesh):
+        return device_mesh
+    if callable(getattr(device_mesh, "get_group", None)) and callable(getattr(device_mesh, "size", None)):
+        return _C.mesh_of_group(device_mesh.get_group(), device_mesh.size())
+    raise TypeError(f"expected a DeviceMesh (or a mesh with get_group() and size()), got {type(device_mesh).__name__}")
+
+
+def _shard_module(core, module: nn.Module, device_mesh, src_data_rank):
     """The apply preamble, in the core's order: the module's kind, the 1-d mesh, no style there
-    before, the style's limits; then the parameters, by the core's table. Returns the kind."""
+    before, the style's limits; then the parameters, by the core's table. Returns the kind and
+    the core's mesh (_core_mesh)."""
     kind, module_type = _module_kind(module), type(module).__name__
     core.check_kind(kind, module_type)
+    device_mesh = _core_mesh(device_mesh)
     _C.check_tp_mesh(core.name(), device_mesh)
     _C.check_unclaimed(core.name(), module_type, getattr(module, "_hp_sharding_style", None))
     weight = module._parameters.get("weight")
@@ -49,7 +61,7 @@ def _shard_module(core, module: nn.Module, device_mesh, src_data_rank) -> str:
         _C.shard_parameter_in_place(param, device_mesh, placements, src_data_rank)
         if sums_gradient:
             _C.sum_gradient_over_mesh(param, device_mesh)
-    return kind
+    return kind, device_mesh
 
 
 def _replace_first_input(convert):
@@ -94,10 +106,13 @@ class ColwiseParallel(ParallelStyle):
 
     def apply(self, module, device_mesh):
         core = self._core()
-        kind = _shard_module(core, module, device_mesh, self.src_data_rank)
-        module.register_forward_pre_hook(_replace_first_input(lambda x: core.prepare_input(x, kind, device_mesh)))
-        module.register_forward_hook(lambda m, args, y: core.prepare_output(y, device_mesh))
+        kind, mesh = _shard_module(core, module, device_mesh, self.src_data_rank)
+        self._install_hooks(core, module, kind, mesh)
         return module
+
+    def _install_hooks(self, core, module, kind, mesh):
+        module.register_forward_pre_hook(_replace_first_input(lambda x: core.prepare_input(x, kind, mesh)))
+        module.register_forward_hook(lambda m, args, y: core.prepare_output(y, mesh))
 
 
 class RowwiseParallel(ParallelStyle):
@@ -123,16 +138,19 @@ class RowwiseParallel(ParallelStyle):
         return _C.RowwiseParallel(self.input_layouts[0], self.output_layouts[0], self.use_local_output)
 
     def apply(self, module, device_mesh):
-        core, mesh = self._core(), device_mesh
-        kind = _shard_module(core, module, mesh, self.src_data_rank)
+        core = self._core()
+        kind, mesh = _shard_module(core, module, device_mesh, self.src_data_rank)
+        self._install_hooks(core, module, kind, mesh)
+        return module
+
+    def _install_hooks(self, core, module, kind, mesh):
         if kind == "embedding":
             self.desired_input_layouts = (Replicate(),)
             vocab = module.num_embeddings
             module.forward = types.MethodType(lambda m, ids: core.forward_embedding(ids, m.weight, vocab, mesh), module)
-            return module
+            return
         module.register_forward_pre_hook(_replace_first_input(lambda x: core.prepare_input(x, mesh)))
         module.forward = types.MethodType(lambda m, x: core.forward_linear(x, m.weight, m.bias, mesh), module)
-        return module
 
 
 class SequenceParallel(ParallelStyle):
@@ -149,9 +167,9 @@ class SequenceParallel(ParallelStyle):
 
     def apply(self, module, device_mesh):
         core = self._core()
-        _shard_module(core, module, device_mesh, self.src_data_rank)
-        module.register_forward_pre_hook(lambda m, args: core.prepare_inputs(args, device_mesh))
-        module.register_forward_hook(lambda m, args, y: core.prepare_output(y, device_mesh))
+        _, mesh = _shard_module(core, module, device_mesh, self.src_data_rank)
+        module.register_forward_pre_hook(lambda m, args: core.prepare_inputs(args, mesh))
+        module.register_forward_hook(lambda m, args, y: core.prepare_output(y, mesh))
         return module
 
 
@@ -172,9 +190,9 @@ class PrepareModuleInput(ParallelStyle):
         return _C.PrepareModuleInput(list(self.input_layouts), list(self.desired_input_layouts), self.use_local_output)
 
     def apply(self, module, device_mesh):
-        core = self._core()
-        _C.check_tp_mesh(core.name(), device_mesh)
-        module.register_forward_pre_hook(lambda m, args: core.prepare_inputs(args, device_mesh))
+        core, mesh = self._core(), _core_mesh(device_mesh)
+        _C.check_tp_mesh(core.name(), mesh)
+        module.register_forward_pre_hook(lambda m, args: core.prepare_inputs(args, mesh))
         return module
 
 
@@ -192,12 +210,12 @@ class PrepareModuleOutput(ParallelStyle):
                                       self.use_local_output)
 
     def apply(self, module, device_mesh):
-        core = self._core()
-        _C.check_tp_mesh(core.name(), device_mesh)
+        core, mesh = self._core(), _core_mesh(device_mesh)
+        _C.check_tp_mesh(core.name(), mesh)
 
         def hook(m, args, out):
             single = not isinstance(out, tuple)
-            converted = core.prepare_outputs((out,) if single else out, device_mesh)
+            converted = core.prepare_outputs((out,) if single else out, mesh)
             return converted[0] if single else converted
 
         module.register_forward_hook(hook)

@@ -17,16 +17,18 @@ namespace hyper_parallel::tensor_parallel {
 class MC2LinearKernel final : public nn::ForwardKernel {
  public:
   at::Tensor forward(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias) override {
-    TORCH_CHECK(configured,
-                "MC2Linear::forward: used before configure_mc2(mode, group, "
+    const auto where =
+        label.empty() ? std::string("MC2Linear::forward") : "MC2Linear(" + label + ")::forward";
+    TORCH_CHECK(configured, where,
+                ": used before configure_mc2(mode, group, "
                 "sequence_dim); apply MC2ColwiseParallel / MC2RowwiseParallel or configure it");
-    contract.check_dtype("MC2Linear::forward", x.scalar_type());
-    TORCH_CHECK(x.dim() >= 2, "MC2Linear::forward: expected an activation [..., S, ..., H], got ", x.sizes());
+    contract.check_dtype(where.c_str(), x.scalar_type());
+    TORCH_CHECK(x.dim() >= 2, where, ": expected an activation [..., S, ..., H], got ", x.sizes());
     const int64_t seq = normalize_sequence_dim(sequence_dim, x.dim() - 1);
     const int64_t p = group.size();
     // The contract's limits on the local weight, for a layer configured without a style (the
     // styles check them at apply time, for every rank's shard).
-    contract.check_local_weight("MC2Linear::forward", mode, w.sizes());
+    contract.check_local_weight(where.c_str(), mode, w.sizes());
     if (mode == MC2Mode::kAllGather) {
       at::Tensor y;
       if (auto shared = detail::SharedGather::get().lookup(x, seq, group, this); shared.defined()) {
@@ -39,8 +41,8 @@ class MC2LinearKernel final : public nn::ForwardKernel {
       return from_sequence_rows(y, x, seq, x.size(seq) * p);
     }
     auto rows = sequence_rows(x, seq);  // checks seq is not the feature dim
-    TORCH_CHECK_VALUE(x.size(seq) % p == 0,
-                      "MC2Linear::forward: reduce_scatter needs the sequence "
+    TORCH_CHECK_VALUE(x.size(seq) % p == 0, where,
+                      ": reduce_scatter needs the sequence "
                       "length (dim ",
                       seq, " of ", x.sizes(), ") divisible by world_size ", p, ", got ", x.size(seq));
     auto y = mc2_row_linear(rows, w, bias, group, options);
@@ -51,6 +53,7 @@ class MC2LinearKernel final : public nn::ForwardKernel {
   }
 
   bool configured = false;
+  std::string label;
   MC2Mode mode = MC2Mode::kAllGather;
   comm::Group group;
   int64_t sequence_dim = 1;
@@ -111,6 +114,8 @@ void MC2Linear::configure_mc2(MC2Mode mode, const comm::Group& group, int64_t se
   kernel_->configured = true;
 }
 
+void MC2Linear::set_label(std::string label) const { kernel_->label = std::move(label); }
+const std::string& MC2Linear::label() const { return kernel_->label; }
 bool MC2Linear::is_configured() const { return kernel_->configured; }
 MC2Mode MC2Linear::mode() const { return kernel_->mode; }
 const comm::Group& MC2Linear::group() const { return kernel_->group; }

@@ -58,6 +58,13 @@ class MC2Linear {
   void configure_mc2(MC2Mode mode, const comm::Group& group, int64_t world_size, int64_t sequence_dim,
                      const MC2Contract& contract = {}, const MC2Options& options = {}) const;
 
+  /// The name errors at forward give the layer, e.g. its module path "layers.0.feed_forward.w1"
+  /// (parallelize_module sets it): "MC2Linear(<label>)::forward: ...". The contract's dtype
+  /// limit is checked when the layer runs, so a model parallelized in float32 and then cast to
+  /// bfloat16 passes it.
+  void set_label(std::string label) const;
+  const std::string& label() const;
+
   bool is_configured() const;
   MC2Mode mode() const;
   const comm::Group& group() const;
