@@ -46,7 +46,7 @@ namespace tp = hp::tensor_parallel;
 
 namespace {
 
-enum class GradientSync { kNone, kBlocking, kOverlapped };
+enum class GradientSync { kNone, kBlocking, kOverlapped, kFullyShard };
 
 struct Config {
   std::string name;
@@ -55,6 +55,7 @@ struct Config {
   GradientSync dp = GradientSync::kNone;
   bool defer_weight_grads = true;  // MC2Options::defer_weight_grads
   bool ddp_layout = false;         // no grow_first_buckets, no shrink_last_buckets, no row-sparse embedding
+  bool reshard_after_forward = true;  // kFullyShard
 };
 
 // The meshes: TP over the world, or {dp, tp}.
@@ -87,7 +88,12 @@ Run build(const Config& c, const llama3::ModelArgs& args, int64_t seq_len, const
                                  .mc2_scope(c.scope)
                                  .mc2_options(tp::MC2Options().defer_weight_grads(c.defer_weight_grads))
                                  .seq_len(seq_len));
-  if (c.dp != GradientSync::kNone) {
+  if (c.dp == GradientSync::kFullyShard) {
+    const auto options =
+        hp::fully_shard::FullyShardOptions().mesh(*meshes.dp).reshard_after_forward(c.reshard_after_forward);
+    for (const auto& block : *run.model->layers) hp::fully_shard::fully_shard(*block, options);
+    hp::fully_shard::fully_shard(*run.model, options);
+  } else if (c.dp != GradientSync::kNone) {
     const auto options = hp::data_parallel::GradientReducerOptions()
                              .overlap(c.dp == GradientSync::kOverlapped)
                              .grow_first_buckets(!c.ddp_layout)
@@ -173,6 +179,7 @@ struct Measured {
   double compute = 0, compute_forward = 0, compute_backward = 0, compute_optimizer = 0;
   int64_t bytes = 0, forward_bytes = 0, backward_bytes = 0;
   double peak_rss_mb = 0;
+  double state_mb = 0;  // this rank's parameters, gradients and AdamW state, from their storages
   double transport_cpu_ms_per_mb = 0;  // (step CPU - compute-only CPU) / MB sent, median
   std::map<std::pair<std::string, std::string>, double> waits;  // rank 0's mean per step
 };
@@ -224,6 +231,7 @@ std::vector<Measured> measure(Bench& b, const Meshes& mesh) {
     }
   }
   for (size_t c = 0; c < n; ++c) {
+    out[c].state_mb = bench::model_state_bytes(*b.real[c].model, *b.real[c].optimizer) / 1e6;
     out[c].step = bench::slowest(real[c], group);
     out[c].compute = bench::slowest(compute[c], group).median;
     out[c].compute_forward = bench::slowest(fwd[c], group).median;
@@ -292,6 +300,11 @@ void report(const Bench& b, const std::vector<Measured>& results, const std::str
         m.compute * 1e3, (t - m.compute) * 1e3, m.bytes / 1e6, t_plain / t, t / bound, phases * 1e3,
         t / phases, floor_bound * 1e3, t / floor_bound, m.peak_rss_mb, m.transport_cpu_ms_per_mb);
   }
+  std::printf("model state (this rank's parameters, gradients and AdamW state, from their storages), MB:");
+  for (size_t c = 0; c < results.size(); ++c) {
+    std::printf(" %s %.1f;", b.configs[c].name.c_str(), results[c].state_mb);
+  }
+  std::printf("\n");
   std::printf(
       "CPU ms/MB: (step CPU - compute-only CPU) / MB sent, all threads. The link alone (a 1 MiB send/recv "
       "stream), per MB sent: %.2f ms of this process's CPU, %.2f ms of the machine's per rank (softirq "
@@ -346,8 +359,9 @@ Meshes make_meshes(int64_t dp) {
 // MC2 all (row and shared-gather weight gradients deferred into the next row backward's gather
 // window). With DP: blocking against overlapped gradient reductions, and the overlapped ones in
 // DDP's bucket layout ("DP overlap DDP": rebuilt in the backward's order, neither growing first
-// buckets nor shrinking last ones, the embedding's gradient reduced dense) (MC2 all inside each replica when
-// TP > 1).
+// buckets nor shrinking last ones, the embedding's gradient reduced dense), and fully_shard over dp
+// with the gathered parameters freed after each block's forward ("FSDP") or kept ("FSDP keep")
+// (MC2 all inside each replica when TP > 1).
 std::vector<Config> configs_for(const Meshes& meshes) {
   if (!meshes.dp) {
     return {{"plain TP", false, llama3::MC2Scope::kFfn},
@@ -359,7 +373,9 @@ std::vector<Config> configs_for(const Meshes& meshes) {
   const auto scope = mc2 ? llama3::MC2Scope::kAll : llama3::MC2Scope::kFfn;
   return {{"DP blocking", mc2, scope, GradientSync::kBlocking},
           {"DP overlap", mc2, scope, GradientSync::kOverlapped},
-          {"DP overlap DDP", mc2, scope, GradientSync::kOverlapped, true, true}};
+          {"DP overlap DDP", mc2, scope, GradientSync::kOverlapped, true, true},
+          {"FSDP", mc2, scope, GradientSync::kFullyShard},
+          {"FSDP keep", mc2, scope, GradientSync::kFullyShard, true, false, false}};
 }
 
 }  // namespace

@@ -8,11 +8,32 @@
 #include <cstdlib>
 
 #include <ATen/ATen.h>
+#include <c10/util/C++17.h>
+#include <torch/nn/module.h>
+#include <torch/optim/adamw.h>
 
 #include <hyper_parallel/core/comm/collectives.h>
 #include <hyper_parallel/core/comm/p2p.h>
 
 namespace bench {
+
+double model_state_bytes(const torch::nn::Module& model, torch::optim::AdamW& optimizer) {
+  double bytes = 0;
+  const auto count = [&](const at::Tensor& t) {
+    if (t.defined()) bytes += static_cast<double>(t.storage().nbytes());
+  };
+  for (const auto& p : model.parameters()) {
+    count(p);
+    count(p.grad());
+    auto it = optimizer.state().find(c10::guts::to_string(p.unsafeGetTensorImpl()));
+    if (it == optimizer.state().end()) continue;
+    const auto& s = static_cast<const torch::optim::AdamWParamState&>(*it->second);
+    count(s.exp_avg());
+    count(s.exp_avg_sq());
+    count(s.max_exp_avg_sq());
+  }
+  return bytes;
+}
 
 namespace comm = hyper_parallel::comm;
 

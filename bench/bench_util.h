@@ -11,7 +11,18 @@
 
 #include <hyper_parallel/core/comm/process_group.h>
 
+namespace torch::nn {
+class Module;
+}
+namespace torch::optim {
+class AdamW;
+}
+
 namespace bench {
+
+/// Bytes of this rank's model state: every parameter, its gradient and its AdamW moments, counted
+/// from their storages (a sharded parameter counts its shard).
+double model_state_bytes(const torch::nn::Module& model, torch::optim::AdamW& optimizer);
 
 /// Keep freed buffers in the heap, as a caching allocator would: otherwise every large
 /// allocation is a fresh mmap whose page faults get timed (they can cost more than a transfer).

@@ -5,5 +5,6 @@
 #include <hyper_parallel/core/comm.h>
 #include <hyper_parallel/core/data_parallel.h>
 #include <hyper_parallel/core/dtensor.h>
+#include <hyper_parallel/core/fully_shard.h>
 #include <hyper_parallel/core/tensor_parallel.h>
 #include <hyper_parallel/core/nn.h>

@@ -76,7 +76,14 @@ void bind_device_mesh(py::module& m) {
           py::arg("mesh_dim") = py::none())
       .def("get_coordinate", &dtensor::DeviceMesh::coordinate)
       .def_property_readonly("ranks", &dtensor::DeviceMesh::ranks)
-      .def("__getitem__", &dtensor::DeviceMesh::operator[])
+      .def(
+          "__getitem__",
+          [](const dtensor::DeviceMesh& mesh, const py::object& names) {
+            // mesh["tp"], or mesh["replicate", "shard"] for the mesh along several dims
+            if (py::isinstance<py::str>(names)) return mesh[names.cast<std::string>()];
+            return mesh[names.cast<std::vector<std::string>>()];
+          },
+          py::arg("names"))
       .def("__eq__",
            [](const dtensor::DeviceMesh& a, const py::object& b) {
              return py::isinstance<dtensor::DeviceMesh>(b) && a == b.cast<dtensor::DeviceMesh>();

@@ -73,7 +73,12 @@ void bind_parameters(py::module& m) {
         return py::make_tuple(layout->mesh, layout->placements, layout->global_shape);
       },
       py::arg("param"), "(mesh, placements, global shape) as the parameter's style recorded it, or None.");
-  m.def("full_tensor", &tp::full_tensor, py::arg("param"));
+  m.def(
+      "full_tensor",
+      [](const at::Tensor& param, const std::optional<at::Tensor>& value) {
+        return value ? tp::full_tensor(param, *value) : tp::full_tensor(param);
+      },
+      py::arg("param"), py::arg("value") = py::none());
   m.def("clip_grad_norm_", py::overload_cast<const std::vector<at::Tensor>&, double>(&tp::clip_grad_norm_),
         py::arg("parameters"), py::arg("max_norm"));
   m.def("vocab_parallel_cross_entropy", &tp::vocab_parallel_cross_entropy, py::arg("local_logits"),

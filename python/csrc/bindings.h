@@ -27,6 +27,7 @@ void bind_dtensor(py::module& m);
 void bind_tensor_parallel(py::module& m);
 void bind_mc2(py::module& m);
 void bind_data_parallel(py::module& m);
+void bind_fully_shard(py::module& m);
 void bind_checkpoint(py::module& m);
 
 /// A group argument: the core's Group, or a torch.distributed ProcessGroup (adopted, joining

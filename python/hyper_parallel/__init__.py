@@ -17,6 +17,14 @@ Usage (under ``hp-run --nproc-per-node 2 -- /usr/bin/python3 train.py``)::
 from hyper_parallel.core import tensor_parallel as _tensor_parallel
 from hyper_parallel.core.data_parallel import data_parallel, no_sync
 from hyper_parallel.core.dtensor import DeviceMesh, init_device_mesh
+from hyper_parallel.core.fully_shard import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    HSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 from hyper_parallel.core.tensor_parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -48,11 +56,16 @@ def __dir__():
 
 
 __all__ = [
+    "CPUOffloadPolicy",
     "ColwiseParallel",
     "DeviceMesh",
+    "FSDPModule",
+    "HSDPModule",
     "MC2ColwiseParallel",
     "MC2Linear",
     "MC2RowwiseParallel",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
     "ParallelStyle",
     "PrepareModuleInput",
     "PrepareModuleOutput",
@@ -62,6 +75,7 @@ __all__ = [
     "clip_grad_norm_",
     "data_parallel",
     "full_tensor",
+    "fully_shard",
     "init_device_mesh",
     "layout_of",
     "loss_parallel",

@@ -33,8 +33,35 @@ llama3::TrainOptions default_options() {
       .checkpoint_every(d::kCheckpointEvery);
 }
 
+// --fsdp N [--hsdp R] [--no-reshard-after-forward]: the dp dim sharded with fully_shard.
+struct ShardingFlags {
+  int64_t fsdp = 0, hsdp = 1;
+  bool keep_after_forward = false;
+  CLI::Option* fsdp_flag = nullptr;
+
+  void add(CLI::App& app, CLI::Option* dp_flag) {
+    fsdp_flag = app.add_option("--fsdp", fsdp,
+                               "shard parameters, gradients and AdamW state over N data-parallel ranks "
+                               "(fully_shard; TP = world size / (N x hsdp))")
+                    ->check(CLI::PositiveNumber)
+                    ->excludes(dp_flag);
+    app.add_option("--hsdp", hsdp, "HSDP: R replicas of the --fsdp shards (a {replicate, shard, tp} mesh)")
+        ->capture_default_str()
+        ->check(CLI::PositiveNumber)
+        ->needs(fsdp_flag);
+    app.add_flag("--no-reshard-after-forward", keep_after_forward,
+                 "keep each block's gathered parameters from its forward to its backward")
+        ->needs(fsdp_flag);
+  }
+  void apply(llama3::TrainOptions& o) const {
+    if (fsdp == 0) return;
+    o.fully_shard(true).dp(fsdp * hsdp).hsdp_replicate(hsdp).reshard_after_forward(!keep_after_forward);
+  }
+};
+
 std::optional<llama3::TrainOptions> parse_flags(int argc, char** argv) {
   auto o = default_options();
+  ShardingFlags sharding;
   std::string preset = o.preset(), dtype = o.dtype(), mc2_scope = o.mc2_scope();
   int64_t steps = o.steps(), batch_size = o.batch_size(), chunks = o.mc2_chunks_per_rank(), dp = o.dp();
   std::optional<int64_t> seq_len;
@@ -55,9 +82,10 @@ std::optional<llama3::TrainOptions> parse_flags(int argc, char** argv) {
   app.add_option("--batch-size", batch_size, "sequences per step (the global batch, split over --dp)")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
-  app.add_option("--dp", dp, "data-parallel replicas (TP = world size / dp)")
-      ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+  auto* dp_flag = app.add_option("--dp", dp, "data-parallel replicas (TP = world size / dp)")
+                      ->capture_default_str()
+                      ->check(CLI::PositiveNumber);
+  sharding.add(app, dp_flag);
   app.add_option("--seq-len", seq_len, "tokens per sequence (default: the preset's)")
       ->check(CLI::PositiveNumber);
   app.add_option("--dtype", dtype, "parameter and activation dtype")
@@ -102,6 +130,7 @@ std::optional<llama3::TrainOptions> parse_flags(int argc, char** argv) {
   o.enable_sequence_parallel(!no_sp).enable_loss_parallel(loss_parallel);
   o.enable_mc2(mc2).mc2_scope(mc2_scope).relaxed_mc2_contract(relaxed).mc2_chunks_per_rank(chunks);
   o.checkpoint_dir(checkpoint_dir).checkpoint_every(checkpoint_every).resume(resume).async_checkpoint(async);
+  sharding.apply(o);
   return o;
 }
 

@@ -22,7 +22,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import model as llama  # noqa: E402
 from parallelize import parallelize_llama3  # noqa: E402
 
-from hyper_parallel import checkpoint, clip_grad_norm_, data_parallel, init_device_mesh, loss_parallel  # noqa: E402
+from hyper_parallel import (checkpoint, clip_grad_norm_, data_parallel, fully_shard, init_device_mesh,  # noqa: E402
+                            loss_parallel)
 from hyper_parallel.core import comm  # noqa: E402
 from hyper_parallel.core.tensor_parallel.mc2 import MC2Contract  # noqa: E402
 
@@ -39,6 +40,11 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, default=d["batch_size"],
                    help="sequences per step (the global batch, split over --dp)")
     p.add_argument("--dp", type=int, default=d["dp"], help="data-parallel replicas (TP = world size / dp)")
+    p.add_argument("--fsdp", type=int, default=0,
+                   help="shard parameters, gradients and AdamW state over N data-parallel ranks (fully_shard)")
+    p.add_argument("--hsdp", type=int, default=1, help="HSDP: R replicas of the --fsdp shards")
+    p.add_argument("--no-reshard-after-forward", action="store_true",
+                   help="keep each block's gathered parameters from its forward to its backward")
     p.add_argument("--dtype", default=d["dtype"], choices=["fp32", "bf16"])
     p.add_argument("--lr", type=float, default=d["lr"], help="AdamW learning rate")
     p.add_argument("--seed", type=int, default=d["seed"], help="weights and data")
@@ -60,23 +66,42 @@ def parse_args(argv=None):
         p.error("--checkpoint-every, --resume and --async-checkpoint need --checkpoint-dir")
     if args.mc2_scope != "ffn" and not args.enable_mc2:
         p.error("--mc2-scope needs --enable-mc2")
+    if args.fsdp:
+        if args.dp != d["dp"]:
+            p.error("--dp replicates and --fsdp shards the data-parallel dim: pass one of them")
+        args.dp = args.fsdp * args.hsdp
+    elif args.hsdp != 1 or args.no_reshard_after_forward:
+        p.error("--hsdp and --no-reshard-after-forward need --fsdp")
     if args.dp < 1 or args.batch_size % args.dp:
         p.error(f"--batch-size ({args.batch_size}) must be divisible by --dp ({args.dp})")
     return args
 
 
 def make_meshes(args):
-    """The TP mesh (the whole world, or mesh["tp"] of a {dp, tp} mesh) and the dp mesh or None."""
+    """The TP mesh (the whole world, or mesh["tp"] of a {dp, tp} mesh) and the dp mesh or None
+    (with --hsdp, the {replicate, shard} mesh of a {replicate, shard, tp} one)."""
     world = dist.get_world_size()
     if world % args.dp:
         raise ValueError(f"train.py: expected --dp to divide the world size ({world}), got {args.dp}")
-    if args.dp == 1:
+    if args.dp == 1 and not args.fsdp:
         return init_device_mesh("cpu", (world,), mesh_dim_names=("tp",)), None
+    if args.hsdp > 1:
+        mesh = init_device_mesh("cpu", (args.hsdp, args.fsdp, world // args.dp),
+                                mesh_dim_names=("replicate", "shard", "tp"))
+        return mesh["tp"], mesh[("replicate", "shard")]
     mesh = init_device_mesh("cpu", (args.dp, world // args.dp), mesh_dim_names=("dp", "tp"))
     return mesh["tp"], mesh["dp"]
 
 
-def build(args, mesh):
+def replica_of(dp_mesh) -> int:
+    """This rank's data-parallel replica, 0 .. dp - 1 (row-major over the dp mesh's dims)."""
+    index = 0
+    for size, coordinate in zip(dp_mesh.shape, dp_mesh.get_coordinate()):
+        index = index * size + coordinate
+    return index
+
+
+def build(args, mesh, dp_mesh=None):
     """The model (full weights from the seed on every rank, then the plan) and its AdamW."""
     model_args = llama.ModelArgs.from_preset(args.preset)
     torch.manual_seed(args.seed)
@@ -84,6 +109,10 @@ def build(args, mesh):
     parallelize_llama3(model, mesh, enable_sequence_parallel=not args.no_sequence_parallel,
                        enable_loss_parallel=args.loss_parallel, enable_mc2=args.enable_mc2, mc2_scope=args.mc2_scope,
                        mc2_contract=MC2Contract.relaxed() if args.relaxed_mc2_contract else None)
+    if args.fsdp:  # bottom-up, as torchtitan: each block, then the root
+        for layer in model.layers:
+            fully_shard(layer, mesh=dp_mesh, reshard_after_forward=not args.no_reshard_after_forward)
+        fully_shard(model, mesh=dp_mesh, reshard_after_forward=not args.no_reshard_after_forward)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
     return model, optimizer
 
@@ -96,7 +125,7 @@ def train_step(args, model, optimizer, step, dp_mesh=None):
     batch = llama.synthetic_batch(args.seed, step, args.batch_size, a.max_seq_len, a.vocab_size)
     if dp_mesh is not None:  # this replica's rows of the global batch
         rows = args.batch_size // args.dp
-        batch = batch[dp_mesh.get_local_rank(0) * rows:][:rows]
+        batch = batch[replica_of(dp_mesh) * rows:][:rows]
     inputs, targets = batch[:, :a.max_seq_len], batch[:, 1:]
     optimizer.zero_grad()
     logits = model(inputs)
@@ -110,7 +139,8 @@ def train_step(args, model, optimizer, step, dp_mesh=None):
     optimizer.step()
     loss = loss.detach().float().reshape(1)
     if dp_mesh is not None:  # the replicas' mean losses averaged, as llama3_train does
-        loss = comm.all_reduce(loss, comm.ReduceOp.AVG, dp_mesh.get_group(0))
+        for dim in range(dp_mesh.ndim):
+            loss = comm.all_reduce(loss, comm.ReduceOp.AVG, dp_mesh.get_group(dim))
     return loss.item(), grad_norm.item()
 
 
@@ -118,12 +148,13 @@ def train(args):
     """Runs the steps this launch owns; returns [(step, loss)]."""
     rank = dist.get_rank()
     mesh, dp_mesh = make_meshes(args)
-    model, optimizer = build(args, mesh)
-    if dp_mesh is not None:
+    model, optimizer = build(args, mesh, dp_mesh)
+    if dp_mesh is not None and not args.fsdp:
         data_parallel(model, dp_mesh)
     log = rank == 0
     if log:
-        print(f"llama3 (Python) {args.preset}, DP {args.dp}, TP {mesh.size(0)}, SP {'off' if args.no_sequence_parallel else 'on'}, "
+        dp_mode = "" if not args.fsdp else f" (HSDP {args.hsdp} x {args.fsdp})" if args.hsdp > 1 else " (fully_shard)"
+        print(f"llama3 (Python) {args.preset}, DP {args.dp}{dp_mode}, TP {mesh.size(0)}, SP {'off' if args.no_sequence_parallel else 'on'}, "
               f"MC2 {'on (' + args.mc2_scope + ')' if args.enable_mc2 else 'off'}, loss parallel "
               f"{'on' if args.loss_parallel else 'off'}, {args.dtype}, batch {args.batch_size}", flush=True)
     first = resume(args, model, optimizer, log)

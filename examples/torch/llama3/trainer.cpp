@@ -12,6 +12,7 @@
 #include <hyper_parallel/core/comm.h>
 #include <hyper_parallel/core/data_parallel.h>
 #include <hyper_parallel/core/dtensor.h>
+#include <hyper_parallel/core/fully_shard.h>
 #include <hyper_parallel/core/tensor_parallel.h>
 
 #include "parallelize.h"
@@ -38,11 +39,27 @@ struct Run {
   int64_t seq_len = 0;
   at::ScalarType dtype = at::kFloat;
   hp::dtensor::DeviceMesh mesh;  // tensor parallel: the whole world, or mesh["tp"] of {dp, tp}
-  std::optional<hp::dtensor::DeviceMesh> dp_mesh;  // with dp > 1
+  std::optional<hp::dtensor::DeviceMesh> dp_mesh;  // with dp > 1: replicated (data_parallel) or sharded
   bool log = false;
+
+  // The replicas' groups (dp, or replicate and shard) and this rank's replica, 0 .. dp - 1.
+  std::vector<hp::comm::Group> replica_groups() const {
+    if (!dp_mesh) return {};
+    std::vector<hp::comm::Group> out;
+    for (int64_t d = 0; d < dp_mesh->ndim(); ++d) out.push_back(dp_mesh->get_group(d));
+    return out;
+  }
+  int64_t replica() const {
+    if (!dp_mesh) return 0;
+    int64_t index = 0;
+    for (int64_t d = 0; d < dp_mesh->ndim(); ++d)
+      index = index * dp_mesh->size(d) + dp_mesh->get_local_rank(d);
+    return index;
+  }
 };
 
-// {tp} over the world, or {dp, tp} with dp > 1 (the TP groups are consecutive ranks).
+// {tp} over the world, or {dp, tp} with dp > 1 (the TP groups are consecutive ranks); with
+// HSDP {replicate, shard, tp}, the dp mesh being its {replicate, shard}.
 std::pair<hp::dtensor::DeviceMesh, std::optional<hp::dtensor::DeviceMesh>> make_meshes(
     const TrainOptions& o) {
   const int64_t world = hp::comm::world_size();
@@ -50,8 +67,17 @@ std::pair<hp::dtensor::DeviceMesh, std::optional<hp::dtensor::DeviceMesh>> make_
                     "llama3::train: expected dp to divide the world size (", world, "), got ", o.dp());
   TORCH_CHECK_VALUE(o.batch_size() % o.dp() == 0, "llama3::train: expected batch_size divisible by dp (",
                     o.dp(), "), got ", o.batch_size());
-  if (o.dp() == 1 || o.reference())
+  const int64_t replicate = o.hsdp_replicate();
+  TORCH_CHECK_VALUE(replicate == 1 || (o.fully_shard() && replicate >= 1 && o.dp() % replicate == 0),
+                    "llama3::train: expected hsdp_replicate 1, or with fully_shard a divisor of dp (", o.dp(),
+                    "), got ", replicate);
+  if (o.reference() || (o.dp() == 1 && !o.fully_shard()))
     return {hp::dtensor::init_device_mesh("cpu", {world}, {"tp"}), std::nullopt};
+  if (replicate > 1) {
+    auto mesh = hp::dtensor::init_device_mesh("cpu", {replicate, o.dp() / replicate, world / o.dp()},
+                                              {"replicate", "shard", "tp"});
+    return {mesh["tp"], mesh[std::vector<std::string>{"replicate", "shard"}]};
+  }
   auto mesh = hp::dtensor::init_device_mesh("cpu", {o.dp(), world / o.dp()}, {"dp", "tp"});
   return {mesh["tp"], mesh["dp"]};
 }
@@ -93,21 +119,36 @@ Transformer build_model(const Run& run) {
           .mc2_contract(contract)
           .mc2_options(hp::tensor_parallel::MC2Options().chunks_per_rank(o.mc2_chunks_per_rank()))
           .seq_len(run.seq_len));
+  if (o.fully_shard()) {
+    // Bottom-up, as torchtitan: each block, then the root (embedding, norm, output).
+    const auto options = hp::fully_shard::FullyShardOptions()
+                             .mesh(*run.dp_mesh)
+                             .reshard_after_forward(o.reshard_after_forward());
+    for (const auto& block : *model->layers) hp::fully_shard::fully_shard(*block, options);
+    hp::fully_shard::fully_shard(*model, options);
+  }
   return model;
 }
 
 void print_banner(const Run& run) {
   const auto& o = run.options;
   const int64_t tp_size = o.reference() ? 1 : run.mesh.size(0);
-  const int64_t dp_size = run.dp_mesh ? run.dp_mesh->size(0) : 1;
+  const int64_t dp_size = run.dp_mesh ? o.dp() : 1;
   const std::string mc2 = o.enable_mc2() && !o.reference() ? "on (" + o.mc2_scope() + ")" : "off";
+  const std::string dp_mode = !o.fully_shard() ? ""
+                              : o.hsdp_replicate() > 1
+                                  ? " (HSDP " + std::to_string(o.hsdp_replicate()) + " x " +
+                                        std::to_string(o.dp() / o.hsdp_replicate()) + ")"
+                                  : " (fully_shard)";
   std::printf(
-      "llama3 %s: %lld layers, dim %lld, DP %lld, TP %lld, SP %s, MC2 %s, loss parallel %s, %s, batch %lld x "
+      "llama3 %s: %lld layers, dim %lld, DP %lld%s, TP %lld, SP %s, MC2 %s, loss parallel %s, %s, batch %lld "
+      "x "
       "seq %lld\n",
       o.model_args() ? "custom" : o.preset().c_str(), static_cast<long long>(run.args.n_layers),
-      static_cast<long long>(run.args.dim), static_cast<long long>(dp_size), static_cast<long long>(tp_size),
-      o.enable_sequence_parallel() ? "on" : "off", mc2.c_str(), o.enable_loss_parallel() ? "on" : "off",
-      o.dtype().c_str(), static_cast<long long>(o.batch_size()), static_cast<long long>(run.seq_len));
+      static_cast<long long>(run.args.dim), static_cast<long long>(dp_size), dp_mode.c_str(),
+      static_cast<long long>(tp_size), o.enable_sequence_parallel() ? "on" : "off", mc2.c_str(),
+      o.enable_loss_parallel() ? "on" : "off", o.dtype().c_str(), static_cast<long long>(o.batch_size()),
+      static_cast<long long>(run.seq_len));
   std::fflush(stdout);
 }
 
@@ -139,8 +180,8 @@ StepResult train_step(const Run& run, TransformerImpl& model, torch::optim::Adam
   const auto t0 = std::chrono::steady_clock::now();
   auto batch = synthetic_batch(o.seed(), step, o.batch_size(), run.seq_len, run.args.vocab_size);
   if (run.dp_mesh) {  // this replica's rows of the global batch
-    const int64_t rows = o.batch_size() / run.dp_mesh->size(0);
-    batch = batch.narrow(0, run.dp_mesh->get_local_rank(0) * rows, rows);
+    const int64_t rows = o.batch_size() / o.dp();
+    batch = batch.narrow(0, run.replica() * rows, rows);
   }
   auto inputs = batch.narrow(1, 0, run.seq_len), targets = batch.narrow(1, 1, run.seq_len);
   optimizer.zero_grad();
@@ -157,8 +198,9 @@ StepResult train_step(const Run& run, TransformerImpl& model, torch::optim::Adam
   optimizer.step();
   // The global batch's loss: the replicas' mean losses averaged (float32, deterministic).
   auto global_loss = loss.detach().to(at::kFloat).reshape({1});
-  if (run.dp_mesh)
-    global_loss = hp::comm::all_reduce(global_loss, hp::comm::ReduceOp::kAvg, run.dp_mesh->get_group(0));
+  for (const auto& group : run.replica_groups()) {
+    global_loss = hp::comm::all_reduce(global_loss, hp::comm::ReduceOp::kAvg, group);
+  }
   const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   return {step, global_loss.item<double>(), grad_norm, ms,
           1000.0 * static_cast<double>(o.batch_size() * run.seq_len) / ms};
@@ -201,7 +243,7 @@ std::vector<StepResult> train(const TrainOptions& options,
   const Run run = make_run(options);
   auto model = build_model(run);
   std::shared_ptr<hp::data_parallel::GradientReducer> reducer;  // averages gradients over dp
-  if (run.dp_mesh) reducer = hp::data_parallel::data_parallel(*model, *run.dp_mesh);
+  if (run.dp_mesh && !options.fully_shard()) reducer = hp::data_parallel::data_parallel(*model, *run.dp_mesh);
   torch::optim::AdamW optimizer(
       model->parameters(),
       torch::optim::AdamWOptions(options.lr()).weight_decay(options.weight_decay()).betas({0.9, 0.95}));

@@ -24,6 +24,16 @@ struct TrainOptions {
   /// Data-parallel replicas (TP = world size / dp): a {dp, tp} mesh, the plan on mesh["tp"],
   /// gradients averaged over mesh["dp"] during the backward (data_parallel).
   TORCH_ARG(int64_t, dp) = 1;
+  /// Shard the dp dim with fully_shard (FSDP: parameters, gradients and AdamW state sharded;
+  /// each block, then the root) instead of replicating it with data_parallel.
+  TORCH_ARG(bool, fully_shard) = false;
+  /// With fully_shard: HSDP with this many replicas of dp / hsdp_replicate shards each, on a
+  /// {replicate, shard, tp} mesh (gradients reduce-scattered over shard, all-reduced over
+  /// replicate).
+  TORCH_ARG(int64_t, hsdp_replicate) = 1;
+  /// With fully_shard: free the gathered parameters after each block's forward (gathered again
+  /// for its backward); false keeps them to the end of the backward.
+  TORCH_ARG(bool, reshard_after_forward) = true;
   TORCH_ARG(std::optional<int64_t>, seq_len) = std::nullopt;  // default: the preset's max_seq_len
   TORCH_ARG(std::string, dtype) = "fp32";                     // "fp32" or "bf16"
   TORCH_ARG(double, lr) = 1e-3;

@@ -1,6 +1,8 @@
 #include <hyper_parallel/core/dtensor/device_mesh.h>
 
+#include <algorithm>
 #include <numeric>
+#include <optional>
 #include <sstream>
 
 #include <c10/util/ArrayRef.h>
@@ -15,6 +17,9 @@ struct DeviceMesh::Impl {
   std::vector<std::string> dim_names;
   std::vector<int64_t> coordinate;  // of this rank; empty if not in the mesh
   std::vector<comm::Group> groups;  // one per mesh dim
+  // A sub-mesh's mesh (null: this is one) and the dims of it that this mesh's dims are.
+  std::shared_ptr<const Impl> root;
+  std::vector<int64_t> root_dims;
 };
 
 namespace {
@@ -157,22 +162,75 @@ int64_t DeviceMesh::get_local_rank(int64_t mesh_dim) const {
   return coordinate()[normalize_mesh_dim("get_local_rank", mesh_dim)];
 }
 
-DeviceMesh DeviceMesh::operator[](const std::string& name) const {
-  const int64_t d = dim_index(name);
+DeviceMesh DeviceMesh::operator[](const std::string& name) const { return sub_mesh({dim_index(name)}); }
+
+DeviceMesh DeviceMesh::operator[](const std::vector<std::string>& names) const {
+  std::vector<int64_t> dims;
+  for (const auto& name : names) dims.push_back(dim_index(name));
+  return sub_mesh(dims);
+}
+
+DeviceMesh DeviceMesh::sub_mesh(const std::vector<int64_t>& dims_in) const {
+  std::vector<int64_t> dims;
+  for (int64_t d : dims_in) {
+    const int64_t n = normalize_mesh_dim("sub_mesh", d);
+    TORCH_CHECK_VALUE(std::find(dims.begin(), dims.end(), n) == dims.end(),
+                      "DeviceMesh::sub_mesh: expected distinct mesh dims, got ", c10::IntArrayRef(dims_in));
+    dims.push_back(n);
+  }
+  TORCH_CHECK_VALUE(!dims.empty(), "DeviceMesh::sub_mesh: expected at least one mesh dim, got none");
   const auto& coord = coordinate();
+  const auto strides = strides_of(impl_->shape);
   auto sub = std::make_shared<Impl>();
   sub->device_type = impl_->device_type;
-  sub->shape = {impl_->shape[d]};
-  sub->dim_names = {name};
-  sub->coordinate = {coord[d]};
-  sub->groups = {impl_->groups[d]};
-  const auto strides = strides_of(impl_->shape);
-  int64_t start = 0;
+  // This rank's line: the other dims stay at this rank's coordinate.
+  int64_t base = 0;
   for (int64_t i = 0; i < ndim(); ++i) {
-    if (i != d) start += coord[i] * strides[i];
+    if (std::find(dims.begin(), dims.end(), i) == dims.end()) base += coord[i] * strides[i];
   }
-  for (int64_t k = 0; k < impl_->shape[d]; ++k) sub->ranks.push_back(impl_->ranks[start + k * strides[d]]);
+  for (int64_t d : dims) {
+    sub->shape.push_back(impl_->shape[d]);
+    if (!impl_->dim_names.empty()) sub->dim_names.push_back(impl_->dim_names[d]);
+    sub->coordinate.push_back(coord[d]);
+    sub->groups.push_back(impl_->groups[d]);
+    sub->root_dims.push_back(impl_->root ? impl_->root_dims[d] : d);
+  }
+  const auto sub_strides = strides_of(sub->shape);
+  const int64_t numel =
+      std::accumulate(sub->shape.begin(), sub->shape.end(), int64_t{1}, std::multiplies<>());
+  for (int64_t k = 0; k < numel; ++k) {
+    int64_t index = base;
+    for (size_t j = 0; j < dims.size(); ++j) index += (k / sub_strides[j]) % sub->shape[j] * strides[dims[j]];
+    sub->ranks.push_back(impl_->ranks[index]);
+  }
+  sub->root = impl_->root ? impl_->root : impl_;
   return DeviceMesh(std::shared_ptr<const Impl>(std::move(sub)));
+}
+
+std::shared_ptr<const DeviceMesh::Impl> DeviceMesh::root_impl() const {
+  return impl_->root ? impl_->root : impl_;
+}
+
+std::vector<int64_t> DeviceMesh::root_dims() const {
+  if (impl_->root) return impl_->root_dims;
+  std::vector<int64_t> all(impl_->shape.size());
+  std::iota(all.begin(), all.end(), 0);
+  return all;
+}
+
+bool DeviceMesh::operator==(const DeviceMesh& other) const {
+  return impl_ == other.impl_ || (root_impl() == other.root_impl() && root_dims() == other.root_dims() &&
+                                  impl_->coordinate == other.impl_->coordinate);
+}
+
+std::optional<DeviceMesh> DeviceMesh::concatenate(const DeviceMesh& outer, const DeviceMesh& inner) {
+  if (outer.root_impl() != inner.root_impl()) return std::nullopt;
+  auto dims = outer.root_dims();
+  for (int64_t d : inner.root_dims()) {
+    if (std::find(dims.begin(), dims.end(), d) != dims.end()) return std::nullopt;
+    dims.push_back(d);
+  }
+  return DeviceMesh(outer.root_impl()).sub_mesh(dims);
 }
 
 std::string DeviceMesh::str() const {

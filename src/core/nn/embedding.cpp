@@ -22,7 +22,8 @@ at::Tensor EmbeddingImpl::forward(const at::Tensor& input) {
   TORCH_CHECK(!at::isFloatingType(ids.scalar_type()), "nn::Embedding: expected integer ids, got ",
               ids.scalar_type());
   const auto& kernel = forward_kernel();
-  auto y = kernel ? kernel->forward(ids, weight, at::Tensor()) : at::embedding(weight, ids);
+  const auto w = parameter("weight", weight);
+  auto y = kernel ? kernel->forward(ids, w, at::Tensor()) : at::embedding(w, ids);
   return run_output_hooks(y);
 }
 

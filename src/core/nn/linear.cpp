@@ -29,7 +29,8 @@ at::Tensor LinearImpl::forward(const at::Tensor& input) {
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == weight.size(1), "nn::Linear: expected input [..., ",
               weight.size(1), "], got ", x.sizes());
   const auto& kernel = forward_kernel();
-  auto y = kernel ? kernel->forward(x, weight, bias) : nn::linear(x, weight, bias);
+  const auto w = parameter("weight", weight), b = parameter("bias", bias);
+  auto y = kernel ? kernel->forward(x, w, b) : nn::linear(x, w, b);
   return run_output_hooks(y);
 }
 

@@ -17,7 +17,7 @@ at::Tensor RMSNormImpl::forward(const at::Tensor& input) {
               options.dim(), "], got ", x.sizes());
   auto x32 = x.to(at::kFloat);
   auto normed = x32 * at::rsqrt(x32.pow(2).mean(-1, /*keepdim=*/true) + options.eps());
-  return run_output_hooks(normed.to(x.scalar_type()) * weight);
+  return run_output_hooks(normed.to(x.scalar_type()) * parameter("weight", weight));
 }
 
 void RMSNormImpl::pretty_print(std::ostream& stream) const {

@@ -34,12 +34,48 @@ bool is_sharded(const std::optional<nn::ParameterLayout>& layout) {
   return false;
 }
 
+// Squared gradient norms summed over the ranks that hold different pieces of the same
+// parameters: per (mesh, set of mesh dims that shard), the local sums all-reduced over each of
+// those dims once (a Replicate dim holds copies: no sum over it).
+struct ShardedSums {
+  struct Bucket {
+    dtensor::DeviceMesh mesh;
+    std::vector<int64_t> dims;
+    at::Tensor sum;
+  };
+  std::vector<Bucket> buckets;
+
+  void add(const nn::ParameterLayout& layout, const at::Tensor& sq) {
+    std::vector<int64_t> dims;
+    for (size_t d = 0; d < layout.placements.size(); ++d) {
+      if (!layout.placements[d].is_replicate()) dims.push_back(static_cast<int64_t>(d));
+    }
+    for (auto& b : buckets) {
+      if (b.mesh == layout.mesh && b.dims == dims) {
+        b.sum += sq;
+        return;
+      }
+    }
+    buckets.push_back({layout.mesh, dims, sq.clone()});
+  }
+
+  at::Tensor total() const {
+    auto out = at::zeros({}, at::kDouble);
+    for (const auto& b : buckets) {
+      auto s = b.sum;
+      for (int64_t d : b.dims)
+        s = comm::all_reduce(s.reshape({1}), comm::ReduceOp::kSum, b.mesh.get_group(d));
+      out += s.reshape({});
+    }
+    return out;
+  }
+};
+
 double clip(const std::vector<Entry>& params, double max_norm) {
   TORCH_CHECK_VALUE(max_norm > 0, "clip_grad_norm_: expected max_norm > 0, got ", max_norm);
   // Squared norms summed as tensors; one .item() at the end, not one per parameter.
-  at::Tensor replicated_sq = at::zeros({1}, at::kDouble);
-  at::Tensor sharded_sq = at::zeros({1}, at::kDouble);
-  std::optional<dtensor::DeviceMesh> mesh;
+  at::Tensor replicated_sq = at::zeros({}, at::kDouble);
+  ShardedSums sharded;
   std::vector<at::Tensor> grads;
   for (const auto& e : params) {
     const auto& g = e.param.grad();
@@ -47,17 +83,12 @@ double clip(const std::vector<Entry>& params, double max_norm) {
     grads.push_back(g);
     const auto sq = g.to(at::kDouble).pow(2).sum();
     if (is_sharded(e.layout)) {
-      TORCH_CHECK(!mesh || *mesh == e.layout->mesh,
-                  "clip_grad_norm_: expected every sharded parameter on one mesh, got ", e.name,
-                  " on another");
-      mesh = e.layout->mesh;
-      sharded_sq += sq;
+      sharded.add(*e.layout, sq);
     } else {
       replicated_sq += sq;
     }
   }
-  if (mesh) sharded_sq = comm::all_reduce(sharded_sq, comm::ReduceOp::kSum, mesh->get_group(0));
-  const double norm = std::sqrt((replicated_sq + sharded_sq).item<double>());
+  const double norm = std::sqrt((replicated_sq + sharded.total()).item<double>());
   const double scale = max_norm / (norm + 1e-6);
   if (scale < 1) {
     at::NoGradGuard no_grad;
@@ -88,6 +119,13 @@ double clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_nor
 
 at::Tensor full_tensor(const at::Tensor& param) {
   return full_value(param, nn::recorded_layout(param)).clone();
+}
+
+at::Tensor full_tensor(const at::Tensor& param, const at::Tensor& value) {
+  TORCH_CHECK_VALUE(value.defined() && value.sizes() == param.sizes(),
+                    "full_tensor: expected a value of the parameter's local shape ", param.sizes(), ", got ",
+                    value.defined() ? value.sizes() : c10::IntArrayRef{});
+  return full_value(value, nn::recorded_layout(param)).clone();
 }
 
 std::vector<std::pair<std::string, at::Tensor>> full_named_parameters(torch::nn::Module& module,

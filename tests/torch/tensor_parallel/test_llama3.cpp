@@ -81,6 +81,27 @@ TEST(Llama3, DataParallelTimesTensorParallelEqualsSingleProcess) {
   }
 }
 
+// fully_shard over the dp dim (each block, then the root): parameters, gradients and AdamW state
+// sharded; trains like the single-process model, with the gathered parameters freed after each
+// block's forward or kept, with loss parallel and MC2 on every layer (TP 2 at 4 ranks), and as
+// HSDP (2 replicas of 2 shards at 4 ranks); bitwise run to run.
+TEST(Llama3, FullyShardTimesTensorParallelEqualsSingleProcess) {
+  const auto fsdp = llama3::TrainOptions().dp(2).fully_shard(true);
+  expect_same_training(fsdp);
+  expect_same_training(llama3::TrainOptions(fsdp).reshard_after_forward(false));
+  auto [first, g1] = run(fsdp);
+  auto [second, g2] = run(fsdp);
+  for (size_t i = 0; i < first.size(); ++i) EXPECT_EQ(first[i].loss, second[i].loss) << "step " << i + 1;
+  if (hp_test::world_size() == 4) {
+    expect_same_training(llama3::TrainOptions(fsdp)
+                             .enable_loss_parallel(true)
+                             .enable_mc2(true)
+                             .mc2_scope("all")
+                             .relaxed_mc2_contract(true));
+    expect_same_training(llama3::TrainOptions().dp(4).fully_shard(true).hsdp_replicate(2));
+  }
+}
+
 TEST(Llama3, DataParallelRejectsDegreesThatDoNotDivide) {
   HP_EXPECT_THROW_MSG(llama3::train(llama3::TrainOptions().dp(3).steps(1).log(false)),
                       "llama3::train: expected dp to divide the world size (" +

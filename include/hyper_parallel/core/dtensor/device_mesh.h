@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -54,15 +55,28 @@ class DeviceMesh {
   const std::vector<int64_t>& ranks() const;
   /// The 1-d mesh along the dim called `name` that contains this rank (no new groups).
   DeviceMesh operator[](const std::string& name) const;
+  /// The mesh along the dims called `names`, in that order, that contains this rank (no new
+  /// groups), e.g. mesh[{"replicate", "shard"}] of a {replicate, shard, tp} mesh.
+  DeviceMesh operator[](const std::vector<std::string>& names) const;
+  /// The same by dim index; `dims` in any order (all of them: the mesh with its dims permuted).
+  DeviceMesh sub_mesh(const std::vector<int64_t>& dims) const;
+  /// The mesh whose dims are `outer`'s then `inner`'s, when both are sub-meshes of one mesh
+  /// (init_device_mesh's, sliced) along distinct dims; nullopt otherwise. Placements on it nest
+  /// in that order: e.g. fully_shard's Shard(0) over dp applies to a parameter's TP shard.
+  static std::optional<DeviceMesh> concatenate(const DeviceMesh& outer, const DeviceMesh& inner);
 
-  bool operator==(const DeviceMesh& other) const { return impl_ == other.impl_; }
-  bool operator!=(const DeviceMesh& other) const { return impl_ != other.impl_; }
+  /// The same ranks along the same dims of one mesh (a slice made twice is equal to itself).
+  bool operator==(const DeviceMesh& other) const;
+  bool operator!=(const DeviceMesh& other) const { return !(*this == other); }
   std::string str() const;
 
  private:
   struct Impl;
   explicit DeviceMesh(std::shared_ptr<const Impl> impl) : impl_(std::move(impl)) {}
   int64_t normalize_mesh_dim(const char* fn, int64_t mesh_dim) const;
+  // The mesh this one is a sub-mesh of (itself if none), and the dims of it this one's are.
+  std::shared_ptr<const Impl> root_impl() const;
+  std::vector<int64_t> root_dims() const;
   std::shared_ptr<const Impl> impl_;
 };
 

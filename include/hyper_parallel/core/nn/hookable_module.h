@@ -52,6 +52,13 @@ class HookableModule {
 
   /// Linear / Embedding only: replaces how forward computes from input and parameters.
   void set_forward_kernel(std::shared_ptr<ForwardKernel> kernel) { kernel_ = std::move(kernel); }
+
+  /// The tensor forward uses for a parameter: given its name and the registered tensor, returns
+  /// the one to compute with (e.g. fully_shard's gathered parameter for a sharded one). One per
+  /// module; empty: the registered tensor itself.
+  using ParameterView = std::function<at::Tensor(const std::string& name, const at::Tensor& registered)>;
+  void set_parameter_view(ParameterView view) { parameter_view_ = std::move(view); }
+  bool has_parameter_view() const { return static_cast<bool>(parameter_view_); }
   const std::shared_ptr<ForwardKernel>& forward_kernel() const { return kernel_; }
 
   void set_parameter_layout(const std::string& name, ParameterLayout layout) {
@@ -88,11 +95,16 @@ class HookableModule {
   at::Tensor run_output_hooks(at::Tensor output) const {
     return output_hooks_.empty() ? output : run_output_hooks(std::vector<at::Tensor>{std::move(output)})[0];
   }
+  /// Call in forward for each parameter it reads (an undefined one stays undefined).
+  at::Tensor parameter(const std::string& name, const at::Tensor& registered) const {
+    return parameter_view_ && registered.defined() ? parameter_view_(name, registered) : registered;
+  }
 
  private:
   std::vector<InputHook> input_hooks_;
   std::vector<OutputHook> output_hooks_;
   std::shared_ptr<ForwardKernel> kernel_;
+  ParameterView parameter_view_;
   std::map<std::string, ParameterLayout> layouts_;
   std::vector<std::string> styles_;
 };

@@ -25,6 +25,8 @@ double clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_nor
 /// `param`'s full value: gathered over its recorded layout's mesh (collective over it), or a
 /// copy of `param` if it is not sharded.
 at::Tensor full_tensor(const at::Tensor& param);
+/// The full value of `value`, a tensor laid out as `param` (e.g. its .grad()). Collective.
+at::Tensor full_tensor(const at::Tensor& param, const at::Tensor& value);
 
 /// Every parameter (or its gradient) as the full, unsharded tensor, by fully qualified name.
 /// Collective for sharded parameters: all ranks call it.

@@ -28,9 +28,10 @@ def layout_of(param: torch.Tensor) -> Optional[ParameterLayout]:
     return ParameterLayout(mesh, tuple(as_python(p) for p in placements), tuple(shape))
 
 
-def full_tensor(param: torch.Tensor) -> torch.Tensor:
-    """The full value of ``param`` (gathered over its mesh: collective), or a copy if unsharded."""
-    return _C.full_tensor(param)
+def full_tensor(param: torch.Tensor, value: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The full value of ``param`` (gathered over its mesh: collective), or a copy if unsharded;
+    with ``value`` (e.g. ``param.grad``), the full value of that tensor laid out as ``param``."""
+    return _C.full_tensor(param, value)
 
 
 def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:

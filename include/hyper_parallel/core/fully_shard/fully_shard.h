@@ -1,0 +1,73 @@
+#pragma once
+// fully_shard: sharded data parallelism (PyTorch FSDP2's and HyperParallel's semantics) over the
+// data-parallel dim of a mesh, composed with tensor parallelism over another dim of it.
+//
+// fully_shard(module) makes one ParamGroup (param_group.h) of the parameters of `module` and its
+// descendants that no earlier fully_shard call took, so it is applied bottom-up: each block,
+// then the root for what is left. Each parameter keeps only this rank's dim-0 piece; before a
+// managed module computes, the group's pieces are gathered (one all-gather), and the gradient
+// flows back into the pieces through one reduce-scatter per group, averaged over the
+// data-parallel ranks. The modules must be this library's (hyper_parallel::nn Linear, Embedding,
+// RMSNorm): their forward reads parameters through the hook fully_shard fills
+// (HookableModule::set_parameter_view), so the model's code does not change.
+//
+// Usage (2-D: FSDP over dp, TP over tp):
+//   auto mesh = init_device_mesh("cpu", {2, 2}, {"dp", "tp"});
+//   parallelize_module(*model, mesh["tp"], plan);                 // TP first
+//   for (auto& block : *model->layers) fully_shard(*block, FullyShardOptions().mesh(mesh["dp"]));
+//   fully_shard(*model, FullyShardOptions().mesh(mesh["dp"]));
+//   torch::optim::AdamW optimizer(model->parameters(), ...);      // steps on the shards
+
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include <hyper_parallel/core/fully_shard/options.h>
+#include <hyper_parallel/core/fully_shard/param_group.h>
+
+namespace torch::nn {
+class Module;
+}
+
+namespace hyper_parallel::fully_shard {
+
+/// The handle of a module fully_shard was applied to.
+class FSDPModule {
+ public:
+  /// The handle of `module`, or nullopt if fully_shard was not applied to it.
+  static std::optional<FSDPModule> of(torch::nn::Module& module);
+
+  /// Gathers this module's parameters now (not recursive). Collective.
+  void unshard() const;
+  /// Frees them (not recursive).
+  void reshard() const;
+  /// false: the backward keeps adding the gathered gradients up, without communication; the next
+  /// backward with sync on reduce-scatters the sum. `recurse`: for the managed modules below too.
+  void set_requires_gradient_sync(bool sync, bool recurse = true) const;
+  void set_reshard_after_forward(bool reshard, bool recurse = true) const;
+  /// Multiplies this module's reduced gradients (after the average over the dp ranks).
+  void set_gradient_scaling_factor(double factor) const;
+  /// The modules whose parameters are gathered as soon as this one's are, in forward / in its
+  /// backward (before they are needed).
+  void set_modules_to_forward_prefetch(const std::vector<FSDPModule>& modules) const;
+  void set_modules_to_backward_prefetch(const std::vector<FSDPModule>& modules) const;
+  /// Drops the .grad of every parameter this module (and those below it) manages.
+  void zero_grad() const;
+  /// This module's own group; nullptr when nested calls took all its parameters.
+  ParamGroup* group() const;
+
+  struct State;
+
+ private:
+  explicit FSDPModule(std::shared_ptr<State> state) : state_(std::move(state)) {}
+  friend FSDPModule fully_shard(torch::nn::Module&, const FullyShardOptions&);
+  std::shared_ptr<State> state_;
+};
+
+/// Shards `module`'s parameters that no earlier call took over `options.mesh()` and installs the
+/// gathering and reducing hooks on the modules that own them. A c10::ValueError if a parameter
+/// belongs to a module without hook points, if `module` is already managed, or for the
+/// options ParamGroup refuses. Collective over the mesh.
+FSDPModule fully_shard(torch::nn::Module& module, const FullyShardOptions& options = {});
+
+}  // namespace hyper_parallel::fully_shard

@@ -1,0 +1,90 @@
+#pragma once
+// The parameters one fully_shard call manages, sharded together over the data-parallel mesh.
+//
+// Each parameter is cut on dim 0 into torch.chunk pieces over the mesh's shard dim; this rank
+// keeps its piece (possibly empty) as the parameter's data, so the optimizer steps on shards and
+// its state is sharded too. A forward gathers the group in one all-gather (each rank's pieces,
+// padded to the chunk size, in one flat buffer), into buffers whose storage is freed when the
+// group is resharded; a backward reduce-scatters the group's gradients in one message into the
+// shards' .grad (averaged over the data-parallel ranks), after an all-reduce over the replicate
+// dim for HSDP.
+//
+// Unfused meaning:                        W_i = all_gather(shard_i, dim 0)      for every i
+//                                         grad(shard_i) = reduce_scatter(dW_i, dim 0) / dp
+// Who waits on whom: the gather is waited for before the group's first module computes; the
+// reduce-scatter runs when autograd has every gathered parameter's gradient (after the group's
+// last backward use), on the backward thread.
+//
+// Contract: every rank of the mesh builds the same groups in the same order and runs the same
+// forwards and backwards (the collective order of comm/process_group.h).
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include <hyper_parallel/core/fully_shard/options.h>
+
+namespace hyper_parallel::fully_shard {
+
+class ParamGroup {
+ public:
+  /// Shards `params` (each rank keeps its own copy's piece: no communication; every rank must
+  /// hold the same values) and records each one's layout: its tensor-parallel layout, if a style
+  /// recorded one, with Shard(0) over the data-parallel mesh nested inside it.
+  /// `names` name them in errors. A c10::ValueError for a scalar parameter, a mesh of another
+  /// rank than 1 or 2, an offload policy that cannot apply, or a parameter already sharded by
+  /// another group.
+  ParamGroup(std::vector<at::Tensor> params, std::vector<std::string> names,
+             const FullyShardOptions& options);
+  ~ParamGroup();
+  ParamGroup(const ParamGroup&) = delete;
+  ParamGroup& operator=(const ParamGroup&) = delete;
+
+  /// A managed module's forward begins (`users` modules share the group; the first of a pass
+  /// gathers): the gathered parameters, differentiable (their gradient is reduce-scattered into
+  /// the shards), in the managed order. Collective.
+  const std::vector<at::Tensor>& pre_forward();
+  /// A managed module's forward ended: once all `users` have, the group reshards (if
+  /// reshard_after_forward) and the next pre_forward starts a new pass.
+  void post_forward();
+  /// `outputs` of a managed module, each passed through a node whose backward gathers the group
+  /// again (if it was resharded) before the module's own backward reads its parameters, then
+  /// runs `then` (e.g. gathering the modules to prefetch).
+  std::vector<at::Tensor> register_pre_backward(std::vector<at::Tensor> outputs,
+                                                std::function<void()> then = {});
+
+  /// Gathers the parameters now (outside a forward, e.g. to read them whole). Collective.
+  void unshard();
+  /// Frees the gathered parameters' storage.
+  void reshard();
+  bool is_unsharded() const;
+
+  void set_users(int64_t users);
+  /// false: backwards add the gathered gradients up here; the next backward with sync on
+  /// reduce-scatters the sum (FSDP's no_sync).
+  void set_requires_gradient_sync(bool sync);
+  void set_reshard_after_forward(bool reshard);
+  /// Multiplies the reduced gradients (after the average over the data-parallel ranks).
+  void set_gradient_scaling_factor(double factor);
+
+  /// The managed parameters (their data is this rank's shard).
+  const std::vector<at::Tensor>& parameters() const;
+  /// The gathered parameters of the current forward pass (pre_forward's result).
+  const std::vector<at::Tensor>& gathered() const;
+  /// Whether some group manages `param`.
+  static bool is_managed(const at::Tensor& param);
+  /// The index of `param` (the managed tensor or an alias of it) in parameters(); -1 if absent.
+  int64_t index_of(const at::Tensor& param) const;
+  /// The data-parallel mesh.
+  const dtensor::DeviceMesh& mesh() const;
+
+  struct Impl;
+
+ private:
+  std::shared_ptr<Impl> impl_;
+};
+
+}  // namespace hyper_parallel::fully_shard

@@ -1,0 +1,64 @@
+// fully_shard: the C++ core's parameter group, which the Python fully_shard drives from
+// torch.nn modules' forward hooks. The gathering, the differentiable views, the pre-backward
+// nodes and the reduce-scatter node are C++; a Python backward() runs them without the GIL.
+#include <optional>
+
+#include "bindings.h"
+
+namespace hp_python {
+
+namespace fs = hyper_parallel::fully_shard;
+
+namespace {
+
+std::optional<at::ScalarType> optional_dtype(const py::object& dtype) {
+  if (dtype.is_none()) return std::nullopt;
+  return dtype_arg(dtype);
+}
+
+}  // namespace
+
+void bind_fully_shard(py::module& m) {
+  py::class_<fs::ParamGroup, std::shared_ptr<fs::ParamGroup>>(m, "FullyShardParamGroup")
+      .def(py::init([](std::vector<at::Tensor> params, std::vector<std::string> names,
+                       const dtensor::DeviceMesh& mesh, bool reshard_after_forward,
+                       const py::object& param_dtype, const py::object& reduce_dtype, bool offload_to_cpu,
+                       bool pin_memory) {
+             const auto options =
+                 fs::FullyShardOptions()
+                     .mesh(mesh)
+                     .reshard_after_forward(reshard_after_forward)
+                     .mp_policy(fs::MixedPrecisionPolicy()
+                                    .param_dtype(optional_dtype(param_dtype))
+                                    .reduce_dtype(optional_dtype(reduce_dtype)))
+                     .offload_policy(
+                         fs::OffloadPolicy().offload_to_cpu(offload_to_cpu).pin_memory(pin_memory));
+             return std::make_shared<fs::ParamGroup>(std::move(params), std::move(names), options);
+           }),
+           py::arg("params"), py::arg("names"), py::arg("mesh"), py::arg("reshard_after_forward"),
+           py::arg("param_dtype"), py::arg("reduce_dtype"), py::arg("offload_to_cpu"), py::arg("pin_memory"))
+      .def("pre_forward", &fs::ParamGroup::pre_forward,
+           "The gathered parameters (collective on the first call of a pass).")
+      .def("post_forward", &fs::ParamGroup::post_forward)
+      .def(
+          "register_pre_backward",
+          [](fs::ParamGroup& group, std::vector<at::Tensor> outputs,
+             const std::vector<std::shared_ptr<fs::ParamGroup>>& prefetch) {
+            return group.register_pre_backward(std::move(outputs), [prefetch] {
+              for (const auto& g : prefetch) g->unshard();
+            });
+          },
+          py::arg("outputs"), py::arg("prefetch"))
+      .def("unshard", &fs::ParamGroup::unshard)
+      .def("reshard", &fs::ParamGroup::reshard)
+      .def_property_readonly("is_unsharded", &fs::ParamGroup::is_unsharded)
+      .def("set_users", &fs::ParamGroup::set_users, py::arg("users"))
+      .def("set_requires_gradient_sync", &fs::ParamGroup::set_requires_gradient_sync, py::arg("sync"))
+      .def("set_reshard_after_forward", &fs::ParamGroup::set_reshard_after_forward, py::arg("reshard"))
+      .def("set_gradient_scaling_factor", &fs::ParamGroup::set_gradient_scaling_factor, py::arg("factor"))
+      .def("index_of", &fs::ParamGroup::index_of, py::arg("param"))
+      .def_property_readonly("parameters", &fs::ParamGroup::parameters)
+      .def_static("is_managed", &fs::ParamGroup::is_managed, py::arg("param"));
+}
+
+}  // namespace hp_python

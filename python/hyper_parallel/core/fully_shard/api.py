@@ -1,0 +1,242 @@
+"""fully_shard(module, ...) for torch.nn modules, with the signature of the original's
+(HyperParallel's HSDP) and of PyTorch FSDP2's.
+
+A call makes one C++ parameter group (``_C.FullyShardParamGroup``) of the module's parameters
+that no earlier call took (apply it bottom-up: each block, then the root) and installs hooks on
+the modules that own them: before such a module's forward the group is gathered (one all-gather,
+by the first of its modules in a pass) and its gathered parameters stand in for the shards in
+the module's ``_parameters``; after it the shards are put back, the outputs pass through a C++
+node that gathers the group again for the backward (if it was resharded), and once every module
+of the group has run the group is resharded (``reshard_after_forward``). The gradients reach the
+shards' ``.grad`` through one reduce-scatter per group, averaged over the data-parallel ranks
+(then all-reduced over the replicate dim of an HSDP mesh). The module's class becomes a subclass
+of FSDPModule (HSDPModule) with the original's methods.
+"""
+
+from typing import Iterable, Optional, Union
+
+import torch
+from torch import nn
+
+from hyper_parallel import _C
+from hyper_parallel.core.dtensor.placement_types import Shard
+from hyper_parallel.core.fully_shard.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from hyper_parallel.core.tensor_parallel.style import _core_mesh
+
+__all__ = ["CPUOffloadPolicy", "FSDPModule", "HSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "fully_shard",
+           "hsdp_sync_stream"]
+
+
+class _UnshardHandle:
+    """unshard(async_op=True)'s handle: the gather is done when unshard returns."""
+
+    def wait(self) -> None:
+        return None
+
+
+def _bool(value, what: str) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{what}: expected a bool, got {type(value).__name__} {value!r}")
+    return value
+
+
+class FSDPModule:
+    """The methods fully_shard adds to a module (its class becomes a subclass of this one)."""
+
+    _fsdp_group = None  # the C++ group (None when nested calls took every parameter)
+
+    def _fsdp_modules(self, recurse: bool):
+        if not recurse:
+            return [self]
+        return [m for m in self.modules() if isinstance(m, FSDPModule)]
+
+    def unshard(self, async_op: bool = False) -> Optional[_UnshardHandle]:
+        """Gathers this module's parameters now (not recursive). Collective."""
+        _bool(async_op, "FSDPModule.unshard async_op")
+        if self._fsdp_group is not None:
+            self._fsdp_group.unshard()
+        return _UnshardHandle() if async_op else None
+
+    def reshard(self) -> None:
+        """Frees this module's gathered parameters (not recursive)."""
+        if self._fsdp_group is not None:
+            self._fsdp_group.reshard()
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """False: the backwards add the gathered gradients up without communication; the next
+        backward with sync on reduce-scatters the sum."""
+        _bool(requires_gradient_sync, "FSDPModule.set_requires_gradient_sync")
+        for m in self._fsdp_modules(recurse):
+            if m._fsdp_group is not None:
+                m._fsdp_group.set_requires_gradient_sync(requires_gradient_sync)
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        _bool(reshard_after_forward, "FSDPModule.set_reshard_after_forward")
+        for m in self._fsdp_modules(recurse):
+            if m._fsdp_group is not None:
+                m._fsdp_group.set_reshard_after_forward(reshard_after_forward)
+
+    def set_gradient_scaling_factor(self, factor) -> None:
+        """Multiplies this module's reduced gradients (after the average over the dp ranks):
+        None (1), a float, an int or a one-element tensor; a bool is a ValueError."""
+        if isinstance(factor, bool) or not (factor is None or isinstance(factor, (int, float)) or
+                                            (isinstance(factor, torch.Tensor) and factor.numel() == 1)):
+            raise ValueError(f"FSDPModule.set_gradient_scaling_factor: expected None, a number or a one-element "
+                             f"tensor, got {type(factor).__name__} {factor!r}")
+        if self._fsdp_group is not None:
+            self._fsdp_group.set_gradient_scaling_factor(1.0 if factor is None else float(factor))
+
+    def _prefetch_groups(self, modules, what: str):
+        if not isinstance(modules, (list, tuple)):
+            raise ValueError(f"{what}: expected a list of FSDPModule, got {type(modules).__name__}")
+        for m in modules:
+            if not isinstance(m, FSDPModule):
+                raise ValueError(f"{what}: expected a list of FSDPModule, got {type(m).__name__} in it")
+        return [m._fsdp_group for m in modules if m._fsdp_group is not None]
+
+    def set_modules_to_forward_prefetch(self, modules) -> None:
+        """These modules' parameters are gathered as soon as this one's are, in the forward."""
+        self._fsdp_forward_prefetch = self._prefetch_groups(modules, "FSDPModule.set_modules_to_forward_prefetch")
+
+    def set_modules_to_backward_prefetch(self, modules) -> None:
+        """These modules' parameters are gathered as soon as this one's backward begins."""
+        self._fsdp_backward_prefetch = self._prefetch_groups(modules, "FSDPModule.set_modules_to_backward_prefetch")
+
+    def zero_grad(self, set_to_none: bool = True) -> None:  # pylint: disable=unused-argument
+        """Drops the .grad of every parameter of this module and those below it."""
+        for p in self.parameters():
+            p.grad = None
+
+
+HSDPModule = FSDPModule  # the original's name
+
+
+def hsdp_sync_stream() -> None:
+    """The original's wait for in-flight reductions: they are complete when backward() returns."""
+
+
+_EXTENDED = {}
+
+
+def _extend_class(module: nn.Module) -> None:
+    cls = type(module)
+    if cls not in _EXTENDED:
+        _EXTENDED[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+    module.__class__ = _EXTENDED[cls]
+
+
+def _check_options(module, reshard_after_forward, shard_placement_fn, mp_policy, offload_policy, replicate_params,
+                   comm_fusion):
+    if not isinstance(module, nn.Module):
+        raise ValueError(f"fully_shard: expected an nn.Module, got {type(module).__name__}")
+    if isinstance(module, FSDPModule):
+        raise ValueError(f"fully_shard: expected a module fully_shard was not applied to, got {type(module).__name__}")
+    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+        raise NotImplementedError("fully_shard: an int reshard_after_forward (resharding to a smaller group after the "
+                                  f"forward) is not supported; expected True or False, got {reshard_after_forward}")
+    if reshard_after_forward is not None:
+        _bool(reshard_after_forward, "fully_shard reshard_after_forward")
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise ValueError(f"fully_shard: expected a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
+    if mp_policy.output_dtype is not None:
+        raise NotImplementedError("fully_shard: MixedPrecisionPolicy output_dtype is not supported; cast the "
+                                  f"module's output yourself (got {mp_policy.output_dtype})")
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise ValueError(f"fully_shard: expected an OffloadPolicy, got {type(offload_policy).__name__}")
+    if replicate_params:
+        raise NotImplementedError("fully_shard: replicate_params is not supported; pass them as ignored_params and "
+                                  "average their gradients with hyper_parallel.data_parallel")
+    _bool(comm_fusion, "fully_shard comm_fusion")
+    if shard_placement_fn is not None and not callable(shard_placement_fn):
+        raise ValueError(f"fully_shard: expected a callable shard_placement_fn, got {type(shard_placement_fn).__name__}")
+
+
+def _owned_parameters(module: nn.Module, ignored: set, shard_placement_fn):
+    """[(owner module, parameter name, parameter, qualified name)] of the parameters to manage,
+    each listed under every module that holds it."""
+    owned, seen = [], {}
+    for path, sub in module.named_modules(remove_duplicate=False):
+        for name, param in sub.named_parameters(recurse=False):
+            if id(param) in ignored or _C.FullyShardParamGroup.is_managed(param):
+                continue
+            qualified = f"{path}.{name}" if path else name
+            if shard_placement_fn is not None and id(param) not in seen:
+                placement = shard_placement_fn(param)
+                if placement is not None and placement != Shard(0):
+                    raise NotImplementedError(f"fully_shard: shard_placement_fn gave {placement} for {qualified}; "
+                                              "only Shard(0) (or None) is supported")
+            seen.setdefault(id(param), qualified)
+            owned.append((sub, name, param, qualified))
+    return owned, seen
+
+
+def _install_hooks(group, owners, mp_policy: MixedPrecisionPolicy, fsdp_module):
+    """Per module that owns managed parameters: gather and stand the gathered ones in before its
+    forward; put the shards back, register the pre-backward and count the module after it."""
+    for sub, names in owners.items():
+        def pre_hook(mod, args, names=names):
+            gathered = group.pre_forward()
+            for name, index in names:
+                mod._parameters[name] = gathered[index]
+            for other in getattr(fsdp_module, "_fsdp_forward_prefetch", []):
+                other.unshard()
+            if mp_policy.param_dtype is not None and mp_policy.cast_forward_inputs:
+                return tuple(a.to(mp_policy.param_dtype) if isinstance(a, torch.Tensor) and a.is_floating_point()
+                             else a for a in args)
+            return None
+
+        def post_hook(mod, args, output, names=names):
+            for name, index in names:
+                mod._parameters[name] = group.parameters[index]
+            prefetch = getattr(fsdp_module, "_fsdp_backward_prefetch", [])
+            if isinstance(output, torch.Tensor):
+                output = group.register_pre_backward([output], prefetch)[0]
+            elif isinstance(output, (tuple, list)):
+                tensors = [i for i, o in enumerate(output) if isinstance(o, torch.Tensor)]
+                wrapped = group.register_pre_backward([output[i] for i in tensors], prefetch)
+                output = list(output)
+                for i, w in zip(tensors, wrapped):
+                    output[i] = w
+                output = tuple(output)
+            group.post_forward()
+            return output
+
+        sub.register_forward_pre_hook(pre_hook)
+        sub.register_forward_hook(post_hook)
+
+
+def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: Optional[Union[bool, int]] = True,
+                shard_placement_fn=None, mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+                offload_policy: OffloadPolicy = OffloadPolicy(), ignored_params: Optional[Iterable] = None,
+                replicate_params: Optional[Iterable] = None, comm_fusion: bool = False) -> nn.Module:
+    """Shards ``module``'s parameters that no earlier call took on dim 0 over ``mesh`` (1-d, or
+    2-d (replicate, shard) for HSDP; default: 1-d over the world) and returns it, now an
+    FSDPModule. ``reshard_after_forward`` True frees the gathered parameters after the forward
+    (gathered again for the backward), False keeps them to the end of the backward.
+    ``comm_fusion``: the group always travels in one message. Collective over the mesh."""
+    _check_options(module, reshard_after_forward, shard_placement_fn, mp_policy, offload_policy, replicate_params,
+                   comm_fusion)
+    if mesh is None:
+        import torch.distributed as dist  # pylint: disable=import-outside-toplevel
+
+        from hyper_parallel.core.dtensor import init_device_mesh  # pylint: disable=import-outside-toplevel
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
+    ignored = {id(p) for p in (ignored_params or ())}
+    owned, names = _owned_parameters(module, ignored, shard_placement_fn)
+    _extend_class(module)
+    if not owned:
+        return module
+    params = {id(p): p for _, _, p, _ in owned}
+    order = list(params)
+    group = _C.FullyShardParamGroup(
+        [params[k] for k in order], [names[k] for k in order], _core_mesh(mesh),
+        True if reshard_after_forward is None else reshard_after_forward, mp_policy.param_dtype,
+        mp_policy.reduce_dtype, isinstance(offload_policy, CPUOffloadPolicy),
+        getattr(offload_policy, "pin_memory", False))
+    owners = {}
+    for sub, name, param, _ in owned:
+        owners.setdefault(sub, []).append((name, order.index(id(param))))
+    group.set_users(len(owners))
+    module._fsdp_group = group
+    _install_hooks(group, owners, mp_policy, module)
+    return module

@@ -1,0 +1,31 @@
+"""The policies fully_shard takes, as PyTorch FSDP2 and HyperParallel name them."""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """``param_dtype``: the gathered parameters' dtype (the shards keep theirs: the optimizer's
+    copy); ``reduce_dtype``: the gradient reduction's; ``output_dtype``: not supported (None);
+    ``cast_forward_inputs``: floating inputs of a managed module are cast to param_dtype."""
+
+    param_dtype: Optional[torch.dtype] = None
+    reduce_dtype: Optional[torch.dtype] = None
+    output_dtype: Optional[torch.dtype] = None
+    cast_forward_inputs: bool = True
+
+
+@dataclass(frozen=True)
+class OffloadPolicy:
+    """No offloading (the default)."""
+
+
+@dataclass(frozen=True)
+class CPUOffloadPolicy(OffloadPolicy):
+    """Shards in host memory: where they are on a CPU build. ``pin_memory`` needs an accelerator,
+    so fully_shard refuses ``pin_memory=True`` here (pass False)."""
+
+    pin_memory: bool = True

@@ -1,0 +1,1 @@
+"""The original's platform package: only the import paths its fully_shard users write."""

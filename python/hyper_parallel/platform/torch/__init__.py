@@ -1,0 +1,1 @@
+"""The original's torch platform package (import paths only)."""

@@ -1,0 +1,1 @@
+"""The original's torch fully_shard package (import paths only)."""

@@ -1,0 +1,231 @@
+#include <hyper_parallel/core/fully_shard/fully_shard.h>
+
+#include <algorithm>
+#include <map>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/nn/module.h>
+
+#include <hyper_parallel/core/nn/hookable_module.h>
+
+namespace hyper_parallel::fully_shard {
+
+struct FSDPModule::State {
+  std::weak_ptr<torch::nn::Module> module;  // empty for a module no shared_ptr owns
+  bool owned = false;
+  std::shared_ptr<ParamGroup> group;          // null when nested calls took everything
+  std::vector<std::shared_ptr<State>> below;  // managed modules under this one
+  std::vector<std::weak_ptr<State>> forward_prefetch, backward_prefetch;
+  MixedPrecisionPolicy mp_policy;
+};
+
+namespace {
+
+using State = FSDPModule::State;
+
+// The modules fully_shard was applied to, by address. A state lives as long as the hooks it
+// installed on the module's own modules (they hold it), so an entry whose state is gone is a
+// module gone; a state with no group (nested calls took every parameter) holds no tensor and is
+// kept here.
+struct Registry {
+  struct Entry {
+    std::weak_ptr<State> state;
+    std::shared_ptr<State> keep;
+  };
+  std::mutex mutex;
+  std::unordered_map<const torch::nn::Module*, Entry> by_module;
+};
+
+Registry& registry() {
+  static Registry r;
+  return r;
+}
+
+std::shared_ptr<State> state_of(const torch::nn::Module& module) {
+  auto& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  auto it = r.by_module.find(&module);
+  if (it == r.by_module.end()) return nullptr;
+  auto state = it->second.state.lock();
+  // A module gone and another at its address is another one.
+  if (!state || (state->owned && state->module.lock().get() != &module)) {
+    r.by_module.erase(it);
+    return nullptr;
+  }
+  return state;
+}
+
+// The modules under `root` (itself included) with the parameters no group manages yet.
+struct Owner {
+  std::string path;
+  torch::nn::Module* module;
+  std::vector<std::pair<std::string, at::Tensor>> params;  // direct parameters
+};
+
+// One module's direct parameters that no group manages yet, if any.
+std::optional<Owner> unmanaged_owner(const std::string& path, torch::nn::Module& module) {
+  Owner owner{path, &module, {}};
+  for (const auto& p : module.named_parameters(/*recurse=*/false)) {
+    if (!ParamGroup::is_managed(p.value())) owner.params.emplace_back(p.key(), p.value());
+  }
+  if (owner.params.empty()) return std::nullopt;
+  TORCH_CHECK_VALUE(
+      dynamic_cast<nn::HookableModule*>(&module) != nullptr,
+      "fully_shard: expected every parameter to belong to a hyper_parallel::nn module (Linear, "
+      "Embedding, RMSNorm: their forward reads parameters through the hook fully_shard fills), got ",
+      path.empty() ? "the root" : path, ".", owner.params[0].first, " of ", module.name());
+  return owner;
+}
+
+std::vector<Owner> unmanaged_owners(torch::nn::Module& root) {
+  std::vector<Owner> out;
+  // The root itself by reference: a module on the stack has no shared_ptr to list it by.
+  if (auto owner = unmanaged_owner("", root)) out.push_back(std::move(*owner));
+  for (const auto& item : root.named_modules("", /*include_self=*/false)) {
+    if (auto owner = unmanaged_owner(item.key(), *item.value())) out.push_back(std::move(*owner));
+  }
+  return out;
+}
+
+at::Tensor cast_input(const at::Tensor& t, const MixedPrecisionPolicy& mp) {
+  if (!mp.cast_forward_inputs() || !mp.param_dtype() || !t.defined() ||
+      !at::isFloatingType(t.scalar_type())) {
+    return t;
+  }
+  return t.to(*mp.param_dtype());
+}
+
+void unshard_all(const std::vector<std::weak_ptr<State>>& states) {
+  for (const auto& w : states) {
+    if (auto s = w.lock(); s && s->group) s->group->unshard();
+  }
+}
+
+// The hooks of one module whose parameters `state`'s group manages.
+void install_hooks(const Owner& owner, const std::shared_ptr<State>& state) {
+  auto& hm = dynamic_cast<nn::HookableModule&>(*owner.module);
+  TORCH_CHECK_VALUE(!hm.has_parameter_view(), "fully_shard: expected ", owner.path,
+                    " to read its own parameters, got a module whose parameters another hook provides");
+  std::map<std::string, int64_t> index;
+  for (const auto& [name, param] : owner.params) index[name] = state->group->index_of(param);
+  // The hooks hold the state: it lives as long as the module's own modules do.
+  hm.set_parameter_view([s = state, index](const std::string& name, const at::Tensor& registered) {
+    auto it = index.find(name);
+    return it == index.end() ? registered : s->group->gathered()[it->second];
+  });
+  hm.add_input_hook([s = state](std::vector<at::Tensor> inputs) {
+    for (auto& t : inputs) t = cast_input(t, s->mp_policy);
+    s->group->pre_forward();
+    unshard_all(s->forward_prefetch);
+    return inputs;
+  });
+  hm.add_output_hook([s = state](std::vector<at::Tensor> outputs) {
+    auto backward_prefetch = s->backward_prefetch;
+    outputs = s->group->register_pre_backward(std::move(outputs),
+                                              [backward_prefetch] { unshard_all(backward_prefetch); });
+    s->group->post_forward();
+    return outputs;
+  });
+  hm.add_applied_style("fully_shard");
+}
+
+template <typename Fn>
+void for_each_state(const std::shared_ptr<State>& state, bool recurse, Fn&& fn) {
+  fn(*state);
+  if (!recurse) return;
+  for (const auto& b : state->below) for_each_state(b, true, fn);
+}
+
+}  // namespace
+
+FSDPModule fully_shard(torch::nn::Module& module, const FullyShardOptions& options) {
+  TORCH_CHECK_VALUE(state_of(module) == nullptr,
+                    "fully_shard: expected a module fully_shard was not applied to, "
+                    "got ",
+                    module.name(), " again");
+  auto state = std::make_shared<State>();
+  try {
+    state->module = module.shared_from_this();
+    state->owned = true;
+  } catch (const std::bad_weak_ptr&) {  // a module on the stack: known by its address alone
+  }
+  state->mp_policy = options.mp_policy();
+  for (const auto& item : module.named_modules("", /*include_self=*/false)) {
+    if (auto below = state_of(*item.value()); below) state->below.push_back(below);
+  }
+  const auto owners = unmanaged_owners(module);
+  std::vector<at::Tensor> params;
+  std::vector<std::string> names;
+  for (const auto& owner : owners) {
+    for (const auto& [name, param] : owner.params) {
+      params.push_back(param);
+      names.push_back(owner.path.empty() ? name : owner.path + "." + name);
+    }
+  }
+  if (!params.empty()) {
+    state->group = std::make_shared<ParamGroup>(std::move(params), std::move(names), options);
+    state->group->set_users(static_cast<int64_t>(owners.size()));
+    for (const auto& owner : owners) install_hooks(owner, state);
+  }
+  {
+    auto& r = registry();
+    std::lock_guard<std::mutex> lock(r.mutex);
+    r.by_module.insert_or_assign(&module, Registry::Entry{state, state->group ? nullptr : state});
+  }
+  return FSDPModule(state);
+}
+
+std::optional<FSDPModule> FSDPModule::of(torch::nn::Module& module) {
+  auto state = state_of(module);
+  if (!state) return std::nullopt;
+  return FSDPModule(state);
+}
+
+void FSDPModule::unshard() const {
+  if (state_->group) state_->group->unshard();
+}
+
+void FSDPModule::reshard() const {
+  if (state_->group) state_->group->reshard();
+}
+
+void FSDPModule::set_requires_gradient_sync(bool sync, bool recurse) const {
+  for_each_state(state_, recurse, [&](State& s) {
+    if (s.group) s.group->set_requires_gradient_sync(sync);
+  });
+}
+
+void FSDPModule::set_reshard_after_forward(bool reshard, bool recurse) const {
+  for_each_state(state_, recurse, [&](State& s) {
+    if (s.group) s.group->set_reshard_after_forward(reshard);
+  });
+}
+
+void FSDPModule::set_gradient_scaling_factor(double factor) const {
+  if (state_->group) state_->group->set_gradient_scaling_factor(factor);
+}
+
+void FSDPModule::set_modules_to_forward_prefetch(const std::vector<FSDPModule>& modules) const {
+  state_->forward_prefetch.clear();
+  for (const auto& m : modules) state_->forward_prefetch.push_back(m.state_);
+}
+
+void FSDPModule::set_modules_to_backward_prefetch(const std::vector<FSDPModule>& modules) const {
+  state_->backward_prefetch.clear();
+  for (const auto& m : modules) state_->backward_prefetch.push_back(m.state_);
+}
+
+void FSDPModule::zero_grad() const {
+  for_each_state(state_, true, [](State& s) {
+    if (!s.group) return;
+    for (auto p : s.group->parameters()) p.mutable_grad() = at::Tensor();
+  });
+}
+
+ParamGroup* FSDPModule::group() const { return state_->group.get(); }
+
+}  // namespace hyper_parallel::fully_shard

@@ -1,0 +1,288 @@
+#include <hyper_parallel/core/fully_shard/param_group.h>
+
+#include <mutex>
+#include <unordered_map>
+
+#include <ATen/ATen.h>
+#include <ATen/native/Resize.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include <hyper_parallel/core/comm/chunks.h>
+#include <hyper_parallel/core/comm/collectives.h>
+#include <hyper_parallel/core/nn/parameter_layout.h>
+
+#include "../autograd/attach_backward.h"
+#include "flat_layout.h"
+
+namespace hyper_parallel::fully_shard {
+namespace {
+
+using WeakTensor = c10::weak_intrusive_ptr<c10::TensorImpl>;
+
+// The parameters some group manages: one group per parameter.
+struct Managed {
+  std::mutex mutex;
+  std::unordered_map<const c10::TensorImpl*, WeakTensor> by_tensor;
+};
+
+Managed& managed() {
+  static Managed m;
+  return m;
+}
+
+bool claim(const at::Tensor& param) {
+  auto& m = managed();
+  std::lock_guard<std::mutex> lock(m.mutex);
+  for (auto it = m.by_tensor.begin(); it != m.by_tensor.end();) {
+    it = it->second.expired() ? m.by_tensor.erase(it) : std::next(it);
+  }
+  return m.by_tensor.emplace(param.unsafeGetTensorImpl(), WeakTensor(param.getIntrusivePtr())).second;
+}
+
+// Storage bytes of `t`'s view, from nothing (resharded) back to what its sizes need, or freed.
+void set_storage(const at::Tensor& t, bool allocated) {
+  auto* storage = t.storage().unsafeGetStorageImpl();
+  const size_t bytes = allocated ? static_cast<size_t>(t.numel()) * t.element_size() : 0;
+  if (storage->nbytes() != bytes) at::native::resize_bytes_cpu(storage, bytes);
+}
+
+// The data-parallel layout nested inside the tensor-parallel one a style recorded, if any.
+nn::ParameterLayout composed_layout(const at::Tensor& param, const std::string& name,
+                                    const dtensor::DeviceMesh& dp_mesh) {
+  dtensor::Placements dp;
+  if (dp_mesh.ndim() == 2) dp.push_back(dtensor::Replicate());
+  dp.push_back(dtensor::Shard(0));
+  const auto prior = nn::recorded_layout(param);
+  if (!prior) return {dp_mesh, dp, param.sizes().vec()};
+  auto mesh = dtensor::DeviceMesh::concatenate(prior->mesh, dp_mesh);
+  TORCH_CHECK_VALUE(mesh.has_value(), "fully_shard: expected the data-parallel mesh ", dp_mesh.str(), " and ",
+                    name, "'s tensor-parallel mesh ", prior->mesh.str(),
+                    " to be slices of one mesh along distinct dims (e.g. mesh[\"dp\"] and mesh[\"tp\"] of "
+                    "init_device_mesh), got unrelated meshes");
+  auto placements = prior->placements;
+  placements.insert(placements.end(), dp.begin(), dp.end());
+  return {*mesh, placements, prior->global_shape};
+}
+
+}  // namespace
+
+struct ParamGroup::Impl {
+  std::vector<at::Tensor> params;
+  std::vector<std::string> names;
+  detail::FlatLayout layout;
+  std::vector<at::Tensor> buffers;   // the gathered parameters' storage, freed when resharded
+  std::vector<at::Tensor> gathered;  // this pass's differentiable views of the buffers
+  std::vector<at::Tensor> pending;   // gradients added up while sync is off
+  dtensor::DeviceMesh mesh;
+  comm::Group shard_group;
+  std::optional<comm::Group> replicate_group;
+  at::ScalarType gather_dtype = at::kFloat;
+  std::optional<at::ScalarType> reduce_dtype;
+  bool reshard_after_forward = true, sync = true, unsharded = false;
+  double scale = 1.0;
+  int64_t users = 1, forward_calls = 0;
+
+  explicit Impl(dtensor::DeviceMesh m) : mesh(std::move(m)) {}
+  void gather();
+  std::vector<at::Tensor> reduce(std::vector<at::Tensor> grads);
+  void free_buffers();
+};
+
+ParamGroup::ParamGroup(std::vector<at::Tensor> params, std::vector<std::string> names,
+                       const FullyShardOptions& options) {
+  auto mesh = options.mesh().value_or(dtensor::DeviceMesh::from_group(comm::world(), /*dim_name=*/"dp"));
+  TORCH_CHECK_VALUE(
+      mesh.ndim() == 1 || mesh.ndim() == 2,
+      "fully_shard: expected a 1-d mesh (shard) or a 2-d mesh (replicate, shard) for HSDP, got a ",
+      mesh.ndim(), "-d mesh ", mesh.str());
+  TORCH_CHECK_VALUE(
+      !options.offload_policy().pin_memory(),
+      "fully_shard: expected OffloadPolicy pin_memory false: pinned host memory needs an "
+      "accelerator, and this build runs on the CPU (its parameters are in host memory already)");
+  TORCH_CHECK_VALUE(params.size() == names.size(), "fully_shard: expected one name per parameter (",
+                    params.size(), "), got ", names.size());
+  impl_ = std::make_shared<Impl>(mesh);
+  auto& s = *impl_;
+  s.shard_group = mesh.get_group(mesh.ndim() - 1);
+  if (mesh.ndim() == 2) s.replicate_group = mesh.get_group(0);
+  s.reshard_after_forward = options.reshard_after_forward();
+  s.reduce_dtype = options.mp_policy().reduce_dtype();
+  // Everything is checked before any parameter changes.
+  std::vector<std::vector<int64_t>> shapes;
+  std::vector<nn::ParameterLayout> layouts;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const auto& p = params[i];
+    TORCH_CHECK_VALUE(p.dim() >= 1,
+                      "fully_shard: expected parameters of at least one dim (sharded on dim 0), got ",
+                      names[i], " of shape ", p.sizes());
+    TORCH_CHECK_VALUE(
+        i == 0 || p.scalar_type() == params[0].scalar_type() || options.mp_policy().param_dtype(),
+        "fully_shard: expected one dtype for a group's parameters (or a MixedPrecisionPolicy "
+        "param_dtype), got ",
+        params[0].scalar_type(), " for ", names[0], " and ", p.scalar_type(), " for ", names[i]);
+    TORCH_CHECK_VALUE(!is_managed(p), "fully_shard: expected a parameter no fully_shard manages yet, got ",
+                      names[i],
+                      " (managed by another group: apply fully_shard bottom-up, each parameter once)");
+    shapes.push_back(p.sizes().vec());
+    layouts.push_back(composed_layout(p, names[i], mesh));
+  }
+  s.gather_dtype =
+      options.mp_policy().param_dtype().value_or(params.empty() ? at::kFloat : params[0].scalar_type());
+  s.layout = detail::FlatLayout(shapes, s.shard_group.size(), s.shard_group.rank());
+  for (size_t i = 0; i < params.size(); ++i) {
+    TORCH_CHECK_VALUE(claim(params[i]), "fully_shard: expected each parameter once in a group, got ",
+                      names[i], " twice");
+    {
+      at::NoGradGuard no_grad;
+      params[i].set_data(s.layout.shard_of(params[i].detach(), static_cast<int64_t>(i)));
+    }
+    nn::record_layout(params[i], std::move(layouts[i]));
+    s.buffers.push_back(at::empty(shapes[i], params[i].options().dtype(s.gather_dtype)));
+    set_storage(s.buffers.back(), false);
+  }
+  s.params = std::move(params);
+  s.names = std::move(names);
+}
+
+ParamGroup::~ParamGroup() = default;
+
+void ParamGroup::Impl::gather() {
+  const int64_t p = shard_group.size();
+  auto flat =
+      at::zeros({layout.flat_elements()}, buffers.empty() ? at::TensorOptions() : buffers[0].options());
+  for (size_t i = 0; i < params.size(); ++i)
+    layout.local(flat, static_cast<int64_t>(i)).copy_(params[i].detach().reshape({-1}));
+  // One message for the group; a group of one rank moves nothing.
+  const auto all = p == 1 ? flat : comm::all_gather(flat, 0, shard_group);
+  for (size_t i = 0; i < params.size(); ++i) {
+    set_storage(buffers[i], true);
+    // Written through a view with its own version counter: the autograd graph's saved views of
+    // the buffer stay valid (this is the data they saved, gathered again).
+    buffers[i].variable_data().copy_(layout.full(all, static_cast<int64_t>(i)));
+  }
+  unsharded = true;
+}
+
+void ParamGroup::Impl::free_buffers() {
+  for (auto& b : buffers) set_storage(b, false);
+  unsharded = false;
+}
+
+std::vector<at::Tensor> ParamGroup::Impl::reduce(std::vector<at::Tensor> grads) {
+  std::vector<at::Tensor> out(params.size());
+  if (pending.size() != params.size()) pending.assign(params.size(), at::Tensor());
+  if (!sync) {
+    for (size_t i = 0; i < grads.size(); ++i) {
+      const auto g = grads[i].to(reduce_dtype.value_or(grads[i].scalar_type()));
+      pending[i] = pending[i].defined() ? pending[i] + g : g;
+    }
+    return out;
+  }
+  const auto dtype = reduce_dtype.value_or(grads.empty() ? at::kFloat : grads[0].scalar_type());
+  auto flat = at::zeros({shard_group.size() * layout.flat_elements()}, grads[0].options().dtype(dtype));
+  for (size_t i = 0; i < grads.size(); ++i) {
+    auto total = grads[i].to(dtype);
+    if (pending[i].defined()) total = total + pending[i].to(dtype);
+    layout.scatter_input(flat, static_cast<int64_t>(i))
+        .copy_(layout.padded_blocks(total, static_cast<int64_t>(i)));
+  }
+  pending.assign(params.size(), at::Tensor());
+  // The average over every data-parallel rank: over the shard dim, then the replicate dim.
+  auto reduced =
+      shard_group.size() == 1 ? flat : comm::reduce_scatter(flat, 0, comm::ReduceOp::kAvg, shard_group);
+  if (replicate_group && replicate_group->size() > 1) {
+    reduced = comm::all_reduce(reduced, comm::ReduceOp::kAvg, *replicate_group);
+  }
+  if (scale != 1.0) reduced = reduced * scale;
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (!params[i].requires_grad()) continue;
+    out[i] = layout.local(reduced, static_cast<int64_t>(i))
+                 .view(params[i].sizes())
+                 .to(params[i].scalar_type())
+                 .clone();
+  }
+  return out;
+}
+
+const std::vector<at::Tensor>& ParamGroup::pre_forward() {
+  auto& s = *impl_;
+  if (s.forward_calls > 0) return s.gathered;
+  if (!s.unsharded) s.gather();
+  std::vector<at::Tensor> views;
+  for (const auto& b : s.buffers) views.push_back(b.detach());
+  std::weak_ptr<Impl> weak = impl_;
+  s.gathered = hyper_parallel::detail::attach_backward(
+      s.params, std::move(views),
+      [weak](std::vector<at::Tensor> grads) {
+        auto self = weak.lock();
+        TORCH_CHECK(self != nullptr,
+                    "fully_shard: expected the group of these parameters to be alive in "
+                    "backward, got it destroyed");
+        auto out = self->reduce(std::move(grads));
+        // The group's last backward use is over: free its gathered parameters.
+        self->forward_calls = 0;
+        self->free_buffers();
+        return out;
+      },
+      "FullyShardReduceScatterBackward");
+  return s.gathered;
+}
+
+void ParamGroup::post_forward() {
+  auto& s = *impl_;
+  if (++s.forward_calls < s.users) return;
+  s.forward_calls = 0;
+  if (s.reshard_after_forward) s.free_buffers();
+}
+
+std::vector<at::Tensor> ParamGroup::register_pre_backward(std::vector<at::Tensor> outputs,
+                                                          std::function<void()> then) {
+  if (!torch::autograd::GradMode::is_enabled()) return outputs;
+  std::weak_ptr<Impl> weak = impl_;
+  for (auto& out : outputs) {
+    if (!out.defined() || !out.requires_grad()) continue;
+    out = hyper_parallel::detail::attach_backward(
+        out, out.detach(),
+        [weak, then](const at::Tensor& grad) {
+          // Before the module's own backward reads its parameters: gather them if resharded.
+          if (auto self = weak.lock(); self && !self->unsharded) self->gather();
+          if (then) then();
+          return grad;
+        },
+        "FullyShardPreBackward");
+  }
+  return outputs;
+}
+
+void ParamGroup::unshard() {
+  if (!impl_->unsharded) impl_->gather();
+}
+void ParamGroup::reshard() { impl_->free_buffers(); }
+bool ParamGroup::is_unsharded() const { return impl_->unsharded; }
+void ParamGroup::set_users(int64_t users) {
+  TORCH_CHECK_VALUE(users >= 1, "ParamGroup::set_users: expected users >= 1, got ", users);
+  impl_->users = users;
+}
+void ParamGroup::set_requires_gradient_sync(bool sync) { impl_->sync = sync; }
+void ParamGroup::set_reshard_after_forward(bool reshard) { impl_->reshard_after_forward = reshard; }
+void ParamGroup::set_gradient_scaling_factor(double factor) { impl_->scale = factor; }
+const std::vector<at::Tensor>& ParamGroup::parameters() const { return impl_->params; }
+const std::vector<at::Tensor>& ParamGroup::gathered() const { return impl_->gathered; }
+const dtensor::DeviceMesh& ParamGroup::mesh() const { return impl_->mesh; }
+
+int64_t ParamGroup::index_of(const at::Tensor& param) const {
+  for (size_t i = 0; i < impl_->params.size(); ++i) {
+    if (impl_->params[i].unsafeGetTensorImpl() == param.unsafeGetTensorImpl()) return static_cast<int64_t>(i);
+  }
+  return -1;
+}
+
+bool ParamGroup::is_managed(const at::Tensor& param) {
+  auto& m = managed();
+  std::lock_guard<std::mutex> lock(m.mutex);
+  auto it = m.by_tensor.find(param.unsafeGetTensorImpl());
+  return it != m.by_tensor.end() && it->second.lock().get() == param.unsafeGetTensorImpl();
+}
+
+}  // namespace hyper_parallel::fully_shard

@@ -1,0 +1,202 @@
+"""fully_shard on torch.nn modules at 2 and 4 ranks, against the full-batch single-process
+reference: training with reshard_after_forward on and off (bitwise run to run), HSDP, gradient
+accumulation without sync, tensor parallelism on a 2 x 2 mesh; the module's new methods; every
+option that cannot apply is a clear error; the original's import paths."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import hyper_parallel
+from hyper_parallel import (ColwiseParallel, CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, RowwiseParallel,
+                            full_tensor, fully_shard, init_device_mesh, parallelize_module)
+from hyper_parallel.core import comm
+from hyper_parallel.core.dtensor.placement_types import Shard
+
+ROWS_PER_RANK, DIM, HIDDEN = 3, 12, 20  # the head's 2 rows leave empty pieces at 4 ranks
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(DIM, HIDDEN), nn.Linear(HIDDEN, DIM)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(7)
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, 2)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.norm(x))
+
+
+def batch(step, ranks):
+    torch.manual_seed(100 + step)
+    return torch.randn(ranks * ROWS_PER_RANK, DIM)
+
+
+def shard(net, **options):
+    for b in net.blocks:
+        fully_shard(b, **options)
+    return fully_shard(net, **options)
+
+
+def train(net, steps, sharded, replicas=None, replica=None):
+    ws, r = dist.get_world_size(), dist.get_rank()
+    replicas = ws if replicas is None else replicas
+    replica = r if replica is None else replica
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    losses = []
+    for s in range(steps):
+        x = batch(s, replicas)
+        if sharded:
+            x = x[replica * ROWS_PER_RANK:][:ROWS_PER_RANK]
+        opt.zero_grad()
+        loss = net(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    return losses
+
+
+def dp_mesh():
+    return init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
+
+
+def test_trains_like_the_full_batch_reference_bitwise_run_to_run():
+    reference = Net()
+    ref_losses = train(reference, 3, sharded=False)
+    for reshard in (True, False):
+        runs = []
+        for _ in range(2):
+            net = shard(Net(), mesh=dp_mesh(), reshard_after_forward=reshard)
+            assert isinstance(net, FSDPModule) and isinstance(net.blocks[0], hyper_parallel.HSDPModule)
+            losses = train(net, 3, sharded=True)
+            runs.append(torch.stack([comm.all_reduce(l.reshape(1), comm.ReduceOp.AVG, comm.world()) for l in losses]))
+            for p, q in zip(net.parameters(), reference.parameters()):
+                torch.testing.assert_close(full_tensor(p), q.detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(runs[0].flatten(), torch.stack(ref_losses), rtol=1e-5, atol=1e-6)
+        assert torch.equal(runs[0], runs[1])
+
+
+def test_each_rank_keeps_a_dim0_piece_and_the_optimizer_state_is_sharded():
+    ws, r = dist.get_world_size(), dist.get_rank()
+    full = Net()
+    net = shard(Net(), mesh=dp_mesh())
+    for p, q in zip(net.parameters(), full.parameters()):
+        pieces = torch.chunk(q.detach(), ws, 0)  # torch.chunk: the last ranks' pieces may be empty
+        assert torch.equal(p.detach(), pieces[r] if r < len(pieces) else q.detach()[:0])
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    net(batch(0, 1)).pow(2).mean().backward()
+    opt.step()
+    for p in net.parameters():
+        assert p.grad.shape == p.shape and opt.state[p]["exp_avg"].shape == p.shape
+
+
+def test_hsdp_on_a_replicate_by_shard_mesh():
+    if dist.get_world_size() != 4:
+        pytest.skip("a 2 x 2 (replicate, shard) mesh needs 4 ranks")
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    reference, net = Net(), shard(Net(), mesh=mesh)
+    train(reference, 2, sharded=False)
+    comm.reset_collective_counts()
+    train(net, 2, sharded=True)
+    for p, q in zip(net.parameters(), reference.parameters()):
+        torch.testing.assert_close(full_tensor(p), q.detach(), rtol=1e-5, atol=1e-6)
+    assert comm.collective_count("reduce_scatter") == comm.collective_count("all_reduce") == 2 * 3
+
+
+def test_gradient_accumulation_without_sync():
+    ws, r = dist.get_world_size(), dist.get_rank()
+    reference, net = Net(), fully_shard(Net(), mesh=dp_mesh())
+    for m in range(3):
+        reference(batch(m, ws)).pow(2).mean().backward()
+        net.set_requires_gradient_sync(m == 2)
+        comm.reset_collective_counts()
+        net(batch(m, ws)[r * ROWS_PER_RANK:][:ROWS_PER_RANK]).pow(2).mean().backward()
+        assert comm.collective_count("reduce_scatter") == (1 if m == 2 else 0)
+    for p, q in zip(net.parameters(), reference.parameters()):
+        torch.testing.assert_close(full_tensor(p, p.grad), q.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_tensor_parallel_inside_fully_shard_on_a_2x2_mesh():
+    if dist.get_world_size() != 4:
+        pytest.skip("a 2 x 2 (dp, tp) mesh needs 4 ranks")
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp = mesh["dp"].get_local_rank()
+    reference = Net()
+    net = copy.deepcopy(reference)
+    for b in net.blocks:
+        parallelize_module(b, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    shard(net, mesh=mesh["dp"])
+    ref_losses = train(reference, 2, sharded=False, replicas=2)
+    losses = train(net, 2, sharded=True, replicas=2, replica=dp)
+    for p, q in zip(net.parameters(), reference.parameters()):
+        torch.testing.assert_close(full_tensor(p), q.detach(), rtol=1e-5, atol=1e-6)
+    mean = torch.stack([comm.all_reduce(l.reshape(1), comm.ReduceOp.AVG, mesh["dp"].get_group()) for l in losses])
+    torch.testing.assert_close(mean.flatten(), torch.stack(ref_losses), rtol=1e-5, atol=1e-6)
+
+
+def test_mixed_precision_gathers_in_bf16_and_keeps_float32_shards():
+    ws = dist.get_world_size()
+    net = shard(Net(), mesh=dp_mesh(), mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                                      reduce_dtype=torch.float32))
+    train(net, 1, sharded=True)
+    for p in net.parameters():
+        assert p.dtype == torch.float32 and p.grad.dtype == torch.float32
+    assert ws >= 2
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(reshard_after_forward=2), NotImplementedError, "an int reshard_after_forward"),
+    (dict(reshard_after_forward="yes"), ValueError, "reshard_after_forward: expected a bool"),
+    (dict(mp_policy=MixedPrecisionPolicy(output_dtype=torch.bfloat16)), NotImplementedError, "output_dtype"),
+    (dict(offload_policy=CPUOffloadPolicy()), ValueError, "pin_memory false"),
+    (dict(replicate_params=[nn.Parameter(torch.zeros(2))]), NotImplementedError, "replicate_params"),
+    (dict(shard_placement_fn=lambda p: Shard(1)), NotImplementedError, "only Shard\\(0\\)"),
+    (dict(comm_fusion=1), ValueError, "comm_fusion: expected a bool"),
+])
+def test_options_that_cannot_apply_are_clear_errors(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        fully_shard(Net(), mesh=dp_mesh(), **kwargs)
+
+
+def test_module_methods_and_their_errors():
+    net = shard(Net(), mesh=dp_mesh())
+    with pytest.raises(ValueError, match="expected a module fully_shard was not applied to"):
+        fully_shard(net)
+    with pytest.raises(ValueError, match="expected an nn.Module"):
+        fully_shard("not a module")
+    with pytest.raises(ValueError, match="unshard async_op: expected a bool"):
+        net.unshard(async_op=1)
+    with pytest.raises(ValueError, match="expected a list of FSDPModule, got Linear"):
+        net.set_modules_to_forward_prefetch([nn.Linear(2, 2)])
+    with pytest.raises(ValueError, match="set_gradient_scaling_factor: expected None, a number"):
+        net.set_gradient_scaling_factor(True)
+    handle = net.unshard(async_op=True)
+    handle.wait()
+    net.reshard()
+    net.set_modules_to_forward_prefetch([net.blocks[1]])
+    net.blocks[0].set_modules_to_backward_prefetch([net.blocks[1]])
+    net.set_gradient_scaling_factor(0.5)
+    train(net, 1, sharded=True)
+    net.zero_grad()
+    assert all(p.grad is None for p in net.parameters())
+
+
+def test_the_originals_import_paths():
+    from hyper_parallel.core.fully_shard import HSDPModule, fully_shard as f  # noqa: F401
+    from hyper_parallel.platform.torch.fully_shard.utils import MixedPrecisionPolicy as M, OffloadPolicy  # noqa: F401
+    assert f is fully_shard and M is MixedPrecisionPolicy and HSDPModule is FSDPModule

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Both trainers (C++ llama3_train and Python train.py), fp32, 4 steps: --fsdp N trains like
+# replicated --dp N (step-4 loss within 1e-3, relative) and is bitwise equal run to run, at
+#   dp 2 x tp 1                         (world 2; also --no-reshard-after-forward)
+#   dp 2 x tp 2, MC2 on every layer     (world 4)
+#   HSDP 2 replicas x 2 shards x tp 1   (world 4)
+#   fsdp_trainers.sh HP_RUN LLAMA3_TRAIN TRAIN_PY PYTHONPATH
+set -euo pipefail
+hp_run=$1 train_cpp=$2 train_py=$3
+export PYTHONPATH=$4 OMP_NUM_THREADS=1
+
+# The step-4 loss, to all printed digits, of one run: last_loss WORLD TRAINER FLAGS...
+last_loss() {
+  local world=$1 trainer=$2 out
+  shift 2
+  if [[ $trainer == cpp ]]; then
+    out=$("$hp_run" --nproc-per-node "$world" --timeout 300 -- "$train_cpp" --dtype fp32 --steps 4 "$@" 2>&1)
+  else
+    out=$("$hp_run" --nproc-per-node "$world" --timeout 300 -- /usr/bin/python3 "$train_py" --dtype fp32 \
+      --steps 4 "$@" 2>&1)
+  fi || { echo "$out" >&2; echo "FAIL: $trainer $* at world $world" >&2; return 1; }
+  grep -q "step *4 |" <<<"$out" || { echo "$out" >&2; echo "FAIL: no step 4 ($trainer $*)" >&2; return 1; }
+  sed -n 's/^\[rank 0\] loss fell: .*(last \([-0-9.e]*\))$/\1/p' <<<"$out"
+}
+
+# compare WORLD TRAINER "REPLICATED FLAGS" "SHARDED FLAGS"
+compare() {
+  local world=$1 trainer=$2 dp fsdp again
+  dp=$(last_loss "$world" "$trainer" $3)
+  fsdp=$(last_loss "$world" "$trainer" $4)
+  again=$(last_loss "$world" "$trainer" $4)
+  [[ -n $dp && -n $fsdp ]] || { echo "FAIL: no final loss ($trainer $3 / $4)"; exit 1; }
+  [[ $fsdp == "$again" ]] || { echo "FAIL: $trainer $4 not bitwise run to run: $fsdp vs $again"; exit 1; }
+  /usr/bin/python3 - "$dp" "$fsdp" "$trainer" "$3" "$4" <<'EOF'
+import sys
+dp, fsdp = float(sys.argv[1]), float(sys.argv[2])
+rel = abs(dp - fsdp) / abs(dp)
+verdict = "ok" if rel <= 1e-3 else "FAIL"
+print(f"{verdict}: {sys.argv[3]:3s} step-4 loss {sys.argv[4]}: {dp:.10f}  {sys.argv[5]}: {fsdp:.10f} "
+      f"(relative difference {rel:.1e}, bitwise run to run)")
+sys.exit(0 if rel <= 1e-3 else 1)
+EOF
+}
+
+mc2="--enable-mc2 --mc2-scope all --relaxed-mc2-contract"
+for trainer in cpp py; do
+  compare 2 "$trainer" "--dp 2" "--fsdp 2"
+  compare 2 "$trainer" "--dp 2" "--fsdp 2 --no-reshard-after-forward"
+  compare 4 "$trainer" "--dp 2 $mc2" "--fsdp 2 $mc2"
+  compare 4 "$trainer" "--dp 4" "--fsdp 2 --hsdp 2"
+done
+echo "fsdp_trainers.sh: fully_shard matches replicated data parallelism in both trainers"

@@ -1,0 +1,254 @@
+// fully_shard against the full-batch single-process reference at world sizes 1, 2, 3 and 4:
+// training (AdamW) with reshard_after_forward on and off, HSDP, gradient accumulation without
+// sync, mixed precision, uneven and empty shards; exact collective counts per phase; the
+// shards' sizes and the optimizer state's; every error a user can cause.
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/adamw.h>
+
+#include <hyper_parallel/hyper_parallel.h>
+
+#include "common/test_util.h"
+
+namespace hp = hyper_parallel;
+namespace fs = hp::fully_shard;
+using hp::comm::CollectiveKind;
+using hp::dtensor::DeviceMesh;
+
+namespace {
+
+// Sizes that no world size of the test divides: uneven pieces, and empty ones at 3 and 4 ranks
+// for the 2-row head.
+constexpr int64_t kIn = 12, kHidden = 20, kOut = 2, kBlocks = 2, kRowsPerRank = 3;
+
+struct Block : torch::nn::Module {
+  Block() {
+    up = register_module("up", hp::nn::Linear(kIn, kHidden));
+    down = register_module("down", hp::nn::Linear(kHidden, kIn));
+  }
+  at::Tensor forward(const at::Tensor& x) { return x + down(at::relu(up(x))); }
+  hp::nn::Linear up{nullptr}, down{nullptr};
+};
+
+struct Net : torch::nn::Module {
+  Net() {
+    at::manual_seed(7);
+    for (int64_t i = 0; i < kBlocks; ++i)
+      blocks.push_back(register_module("block" + std::to_string(i), std::make_shared<Block>()));
+    norm = register_module("norm", hp::nn::RMSNorm(kIn));
+    head = register_module("head", hp::nn::Linear(kIn, kOut));
+  }
+  at::Tensor forward(at::Tensor x) {
+    for (auto& b : blocks) x = b->forward(x);
+    return head(norm(x));
+  }
+  std::vector<std::shared_ptr<Block>> blocks;
+  hp::nn::RMSNorm norm{nullptr};
+  hp::nn::Linear head{nullptr};
+};
+
+// The global batch of step `step`; rank r's rows are [r * kRowsPerRank, (r + 1) * kRowsPerRank).
+at::Tensor batch(int64_t step, int64_t ranks) {
+  at::manual_seed(100 + step);
+  return at::randn({ranks * kRowsPerRank, kIn});
+}
+
+at::Tensor loss_of(const at::Tensor& y) { return y.pow(2).mean(); }
+
+DeviceMesh dp_mesh() { return hp::dtensor::init_device_mesh("cpu", {hp_test::world_size()}, {"dp"}); }
+
+void shard(Net& net, const fs::FullyShardOptions& options) {
+  for (auto& b : net.blocks) fs::fully_shard(*b, options);
+  fs::fully_shard(net, options);
+}
+
+// Every parameter whole, from the shards (checked against the reference).
+std::vector<at::Tensor> full_parameters(Net& net) {
+  std::vector<at::Tensor> out;
+  for (const auto& p : net.parameters()) out.push_back(hp::tensor_parallel::full_tensor(p));
+  return out;
+}
+
+// `steps` AdamW steps; the losses of the global batch (each rank's mean averaged over ranks).
+std::vector<double> train(Net& net, int64_t steps, int64_t rank, int64_t ranks, bool sharded) {
+  torch::optim::AdamW opt(net.parameters(), torch::optim::AdamWOptions(1e-2));
+  std::vector<double> losses;
+  for (int64_t s = 0; s < steps; ++s) {
+    auto x = batch(s, ranks);
+    if (sharded) x = x.narrow(0, rank * kRowsPerRank, kRowsPerRank);
+    opt.zero_grad();
+    auto loss = loss_of(net.forward(x));
+    loss.backward();
+    opt.step();
+    auto l = loss.detach().reshape({1});
+    if (sharded && ranks > 1) l = hp::comm::all_reduce(l, hp::comm::ReduceOp::kAvg, hp::comm::world());
+    losses.push_back(l.item<double>());
+  }
+  return losses;
+}
+
+TEST(FullyShard, TrainsLikeTheFullBatchReference) {
+  const int64_t p = hp_test::world_size(), r = hp_test::rank();
+  Net reference;
+  const auto ref_losses = train(reference, 4, r, p, /*sharded=*/false);
+  const auto ref_params = full_parameters(reference);
+  for (bool reshard : {true, false}) {
+    SCOPED_TRACE(reshard ? "reshard_after_forward" : "kept after forward");
+    std::vector<std::vector<double>> runs;
+    for (int run = 0; run < 2; ++run) {
+      Net net;
+      shard(net, fs::FullyShardOptions().mesh(dp_mesh()).reshard_after_forward(reshard));
+      runs.push_back(train(net, 4, r, p, /*sharded=*/true));
+      const auto params = full_parameters(net);
+      for (size_t i = 0; i < params.size(); ++i)
+        hp_test::expect_close(params[i], ref_params[i], "parameter " + std::to_string(i));
+    }
+    for (size_t s = 0; s < ref_losses.size(); ++s) {
+      EXPECT_NEAR(runs[0][s], ref_losses[s], 1e-5 * std::abs(ref_losses[s])) << "step " << s;
+      EXPECT_EQ(runs[0][s], runs[1][s]) << "step " << s << ": not bitwise run to run";
+    }
+  }
+}
+
+TEST(FullyShard, ShardsParametersAndTheOptimizerState) {
+  const int64_t p = hp_test::world_size(), r = hp_test::rank();
+  Net full, net;
+  shard(net, fs::FullyShardOptions().mesh(dp_mesh()));
+  const auto full_params = full.parameters(), params = net.parameters();
+  for (size_t i = 0; i < params.size(); ++i) {
+    const int64_t rows = full_params[i].size(0);
+    EXPECT_EQ(params[i].size(0), hp::comm::chunk_size(rows, p, r)) << "parameter " << i;
+    EXPECT_TRUE(
+        params[i].equal(full_params[i].narrow(0, hp::comm::chunk_offset(rows, p, r), params[i].size(0))));
+  }
+  train(net, 1, r, p, true);
+  for (const auto& param : net.parameters()) {
+    ASSERT_TRUE(param.grad().defined());
+    EXPECT_EQ(param.grad().sizes(), param.sizes());
+  }
+}
+
+// Forward: one all-gather per group. Backward: one more per group when resharded after the
+// forward, none otherwise; one reduce-scatter per group. One rank moves nothing.
+TEST(FullyShard, OneAllGatherAndOneReduceScatterPerGroup) {
+  const int64_t p = hp_test::world_size();
+  const int64_t groups = kBlocks + 1;
+  for (bool reshard : {true, false}) {
+    SCOPED_TRACE(reshard ? "reshard_after_forward" : "kept after forward");
+    Net net;
+    shard(net, fs::FullyShardOptions().mesh(dp_mesh()).reshard_after_forward(reshard));
+    auto x = batch(0, 1);
+    hp::comm::reset_collective_counts();
+    at::Tensor loss;
+    {
+      hp::comm::CommRegion region("forward");
+      loss = loss_of(net.forward(x));
+    }
+    {
+      hp::comm::CommRegion region("backward");
+      loss.backward();
+    }
+    const int64_t moves = p > 1 ? 1 : 0;
+    EXPECT_EQ(hp::comm::collective_count(CollectiveKind::kAllGather, "forward"), moves * groups);
+    EXPECT_EQ(hp::comm::collective_count(CollectiveKind::kAllGather, "backward"),
+              reshard ? moves * groups : 0);
+    EXPECT_EQ(hp::comm::collective_count(CollectiveKind::kReduceScatter, "backward"), moves * groups);
+    EXPECT_EQ(hp::comm::total_collective_count("forward"), moves * groups);
+    EXPECT_EQ(hp::comm::total_collective_count("backward"), moves * groups * (reshard ? 2 : 1));
+    // After the backward every group is resharded.
+    for (auto& b : net.blocks) EXPECT_FALSE(fs::FSDPModule::of(*b)->group()->is_unsharded());
+  }
+}
+
+// HSDP on a (replicate, shard) mesh: a reduce-scatter over shard, then an all-reduce over
+// replicate, per group; the same training as the reference.
+TEST(FullyShard, HybridShardingTrainsLikeTheReference) {
+  const int64_t p = hp_test::world_size(), r = hp_test::rank();
+  if (p != 4) GTEST_SKIP() << "a 2 x 2 (replicate, shard) mesh needs 4 ranks";
+  auto mesh = hp::dtensor::init_device_mesh("cpu", {2, 2}, {"replicate", "shard"});
+  Net reference, net;
+  shard(net, fs::FullyShardOptions().mesh(mesh));
+  const auto ref_losses = train(reference, 3, r, p, false);
+  hp::comm::reset_collective_counts();
+  const auto losses = train(net, 3, r, p, true);
+  for (size_t s = 0; s < losses.size(); ++s)
+    EXPECT_NEAR(losses[s], ref_losses[s], 1e-5 * std::abs(ref_losses[s]));
+  const auto params = full_parameters(net), ref = full_parameters(reference);
+  for (size_t i = 0; i < params.size(); ++i)
+    hp_test::expect_close(params[i], ref[i], "parameter " + std::to_string(i));
+  EXPECT_EQ(hp::comm::collective_count(CollectiveKind::kReduceScatter), 3 * (kBlocks + 1));
+  // The HSDP all-reduces, and one per step for the loss logged above.
+  EXPECT_EQ(hp::comm::collective_count(CollectiveKind::kAllReduce), 3 * (kBlocks + 1) + 3);
+}
+
+// set_requires_gradient_sync(false): the backwards add the gathered gradients up without
+// communication; the next synced backward reduce-scatters the sum: the gradient of all three
+// microbatches.
+TEST(FullyShard, GradientAccumulationWithoutSync) {
+  const int64_t p = hp_test::world_size(), r = hp_test::rank();
+  Net reference, net;
+  auto root = fs::fully_shard(net, fs::FullyShardOptions().mesh(dp_mesh()));
+  for (int64_t m = 0; m < 3; ++m) {
+    loss_of(reference.forward(batch(m, p))).backward();
+    root.set_requires_gradient_sync(m == 2);
+    hp::comm::reset_collective_counts();
+    loss_of(net.forward(batch(m, p).narrow(0, r * kRowsPerRank, kRowsPerRank))).backward();
+    EXPECT_EQ(hp::comm::collective_count(CollectiveKind::kReduceScatter), m == 2 && p > 1 ? 1 : 0)
+        << "microbatch " << m;
+  }
+  const auto ref = reference.parameters();
+  const auto grads = hp::tensor_parallel::full_named_parameters(net, /*gradients=*/true);
+  ASSERT_EQ(grads.size(), ref.size());
+  for (size_t i = 0; i < ref.size(); ++i)
+    hp_test::expect_close(grads[i].second, ref[i].grad(), grads[i].first);
+}
+
+// param_dtype bfloat16 (gathered and computed in it), reduce_dtype float32: the float32 shards
+// train close to the float32 reference; their gradients stay float32.
+TEST(FullyShard, MixedPrecisionGathersInParamDtypeAndReducesInReduceDtype) {
+  const int64_t p = hp_test::world_size(), r = hp_test::rank();
+  Net reference, net;
+  shard(net, fs::FullyShardOptions().mesh(dp_mesh()).mp_policy(
+                 fs::MixedPrecisionPolicy().param_dtype(at::kBFloat16).reduce_dtype(at::kFloat)));
+  const auto ref_losses = train(reference, 2, r, p, false);
+  const auto losses = train(net, 2, r, p, true);
+  for (size_t s = 0; s < losses.size(); ++s)
+    EXPECT_NEAR(losses[s], ref_losses[s], 3e-2 * std::abs(ref_losses[s]));
+  for (const auto& param : net.parameters()) {
+    EXPECT_EQ(param.scalar_type(), at::kFloat);
+    EXPECT_EQ(param.grad().scalar_type(), at::kFloat);
+  }
+}
+
+TEST(FullyShard, ErrorsNameWhatWasExpected) {
+  HP_EXPECT_THROW_MSG(fs::ParamGroup({at::zeros({})}, {"scalar"}, {}),
+                      "fully_shard: expected parameters of at least one dim (sharded on dim 0), got scalar");
+  HP_EXPECT_THROW_MSG(
+      fs::ParamGroup({at::zeros({2})}, {"w"},
+                     fs::FullyShardOptions().offload_policy(fs::OffloadPolicy().pin_memory(true))),
+      "expected OffloadPolicy pin_memory false");
+  if (hp_test::world_size() == 4) {
+    auto cube = hp::dtensor::init_device_mesh("cpu", {1, 2, 2}, {"a", "b", "c"});
+    Net net;
+    HP_EXPECT_THROW_MSG(
+        fs::fully_shard(net, fs::FullyShardOptions().mesh(cube)),
+        "fully_shard: expected a 1-d mesh (shard) or a 2-d mesh (replicate, shard) for HSDP, got a 3-d");
+  }
+  struct WithTorchLinear : torch::nn::Module {
+    WithTorchLinear() { lin = register_module("lin", torch::nn::Linear(4, 4)); }
+    torch::nn::Linear lin{nullptr};
+  };
+  auto plain = std::make_shared<WithTorchLinear>();
+  HP_EXPECT_THROW_MSG(fs::fully_shard(*plain, fs::FullyShardOptions().mesh(dp_mesh())),
+                      "fully_shard: expected every parameter to belong to a hyper_parallel::nn module");
+  Net net;
+  fs::fully_shard(*net.blocks[0], fs::FullyShardOptions().mesh(dp_mesh()));
+  HP_EXPECT_THROW_MSG(fs::fully_shard(*net.blocks[0], fs::FullyShardOptions().mesh(dp_mesh())),
+                      "fully_shard: expected a module fully_shard was not applied to");
+  HP_EXPECT_THROW_MSG(fs::ParamGroup({net.blocks[0]->up->weight}, {"up.weight"}, {}),
+                      "fully_shard: expected a parameter no fully_shard manages yet, got up.weight");
+}
+
+}  // namespace
