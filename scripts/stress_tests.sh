@@ -23,7 +23,7 @@ done
 log=$(mktemp)
 start=$(date +%s)
 status=0
-(cd "$build_dir" && ctest --output-on-failure --parallel "$parallel" --timeout 1800 \
+(cd "$build_dir" && ctest --output-on-failure --parallel "$parallel" \
   --repeat "until-fail:$repeats" "$@") >"$log" 2>&1 || status=$?
 elapsed=$(($(date +%s) - start))
 stop_busy
