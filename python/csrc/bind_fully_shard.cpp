@@ -45,11 +45,29 @@ void bind_fully_shard(py::module& m) {
           [](fs::ParamGroup& group, std::vector<at::Tensor> outputs,
              const std::vector<std::shared_ptr<fs::ParamGroup>>& prefetch) {
             return group.register_pre_backward(std::move(outputs), [prefetch] {
-              for (const auto& g : prefetch) g->unshard();
+              for (const auto& g : prefetch) g->unshard(/*async_op=*/true);
             });
           },
           py::arg("outputs"), py::arg("prefetch"))
-      .def("unshard", &fs::ParamGroup::unshard)
+      .def("unshard", &fs::ParamGroup::unshard, py::arg("async_op") = false)
+      .def("wait_for_unshard", &fs::ParamGroup::wait_for_unshard)
+      .def_static(
+          "share_pass_order",
+          [](const std::vector<std::shared_ptr<fs::ParamGroup>>& groups) {
+            std::vector<fs::ParamGroup*> raw;
+            for (const auto& g : groups) raw.push_back(g.get());
+            fs::ParamGroup::share_pass_order(raw);
+          },
+          py::arg("groups"))
+      .def_property_readonly("gather_stats",
+                             [](const fs::ParamGroup& g) {
+                               const auto s = g.gather_stats();
+                               py::dict d;
+                               d["gathers"] = s.gathers;
+                               d["prefetched"] = s.prefetched;
+                               d["regathered"] = s.regathered;
+                               return d;
+                             })
       .def("reshard", &fs::ParamGroup::reshard)
       .def_property_readonly("is_unsharded", &fs::ParamGroup::is_unsharded)
       .def("set_users", &fs::ParamGroup::set_users, py::arg("users"))

@@ -122,6 +122,16 @@ void complete_on_completion_thread(const std::shared_ptr<PendingAllReduceState>&
       });
 }
 
+void wait_until_complete(PendingAllReduceState& state, const char* op) {
+  const auto start = std::chrono::steady_clock::now();
+  {
+    std::unique_lock<std::mutex> lock(state.mutex);
+    state.cv.wait(lock, [&] { return state.done; });
+  }
+  record_exposed_wait(op, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  if (state.error) std::rethrow_exception(state.error);
+}
+
 }  // namespace detail
 
 PendingAllReduce::PendingAllReduce(std::shared_ptr<detail::PendingAllReduceState> state)
@@ -136,14 +146,7 @@ bool PendingAllReduce::is_completed() const {
 void PendingAllReduce::wait() {
   if (!state_) return;
   auto state = std::move(state_);
-  const auto start = std::chrono::steady_clock::now();
-  {
-    std::unique_lock<std::mutex> lock(state->mutex);
-    state->cv.wait(lock, [&] { return state->done; });
-  }
-  detail::record_exposed_wait(
-      "pending all_reduce", std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
-  if (state->error) std::rethrow_exception(state->error);
+  detail::wait_until_complete(*state, "pending all_reduce");
 }
 
 PendingAllReduce start_all_reduce(const at::Tensor& buffer, ReduceOp op, const Group& group,

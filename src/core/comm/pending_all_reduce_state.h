@@ -1,7 +1,8 @@
 #pragma once
-// Internal: the state a PendingAllReduce shares with the completion thread, and the steps of the
-// direct two-phase all-reduce (pending_all_reduce.h) that the dense and the row-sparse starts
-// both use.
+// Internal: the state a started collective (PendingAllReduce, PendingAllGather,
+// PendingReduceScatter) shares with the completion thread, and the steps of the direct two-phase
+// all-reduce (pending_all_reduce.h) that the dense and the row-sparse all-reduces use; the
+// reduce-scatter is its first phase, the all-gather its second.
 
 #include <condition_variable>
 #include <exception>
@@ -56,5 +57,9 @@ void sum_in_rank_order(const std::vector<at::Tensor>& partials, const at::Tensor
 /// the state with its failure, if any.
 void complete_on_completion_thread(const std::shared_ptr<PendingAllReduceState>& state, OpScope& scope,
                                    std::function<void(PendingAllReduceState&)> work);
+
+/// Blocks until `state` completes, records the time blocked as an exposed wait in `op` (e.g.
+/// "pending all_reduce") and rethrows its failure, if any.
+void wait_until_complete(PendingAllReduceState& state, const char* op);
 
 }  // namespace hyper_parallel::comm::detail

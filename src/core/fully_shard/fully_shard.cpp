@@ -99,9 +99,10 @@ at::Tensor cast_input(const at::Tensor& t, const MixedPrecisionPolicy& mp) {
   return t.to(*mp.param_dtype());
 }
 
-void unshard_all(const std::vector<std::weak_ptr<State>>& states) {
+// Starts the gathers of `states` (they travel while this module computes).
+void prefetch(const std::vector<std::weak_ptr<State>>& states) {
   for (const auto& w : states) {
-    if (auto s = w.lock(); s && s->group) s->group->unshard();
+    if (auto s = w.lock(); s && s->group) s->group->unshard(/*async_op=*/true);
   }
 }
 
@@ -120,13 +121,13 @@ void install_hooks(const Owner& owner, const std::shared_ptr<State>& state) {
   hm.add_input_hook([s = state](std::vector<at::Tensor> inputs) {
     for (auto& t : inputs) t = cast_input(t, s->mp_policy);
     s->group->pre_forward();
-    unshard_all(s->forward_prefetch);
+    prefetch(s->forward_prefetch);
     return inputs;
   });
   hm.add_output_hook([s = state](std::vector<at::Tensor> outputs) {
     auto backward_prefetch = s->backward_prefetch;
     outputs = s->group->register_pre_backward(std::move(outputs),
-                                              [backward_prefetch] { unshard_all(backward_prefetch); });
+                                              [backward_prefetch] { prefetch(backward_prefetch); });
     s->group->post_forward();
     return outputs;
   });
@@ -176,6 +177,10 @@ FSDPModule fully_shard(torch::nn::Module& module, const FullyShardOptions& optio
     std::lock_guard<std::mutex> lock(r.mutex);
     r.by_module.insert_or_assign(&module, Registry::Entry{state, state->group ? nullptr : state});
   }
+  // This call is the root of the groups below it (until a call above it): one prefetch order.
+  std::vector<ParamGroup*> groups;
+  for_each_state(state, true, [&](State& s) { groups.push_back(s.group.get()); });
+  ParamGroup::share_pass_order(groups);
   return FSDPModule(state);
 }
 
@@ -185,8 +190,12 @@ std::optional<FSDPModule> FSDPModule::of(torch::nn::Module& module) {
   return FSDPModule(state);
 }
 
-void FSDPModule::unshard() const {
-  if (state_->group) state_->group->unshard();
+void FSDPModule::unshard(bool async_op) const {
+  if (state_->group) state_->group->unshard(async_op);
+}
+
+void FSDPModule::wait_for_unshard() const {
+  if (state_->group) state_->group->wait_for_unshard();
 }
 
 void FSDPModule::reshard() const {

@@ -1,16 +1,23 @@
 #include <hyper_parallel/core/fully_shard/param_group.h>
 
+#include <algorithm>
+#include <deque>
 #include <mutex>
+#include <optional>
 #include <unordered_map>
 
 #include <ATen/ATen.h>
 #include <ATen/native/Resize.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/grad_mode.h>
+#include <torch/csrc/autograd/variable.h>
 
 #include <hyper_parallel/core/comm/chunks.h>
 #include <hyper_parallel/core/comm/collectives.h>
+#include <hyper_parallel/core/comm/pending_all_gather.h>
+#include <hyper_parallel/core/comm/pending_reduce_scatter.h>
 #include <hyper_parallel/core/nn/parameter_layout.h>
+#include <hyper_parallel/core/nn/pending_gradient.h>
 
 #include "../autograd/attach_backward.h"
 #include "flat_layout.h"
@@ -65,7 +72,90 @@ nn::ParameterLayout composed_layout(const at::Tensor& param, const std::string& 
   return {*mesh, placements, prior->global_shape};
 }
 
+// A group's reduce-scatter in flight, then its all-reduce over the replicate dim (HSDP) and its
+// scaling: done once, by the first of its parameters' deferred gradients to be finished.
+struct ReduceInFlight {
+  comm::PendingReduceScatter pending;
+  at::Tensor unreduced;  // a shard dim of one rank: its flat gradients, reduced as they are
+  std::optional<comm::Group> replicate;
+  double scale = 1.0;
+  at::Tensor result;
+
+  const at::Tensor& wait() {
+    if (result.defined()) return result;
+    auto reduced = unreduced.defined() ? unreduced : pending.wait();
+    if (replicate && replicate->size() > 1)
+      reduced = comm::all_reduce(reduced, comm::ReduceOp::kAvg, *replicate);
+    result = scale == 1.0 ? reduced : reduced * scale;
+    return result;
+  }
+};
+
+// At most this many groups' reduce-scatters travel at once (every group's, process-wide); a
+// group whose backward ends with that many in flight first finishes the oldest. Each holds its
+// flat gradients and the partials it receives.
+constexpr size_t kMaxReducesInFlight = 2;
+
+std::deque<std::weak_ptr<ReduceInFlight>>& reduces_in_flight() {
+  static std::deque<std::weak_ptr<ReduceInFlight>> in_flight;  // the backward's thread only
+  return in_flight;
+}
+
+void bound_reduces_in_flight() {
+  auto& q = reduces_in_flight();
+  while (!q.empty()) {
+    auto oldest = q.front().lock();
+    if (oldest && !oldest->result.defined() && q.size() < kMaxReducesInFlight) return;
+    q.pop_front();
+    if (oldest) oldest->wait();
+  }
+}
+
 }  // namespace
+
+namespace detail {
+
+// The order in which the groups of one root ran their forwards: each group's first use in a pass
+// (the next group to gather in the forward) and its last (the reverse of the backward's order).
+// Implicit prefetch, as FSDP2's: the next group's all-gather travels while this one computes.
+struct PassOrder {
+  using Weak = std::weak_ptr<ParamGroup::Impl>;
+  struct Sequence {
+    std::vector<Weak> previous, current;
+    // A group seen again begins the next pass.
+    void record(const std::shared_ptr<ParamGroup::Impl>& g) {
+      for (const auto& w : current) {
+        if (w.lock() == g) {
+          previous = std::move(current);
+          current.clear();
+          break;
+        }
+      }
+      current.push_back(g);
+    }
+  };
+  Sequence first_use, last_use;
+
+  static std::shared_ptr<ParamGroup::Impl> neighbour(const std::vector<Weak>& order,
+                                                     const std::shared_ptr<ParamGroup::Impl>& g, int step) {
+    for (size_t i = 0; i < order.size(); ++i) {
+      if (order[i].lock() != g) continue;
+      const auto j = static_cast<int64_t>(i) + step;
+      return j >= 0 && j < static_cast<int64_t>(order.size()) ? order[j].lock() : nullptr;
+    }
+    return nullptr;
+  }
+  // The group whose forward followed g's first use in the last pass.
+  std::shared_ptr<ParamGroup::Impl> next_forward(const std::shared_ptr<ParamGroup::Impl>& g) const {
+    return neighbour(first_use.previous, g, +1);
+  }
+  // The group whose backward follows g's in this pass (the one whose forward ended before g's).
+  std::shared_ptr<ParamGroup::Impl> next_backward(const std::shared_ptr<ParamGroup::Impl>& g) const {
+    return neighbour(last_use.current, g, -1);
+  }
+};
+
+}  // namespace detail
 
 struct ParamGroup::Impl {
   std::vector<at::Tensor> params;
@@ -80,13 +170,26 @@ struct ParamGroup::Impl {
   at::ScalarType gather_dtype = at::kFloat;
   std::optional<at::ScalarType> reduce_dtype;
   bool reshard_after_forward = true, sync = true, unsharded = false;
+  bool backward_prefetched = false;  // this backward of the group has started the next gather
   double scale = 1.0;
   int64_t users = 1, forward_calls = 0;
+  std::shared_ptr<detail::PassOrder> order = std::make_shared<detail::PassOrder>();
+  std::optional<comm::PendingAllGather> gather_in_flight;  // started ahead of its use
+  std::vector<int64_t> versions_at_gather;                 // the shards' versions it read
+  GatherStats stats;
 
   explicit Impl(dtensor::DeviceMesh m) : mesh(std::move(m)) {}
-  void gather();
+  void start_gather();
+  void finish_gather();
+  void gather() {
+    start_gather();
+    finish_gather();
+  }
   std::vector<at::Tensor> reduce(std::vector<at::Tensor> grads);
+  at::Tensor reduce_input(const std::vector<at::Tensor>& grads);
   void free_buffers();
+  // Whether a shard changed in place since the last gather read it.
+  bool shards_changed() const;
 };
 
 ParamGroup::ParamGroup(std::vector<at::Tensor> params, std::vector<std::string> names,
@@ -147,14 +250,47 @@ ParamGroup::ParamGroup(std::vector<at::Tensor> params, std::vector<std::string> 
 
 ParamGroup::~ParamGroup() = default;
 
-void ParamGroup::Impl::gather() {
-  const int64_t p = shard_group.size();
+// Reads the shards now; the all-gather travels until finish_gather (a group of one rank moves
+// nothing and is gathered at once).
+void ParamGroup::Impl::start_gather() {
+  if (unsharded || gather_in_flight) return;
   auto flat =
       at::zeros({layout.flat_elements()}, buffers.empty() ? at::TensorOptions() : buffers[0].options());
-  for (size_t i = 0; i < params.size(); ++i)
+  versions_at_gather.clear();
+  for (size_t i = 0; i < params.size(); ++i) {
     layout.local(flat, static_cast<int64_t>(i)).copy_(params[i].detach().reshape({-1}));
-  // One message for the group; a group of one rank moves nothing.
-  const auto all = p == 1 ? flat : comm::all_gather(flat, 0, shard_group);
+    versions_at_gather.push_back(static_cast<int64_t>(params[i]._version()));
+  }
+  ++stats.gathers;
+  if (shard_group.size() > 1) {
+    gather_in_flight = comm::start_all_gather(flat, shard_group);
+    return;
+  }
+  for (size_t i = 0; i < params.size(); ++i) {
+    set_storage(buffers[i], true);
+    buffers[i].variable_data().copy_(layout.full(flat, static_cast<int64_t>(i)));
+  }
+  unsharded = true;
+}
+
+// Waits for the gather in flight (started here if none was) and writes the parameters. A gather
+// whose shards changed in place after it read them (an optimizer step between a prefetch and
+// its use) is done again: every rank runs the same steps, so every rank does.
+void ParamGroup::Impl::finish_gather() {
+  if (unsharded) return;
+  const bool ahead = gather_in_flight.has_value();
+  start_gather();
+  if (unsharded) return;
+  auto all = gather_in_flight->wait();
+  gather_in_flight.reset();
+  if (shards_changed()) {
+    ++stats.regathered;
+    start_gather();
+    all = gather_in_flight->wait();
+    gather_in_flight.reset();
+  } else if (ahead) {
+    ++stats.prefetched;
+  }
   for (size_t i = 0; i < params.size(); ++i) {
     set_storage(buffers[i], true);
     // Written through a view with its own version counter: the autograd graph's saved views of
@@ -164,11 +300,39 @@ void ParamGroup::Impl::gather() {
   unsharded = true;
 }
 
+bool ParamGroup::Impl::shards_changed() const {
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (static_cast<int64_t>(params[i]._version()) != versions_at_gather[i]) return true;
+  }
+  return false;
+}
+
 void ParamGroup::Impl::free_buffers() {
+  if (gather_in_flight) {  // its transfers write into its own buffer: wait, then drop it
+    gather_in_flight->wait();
+    gather_in_flight.reset();
+  }
   for (auto& b : buffers) set_storage(b, false);
   unsharded = false;
 }
 
+// Every rank's blocks of the gradients (plus the sum kept while sync was off), in the reduce
+// dtype: the reduce-scatter's input.
+at::Tensor ParamGroup::Impl::reduce_input(const std::vector<at::Tensor>& grads) {
+  const auto dtype = reduce_dtype.value_or(grads.empty() ? at::kFloat : grads[0].scalar_type());
+  auto flat = at::zeros({shard_group.size() * layout.flat_elements()}, grads[0].options().dtype(dtype));
+  for (size_t i = 0; i < grads.size(); ++i) {
+    auto total = grads[i].to(dtype);
+    if (pending[i].defined()) total = total + pending[i].to(dtype);
+    layout.scatter_input(flat, static_cast<int64_t>(i))
+        .copy_(layout.padded_blocks(total, static_cast<int64_t>(i)));
+  }
+  pending.assign(params.size(), at::Tensor());
+  return flat;
+}
+
+// Starts the group's reduce-scatter and hands each shard's gradient to nn::defer_gradient: the
+// backward goes on while it travels, and .grad is complete when backward() returns.
 std::vector<at::Tensor> ParamGroup::Impl::reduce(std::vector<at::Tensor> grads) {
   std::vector<at::Tensor> out(params.size());
   if (pending.size() != params.size()) pending.assign(params.size(), at::Tensor());
@@ -179,28 +343,37 @@ std::vector<at::Tensor> ParamGroup::Impl::reduce(std::vector<at::Tensor> grads) 
     }
     return out;
   }
-  const auto dtype = reduce_dtype.value_or(grads.empty() ? at::kFloat : grads[0].scalar_type());
-  auto flat = at::zeros({shard_group.size() * layout.flat_elements()}, grads[0].options().dtype(dtype));
-  for (size_t i = 0; i < grads.size(); ++i) {
-    auto total = grads[i].to(dtype);
-    if (pending[i].defined()) total = total + pending[i].to(dtype);
-    layout.scatter_input(flat, static_cast<int64_t>(i))
-        .copy_(layout.padded_blocks(total, static_cast<int64_t>(i)));
-  }
-  pending.assign(params.size(), at::Tensor());
+  bound_reduces_in_flight();
+  auto in_flight = std::make_shared<ReduceInFlight>();
   // The average over every data-parallel rank: over the shard dim, then the replicate dim.
-  auto reduced =
-      shard_group.size() == 1 ? flat : comm::reduce_scatter(flat, 0, comm::ReduceOp::kAvg, shard_group);
-  if (replicate_group && replicate_group->size() > 1) {
-    reduced = comm::all_reduce(reduced, comm::ReduceOp::kAvg, *replicate_group);
+  auto flat = reduce_input(grads);
+  if (shard_group.size() == 1) {
+    in_flight->unreduced = std::move(flat);
+  } else {
+    in_flight->pending = comm::start_reduce_scatter(flat, comm::ReduceOp::kAvg, shard_group);
   }
-  if (scale != 1.0) reduced = reduced * scale;
+  in_flight->replicate = replicate_group;
+  in_flight->scale = scale;
+  reduces_in_flight().push_back(in_flight);
+  auto shard_gradient = [in_flight, layout = layout](const at::Tensor& param, size_t i) {
+    return layout.local(in_flight->wait(), static_cast<int64_t>(i))
+        .view(param.sizes())
+        .to(param.scalar_type())
+        .clone();
+  };
+  // A parameter with gradient hooks (a sequence-parallel norm weight's sum over tensor-parallel
+  // ranks, a user's hook) must see its gradient through autograd: such a group waits here.
+  const bool hooked = std::any_of(params.begin(), params.end(), [](const at::Tensor& p) {
+    return !torch::autograd::impl::hooks(p).empty();
+  });
   for (size_t i = 0; i < params.size(); ++i) {
     if (!params[i].requires_grad()) continue;
-    out[i] = layout.local(reduced, static_cast<int64_t>(i))
-                 .view(params[i].sizes())
-                 .to(params[i].scalar_type())
-                 .clone();
+    if (hooked) {
+      out[i] = shard_gradient(params[i], i);
+    } else {
+      nn::defer_gradient(params[i],
+                         [shard_gradient, param = params[i], i] { return shard_gradient(param, i); });
+    }
   }
   return out;
 }
@@ -208,7 +381,13 @@ std::vector<at::Tensor> ParamGroup::Impl::reduce(std::vector<at::Tensor> grads) 
 const std::vector<at::Tensor>& ParamGroup::pre_forward() {
   auto& s = *impl_;
   if (s.forward_calls > 0) return s.gathered;
-  if (!s.unsharded) s.gather();
+  s.order->first_use.record(impl_);
+  if (s.unsharded && s.shards_changed()) {  // gathered ahead (unshard), then changed in place
+    ++s.stats.regathered;
+    s.free_buffers();
+  }
+  s.finish_gather();
+  if (auto next = s.order->next_forward(impl_)) next->start_gather();
   std::vector<at::Tensor> views;
   for (const auto& b : s.buffers) views.push_back(b.detach());
   std::weak_ptr<Impl> weak = impl_;
@@ -222,6 +401,7 @@ const std::vector<at::Tensor>& ParamGroup::pre_forward() {
         auto out = self->reduce(std::move(grads));
         // The group's last backward use is over: free its gathered parameters.
         self->forward_calls = 0;
+        self->backward_prefetched = false;
         self->free_buffers();
         return out;
       },
@@ -233,6 +413,7 @@ void ParamGroup::post_forward() {
   auto& s = *impl_;
   if (++s.forward_calls < s.users) return;
   s.forward_calls = 0;
+  s.order->last_use.record(impl_);
   if (s.reshard_after_forward) s.free_buffers();
 }
 
@@ -245,8 +426,17 @@ std::vector<at::Tensor> ParamGroup::register_pre_backward(std::vector<at::Tensor
     out = hyper_parallel::detail::attach_backward(
         out, out.detach(),
         [weak, then](const at::Tensor& grad) {
-          // Before the module's own backward reads its parameters: gather them if resharded.
-          if (auto self = weak.lock(); self && !self->unsharded) self->gather();
+          // Before the module's own backward reads its parameters: gather them if resharded,
+          // and start the gather of the group whose backward comes next.
+          if (auto self = weak.lock()) {
+            self->finish_gather();
+            // Once per backward of the group: a module of it that runs its backward late (the
+            // root's embedding, last) must not gather a group whose backward is over.
+            if (!self->backward_prefetched) {
+              self->backward_prefetched = true;
+              if (auto next = self->order->next_backward(self)) next->start_gather();
+            }
+          }
           if (then) then();
           return grad;
         },
@@ -255,9 +445,21 @@ std::vector<at::Tensor> ParamGroup::register_pre_backward(std::vector<at::Tensor
   return outputs;
 }
 
-void ParamGroup::unshard() {
-  if (!impl_->unsharded) impl_->gather();
+void ParamGroup::unshard(bool async_op) {
+  if (async_op) {
+    impl_->start_gather();
+  } else {
+    impl_->finish_gather();
+  }
 }
+void ParamGroup::wait_for_unshard() { impl_->finish_gather(); }
+void ParamGroup::share_pass_order(const std::vector<ParamGroup*>& groups) {
+  auto order = std::make_shared<detail::PassOrder>();
+  for (auto* g : groups) {
+    if (g != nullptr) g->impl_->order = order;
+  }
+}
+GatherStats ParamGroup::gather_stats() const { return impl_->stats; }
 void ParamGroup::reshard() { impl_->free_buffers(); }
 bool ParamGroup::is_unsharded() const { return impl_->unsharded; }
 void ParamGroup::set_users(int64_t users) {

@@ -1,6 +1,7 @@
 """fully_shard on torch.nn modules at 2 and 4 ranks, against the full-batch single-process
 reference: training with reshard_after_forward on and off (bitwise run to run), HSDP, gradient
-accumulation without sync, tensor parallelism on a 2 x 2 mesh; the module's new methods; every
+accumulation without sync, tensor parallelism on a 2 x 2 mesh; implicit prefetch and
+unshard(async_op); the module's new methods; every
 option that cannot apply is a clear error; the original's import paths."""
 
 import copy
@@ -194,6 +195,38 @@ def test_module_methods_and_their_errors():
     train(net, 1, sharded=True)
     net.zero_grad()
     assert all(p.grad is None for p in net.parameters())
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_implicit_prefetch_gathers_the_next_module_ahead(reshard):
+    """Forward order block0, block1, root; backward root, block1, block0: from the second step
+    on, block1's and the root's forward gathers are in flight before they run, and each backward
+    gather but the root's is started by the module whose backward came before."""
+    if dist.get_world_size() == 1:
+        pytest.skip("one rank gathers at once")
+    steps, backward = 3, (3 if reshard else 0)
+    net = shard(Net(), mesh=dp_mesh(), reshard_after_forward=reshard)
+    train(net, steps, sharded=True)
+    for module, prefetched in ((net.blocks[0], backward), (net.blocks[1], steps - 1 + backward),
+                               (net, steps - 1)):
+        stats = module._fsdp_group.gather_stats
+        assert stats == {"gathers": steps * (2 if reshard else 1), "prefetched": prefetched, "regathered": 0}
+
+
+def test_unshard_async_op_travels_until_waited_and_a_changed_shard_is_gathered_again():
+    changed_first, changed_after = shard(Net(), mesh=dp_mesh()), shard(Net(), mesh=dp_mesh())
+    with torch.no_grad():
+        changed_first.blocks[0].up.weight.mul_(0.5)
+        handle = changed_after.blocks[0].unshard(async_op=True)
+        changed_after.blocks[0].up.weight.mul_(0.5)
+        x = batch(0, dist.get_world_size())[dist.get_rank() * ROWS_PER_RANK:][:ROWS_PER_RANK]
+        assert torch.equal(changed_after(x), changed_first(x))
+    handle.wait()
+    assert changed_after.blocks[0]._fsdp_group.gather_stats["regathered"] == 1
+    block = changed_after.blocks[1]
+    block.reshard()
+    block.unshard(async_op=True).wait()
+    assert block._fsdp_group.is_unsharded
 
 
 def test_the_originals_import_paths():

@@ -1,7 +1,8 @@
 // fully_shard against the full-batch single-process reference at world sizes 1, 2, 3 and 4:
 // training (AdamW) with reshard_after_forward on and off, HSDP, gradient accumulation without
-// sync, mixed precision, uneven and empty shards; exact collective counts per phase; the
-// shards' sizes and the optimizer state's; every error a user can cause.
+// sync, mixed precision, uneven and empty shards; exact collective counts per phase; implicit
+// and explicit prefetch; the shards' sizes and the optimizer state's; every error a user can
+// cause.
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
@@ -160,6 +161,119 @@ TEST(FullyShard, OneAllGatherAndOneReduceScatterPerGroup) {
     // After the backward every group is resharded.
     for (auto& b : net.blocks) EXPECT_FALSE(fs::FSDPModule::of(*b)->group()->is_unsharded());
   }
+}
+
+// Implicit prefetch. Forward order: block0, block1, root (norm and head); backward: root,
+// block1, block0. From the second pass on, block1's and the root's forward gathers are in flight
+// before they run (started by the group before them); block0's is the first of a pass. Each
+// backward gather but the root's (the first of the backward) is started by the group whose
+// backward came before. No prefetch is stale: the optimizer steps after the backward used them.
+TEST(FullyShard, PrefetchStartsTheNextGroupsGatherBeforeItIsNeeded) {
+  const int64_t p = hp_test::world_size(), r = hp_test::rank();
+  if (p == 1) GTEST_SKIP() << "one rank gathers at once: nothing travels";
+  constexpr int64_t kSteps = 3;
+  for (bool reshard : {true, false}) {
+    SCOPED_TRACE(reshard ? "reshard_after_forward" : "kept after forward");
+    Net net;
+    shard(net, fs::FullyShardOptions().mesh(dp_mesh()).reshard_after_forward(reshard));
+    train(net, kSteps, r, p, /*sharded=*/true);
+    const int64_t backward = reshard ? kSteps : 0;  // the first forward learns the order
+    const std::vector<std::pair<fs::ParamGroup*, int64_t>> expected = {
+        {fs::FSDPModule::of(*net.blocks[0])->group(), backward},
+        {fs::FSDPModule::of(*net.blocks[1])->group(), kSteps - 1 + backward},
+        {fs::FSDPModule::of(net)->group(), kSteps - 1}};
+    for (size_t g = 0; g < expected.size(); ++g) {
+      const auto stats = expected[g].first->gather_stats();
+      EXPECT_EQ(stats.gathers, kSteps * (reshard ? 2 : 1)) << "group " << g;
+      EXPECT_EQ(stats.prefetched, expected[g].second) << "group " << g;
+      EXPECT_EQ(stats.regathered, 0) << "group " << g;
+    }
+  }
+}
+
+// A root whose first module runs first in the forward and last in the backward (an embedding):
+// its late pre-backward must not prefetch a group whose backward is over (that gather would
+// travel for nothing and be done again after the optimizer step).
+struct InputProjectionNet : torch::nn::Module {
+  InputProjectionNet() {
+    at::manual_seed(9);
+    in = register_module("in", hp::nn::Linear(kIn, kIn));
+    for (int64_t i = 0; i < kBlocks; ++i)
+      blocks.push_back(register_module("block" + std::to_string(i), std::make_shared<Block>()));
+    head = register_module("head", hp::nn::Linear(kIn, kOut));
+  }
+  at::Tensor forward(at::Tensor x) {
+    x = in(x);
+    for (auto& b : blocks) x = b->forward(x);
+    return head(x);
+  }
+  hp::nn::Linear in{nullptr}, head{nullptr};
+  std::vector<std::shared_ptr<Block>> blocks;
+};
+
+TEST(FullyShard, PrefetchGathersEachGroupOncePerUse) {
+  const int64_t p = hp_test::world_size(), r = hp_test::rank();
+  constexpr int64_t kSteps = 3;
+  for (bool reshard : {true, false}) {
+    SCOPED_TRACE(reshard ? "reshard_after_forward" : "kept after forward");
+    InputProjectionNet net;
+    const auto options = fs::FullyShardOptions().mesh(dp_mesh()).reshard_after_forward(reshard);
+    for (auto& b : net.blocks) fs::fully_shard(*b, options);
+    fs::fully_shard(net, options);
+    torch::optim::AdamW opt(net.parameters(), torch::optim::AdamWOptions(1e-2));
+    for (int64_t s = 0; s < kSteps; ++s) {
+      opt.zero_grad();
+      loss_of(net.forward(batch(s, p).narrow(0, r * kRowsPerRank, kRowsPerRank))).backward();
+      opt.step();
+    }
+    for (auto* m : std::vector<torch::nn::Module*>{net.blocks[0].get(), net.blocks[1].get(), &net}) {
+      const auto stats = fs::FSDPModule::of(*m)->group()->gather_stats();
+      EXPECT_EQ(stats.gathers, kSteps * (reshard ? 2 : 1)) << m->name();
+      EXPECT_EQ(stats.regathered, 0) << m->name();
+    }
+  }
+}
+
+// A gather started ahead of its use (unshard(async_op)) whose shards then change in place is
+// done again: the forward sees the changed parameters, as a gather started after the change.
+TEST(FullyShard, AGatherStartedBeforeAnInPlaceChangeIsDoneAgain) {
+  const int64_t p = hp_test::world_size(), r = hp_test::rank();
+  Net changed_first, changed_after;
+  shard(changed_first, fs::FullyShardOptions().mesh(dp_mesh()));
+  shard(changed_after, fs::FullyShardOptions().mesh(dp_mesh()));
+  auto change = [](Block& b) {
+    at::NoGradGuard no_grad;
+    b.up->weight.mul_(0.5);
+  };
+  change(*changed_first.blocks[0]);
+  auto handle = fs::FSDPModule::of(*changed_after.blocks[0]);
+  handle->unshard(/*async_op=*/true);
+  change(*changed_after.blocks[0]);
+  const auto x = batch(0, p).narrow(0, r * kRowsPerRank, kRowsPerRank);
+  at::NoGradGuard no_grad;
+  EXPECT_TRUE(changed_after.forward(x).equal(changed_first.forward(x)));
+  EXPECT_EQ(handle->group()->gather_stats().regathered, 1);
+  // unshard(async_op) then wait_for_unshard: gathered, and the next forward uses it.
+  auto block1 = fs::FSDPModule::of(*changed_after.blocks[1]);
+  block1->reshard();
+  block1->unshard(/*async_op=*/true);
+  block1->wait_for_unshard();
+  EXPECT_TRUE(block1->group()->is_unsharded());
+}
+
+// A gradient hook on a shard (a user's, or a sequence-parallel weight's sum) sees the reduced
+// shard gradient and what it returns is accumulated: here it doubles it.
+TEST(FullyShard, GradientHooksOnShardsRun) {
+  const int64_t p = hp_test::world_size(), r = hp_test::rank();
+  Net plain, hooked;
+  shard(plain, fs::FullyShardOptions().mesh(dp_mesh()));
+  shard(hooked, fs::FullyShardOptions().mesh(dp_mesh()));
+  hooked.blocks[1]->up->weight.register_hook([](const at::Tensor& g) { return g * 2; });
+  const auto x = batch(0, p).narrow(0, r * kRowsPerRank, kRowsPerRank);
+  loss_of(plain.forward(x)).backward();
+  loss_of(hooked.forward(x)).backward();
+  EXPECT_TRUE(hooked.blocks[1]->up->weight.grad().equal(plain.blocks[1]->up->weight.grad() * 2));
+  EXPECT_TRUE(hooked.blocks[0]->up->weight.grad().equal(plain.blocks[0]->up->weight.grad()));
 }
 
 // HSDP on a (replicate, shard) mesh: a reduce-scatter over shard, then an all-reduce over

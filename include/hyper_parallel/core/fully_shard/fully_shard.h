@@ -37,8 +37,11 @@ class FSDPModule {
   /// The handle of `module`, or nullopt if fully_shard was not applied to it.
   static std::optional<FSDPModule> of(torch::nn::Module& module);
 
-  /// Gathers this module's parameters now (not recursive). Collective.
-  void unshard() const;
+  /// Gathers this module's parameters now (not recursive); async_op: starts the gather, which
+  /// the module's next forward (or wait_for_unshard) waits for. Collective.
+  void unshard(bool async_op = false) const;
+  /// Waits for a gather unshard(true) started.
+  void wait_for_unshard() const;
   /// Frees them (not recursive).
   void reshard() const;
   /// false: the backward keeps adding the gathered gradients up, without communication; the next
@@ -47,8 +50,9 @@ class FSDPModule {
   void set_reshard_after_forward(bool reshard, bool recurse = true) const;
   /// Multiplies this module's reduced gradients (after the average over the dp ranks).
   void set_gradient_scaling_factor(double factor) const;
-  /// The modules whose parameters are gathered as soon as this one's are, in forward / in its
-  /// backward (before they are needed).
+  /// The modules whose gathers start as soon as this one's forward / backward begins (they
+  /// travel while it computes), beside the implicit prefetch of the next module in the order
+  /// the last pass ran them.
   void set_modules_to_forward_prefetch(const std::vector<FSDPModule>& modules) const;
   void set_modules_to_backward_prefetch(const std::vector<FSDPModule>& modules) const;
   /// Drops the .grad of every parameter this module (and those below it) manages.

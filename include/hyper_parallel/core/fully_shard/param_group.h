@@ -11,9 +11,21 @@
 //
 // Unfused meaning:                        W_i = all_gather(shard_i, dim 0)      for every i
 //                                         grad(shard_i) = reduce_scatter(dW_i, dim 0) / dp
-// Who waits on whom: the gather is waited for before the group's first module computes; the
-// reduce-scatter runs when autograd has every gathered parameter's gradient (after the group's
-// last backward use), on the backward thread.
+// Who waits on whom:
+//   - forward: a group's first module waits for the group's gather, then starts the gather of
+//     the group that came next in the last pass (implicit prefetch), which travels while this
+//     group computes;
+//   - backward: a group's pre-backward waits for its gather (if it was resharded) and starts the
+//     gather of the group whose backward comes next; when autograd has every gathered
+//     parameter's gradient, the group's reduce-scatter starts and the backward goes on; at most
+//     two travel at once (a third start waits for the oldest); the end of the backward waits
+//     for the rest and writes the shards' .grad (nn/pending_gradient.h). HSDP's all-reduce over
+//     the replicate dim runs when the reduce-scatter is waited for. A group with a parameter
+//     that has gradient hooks (a sequence-parallel norm weight's sum over the tensor-parallel
+//     ranks) waits for its reduce-scatter at once and hands the gradients to autograd, which
+//     runs the hooks.
+// A gather (prefetched, or unshard()) whose shards changed in place before the forward used it
+// is done again.
 //
 // Contract: every rank of the mesh builds the same groups in the same order and runs the same
 // forwards and backwards (the collective order of comm/process_group.h).
@@ -28,6 +40,10 @@
 #include <hyper_parallel/core/fully_shard/options.h>
 
 namespace hyper_parallel::fully_shard {
+
+struct GatherStats {
+  int64_t gathers = 0, prefetched = 0, regathered = 0;
+};
 
 class ParamGroup {
  public:
@@ -56,8 +72,17 @@ class ParamGroup {
   std::vector<at::Tensor> register_pre_backward(std::vector<at::Tensor> outputs,
                                                 std::function<void()> then = {});
 
-  /// Gathers the parameters now (outside a forward, e.g. to read them whole). Collective.
-  void unshard();
+  /// Gathers the parameters now (outside a forward, e.g. to read them whole); async_op: starts
+  /// the gather and returns (the next pre_forward or wait_for_unshard waits for it). Collective.
+  void unshard(bool async_op = false);
+  /// Waits for a gather started by unshard(true) or a prefetch (gathers now if none is).
+  void wait_for_unshard();
+  /// Gives `groups` (a root's and every group under it) one pass order: the implicit prefetch
+  /// follows the order their forwards ran in, per root.
+  static void share_pass_order(const std::vector<ParamGroup*>& groups);
+  /// How many gathers this group did, how many of them were in flight before their use, and how
+  /// many were done again because the shards changed in place after a prefetch read them.
+  GatherStats gather_stats() const;
   /// Frees the gathered parameters' storage.
   void reshard();
   bool is_unsharded() const;

@@ -28,10 +28,16 @@ __all__ = ["CPUOffloadPolicy", "FSDPModule", "HSDPModule", "MixedPrecisionPolicy
 
 
 class _UnshardHandle:
-    """unshard(async_op=True)'s handle: the gather is done when unshard returns."""
+    """unshard(async_op=True)'s handle: wait() waits for the gather (the module's next forward
+    waits for it too)."""
+
+    def __init__(self, group):
+        self._group = group
 
     def wait(self) -> None:
-        return None
+        if self._group is not None:
+            self._group.wait_for_unshard()
+            self._group = None
 
 
 def _bool(value, what: str) -> bool:
@@ -51,11 +57,12 @@ class FSDPModule:
         return [m for m in self.modules() if isinstance(m, FSDPModule)]
 
     def unshard(self, async_op: bool = False) -> Optional[_UnshardHandle]:
-        """Gathers this module's parameters now (not recursive). Collective."""
+        """Gathers this module's parameters (not recursive); async_op: starts the gather and
+        returns a handle to wait for it. Collective."""
         _bool(async_op, "FSDPModule.unshard async_op")
         if self._fsdp_group is not None:
-            self._fsdp_group.unshard()
-        return _UnshardHandle() if async_op else None
+            self._fsdp_group.unshard(async_op)
+        return _UnshardHandle(self._fsdp_group) if async_op else None
 
     def reshard(self) -> None:
         """Frees this module's gathered parameters (not recursive)."""
@@ -95,11 +102,12 @@ class FSDPModule:
         return [m._fsdp_group for m in modules if m._fsdp_group is not None]
 
     def set_modules_to_forward_prefetch(self, modules) -> None:
-        """These modules' parameters are gathered as soon as this one's are, in the forward."""
+        """These modules' gathers start as soon as this one's forward begins (beside the implicit
+        prefetch of the module that came next in the last pass)."""
         self._fsdp_forward_prefetch = self._prefetch_groups(modules, "FSDPModule.set_modules_to_forward_prefetch")
 
     def set_modules_to_backward_prefetch(self, modules) -> None:
-        """These modules' parameters are gathered as soon as this one's backward begins."""
+        """These modules' gathers start as soon as this one's backward begins."""
         self._fsdp_backward_prefetch = self._prefetch_groups(modules, "FSDPModule.set_modules_to_backward_prefetch")
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # pylint: disable=unused-argument
@@ -179,7 +187,7 @@ def _install_hooks(group, owners, mp_policy: MixedPrecisionPolicy, fsdp_module):
             for name, index in names:
                 mod._parameters[name] = gathered[index]
             for other in getattr(fsdp_module, "_fsdp_forward_prefetch", []):
-                other.unshard()
+                other.unshard(True)
             if mp_policy.param_dtype is not None and mp_policy.cast_forward_inputs:
                 return tuple(a.to(mp_policy.param_dtype) if isinstance(a, torch.Tensor) and a.is_floating_point()
                              else a for a in args)
@@ -225,6 +233,7 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: Optional
     owned, names = _owned_parameters(module, ignored, shard_placement_fn)
     _extend_class(module)
     if not owned:
+        _share_pass_order(module)
         return module
     params = {id(p): p for _, _, p, _ in owned}
     order = list(params)
@@ -239,4 +248,11 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: Optional
     group.set_users(len(owners))
     module._fsdp_group = group
     _install_hooks(group, owners, mp_policy, module)
+    _share_pass_order(module)
     return module
+
+
+def _share_pass_order(root: nn.Module) -> None:
+    """The root's groups and those below it prefetch in the order their forwards ran."""
+    _C.FullyShardParamGroup.share_pass_order(
+        [m._fsdp_group for m in root.modules() if isinstance(m, FSDPModule) and m._fsdp_group is not None])
