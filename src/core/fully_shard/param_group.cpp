@@ -181,10 +181,6 @@ struct ParamGroup::Impl {
   explicit Impl(dtensor::DeviceMesh m) : mesh(std::move(m)) {}
   void start_gather();
   void finish_gather();
-  void gather() {
-    start_gather();
-    finish_gather();
-  }
   std::vector<at::Tensor> reduce(std::vector<at::Tensor> grads);
   at::Tensor reduce_input(const std::vector<at::Tensor>& grads);
   void free_buffers();
