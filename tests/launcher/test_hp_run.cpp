@@ -141,19 +141,20 @@ TEST(HpRun, RankIgnoringSigtermIsKilledAfterGrace) {
 TEST(HpRun, KillReachesTheRanksOwnSubprocesses) {
   const std::string marker = ::testing::TempDir() + "hp_run_leak_" + std::to_string(::getpid());
   std::remove(marker.c_str());
-  // Rank 1's background subshell would create the marker after 2 s if it
-  // survived the teardown that rank 0's failure triggers.
+  // Rank 1's background subshell would create the marker after 8 s if it survived the teardown
+  // that rank 0's failure triggers (7 s of slack for the teardown, whatever the load).
   const Result r = run_hp_run(
-      sh_job(2, "if [ $RANK = 0 ]; then sleep 0.3; exit 1; fi; (sleep 2; touch '" + marker + "') & wait"));
+      sh_job(2, "if [ $RANK = 0 ]; then sleep 0.3; exit 1; fi; (sleep 8; touch '" + marker + "') & wait"));
   EXPECT_EQ(r.exit_code, 1) << describe(r);
-  std::this_thread::sleep_for(3s);
+  std::this_thread::sleep_for(9s);
   EXPECT_NE(::access(marker.c_str(), F_OK), 0) << "a rank's subprocess outlived the job";
   std::remove(marker.c_str());
 }
 
-// The shell command of a rank that would leave a marker file after 3 s if it survived.
+// The shell command of a rank that would leave a marker file after 8 s if it survived (the
+// tests end it within about 1 s: 7 s of slack whatever the load).
 std::string leaves_marker_if_alive(const std::string& marker) {
-  return "(sleep 3; touch '" + marker + "$RANK') & wait";
+  return "(sleep 8; touch '" + marker + "$RANK') & wait";
 }
 
 bool any_marker(const std::string& marker) {
@@ -168,7 +169,7 @@ TEST(HpRun, TimeoutKillsAllRanks) {
   // The ranks went at SIGTERM, not at the grace period's SIGKILL; the bound is a hang deadline.
   EXPECT_EQ(r.err.find("after SIGTERM; sending SIGKILL"), std::string::npos) << describe(r);
   EXPECT_LT(r.seconds, 30.0);
-  std::this_thread::sleep_for(4s);
+  std::this_thread::sleep_for(9s);
   EXPECT_FALSE(any_marker(marker)) << "a rank outlived the timeout";
 }
 
@@ -199,7 +200,7 @@ TEST_P(HpRunSignal, IsForwardedToAllRanks) {
             std::string::npos)
       << describe(r);
   EXPECT_LT(r.seconds, 10.0);
-  std::this_thread::sleep_for(4s);
+  std::this_thread::sleep_for(9s);
   EXPECT_FALSE(any_marker(marker)) << "a rank outlived the forwarded signal";
 }
 

@@ -73,13 +73,16 @@ TEST(HpRunRestart, SuccessIsNotRestarted) {
   EXPECT_EQ(r.err, "");
 }
 
+// Attempts of 0.1 s against a 4 s timeout: restarts happen whatever the load, and the timeout
+// still ends the job. The bound on its length is a hang deadline.
 TEST(HpRunRestart, TimeoutCoversEveryAttempt) {
   const Result r = run_hp_run(sh_job(
-      2, "sleep 0.5; exit 1", {"--timeout", "2", "--max-restarts", "100", "--restart-backoff-s", "0"}));
+      2, "sleep 0.1; exit 1", {"--timeout", "4", "--max-restarts", "100", "--restart-backoff-s", "0"}));
   EXPECT_EQ(r.exit_code, 124) << describe(r);
-  EXPECT_NE(r.err.find("hp-run: timeout after 2 s; killing all ranks"), std::string::npos) << describe(r);
+  EXPECT_NE(r.err.find("hp-run: timeout after 4 s; killing all ranks"), std::string::npos) << describe(r);
   EXPECT_GE(count_of(r.err, "hp-run: restart"), 1u) << describe(r);
-  EXPECT_LT(r.seconds, 8.0);
+  EXPECT_EQ(r.err.find("after SIGTERM; sending SIGKILL"), std::string::npos) << describe(r);
+  EXPECT_LT(r.seconds, 30.0);
 }
 
 TEST(HpRunRestart, StopRequestDuringTheBackoffEndsTheJob) {
