@@ -1,8 +1,6 @@
 #include <hyper_parallel/core/dtensor/dtensor.h>
 
-#include <mutex>
 #include <sstream>
-#include <unordered_map>
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -11,6 +9,7 @@
 
 #include "../autograd/attach_backward.h"
 #include "../autograd/gather_window.h"
+#include "../util/weak_tensor_map.h"
 
 namespace hyper_parallel::dtensor {
 
@@ -269,55 +268,31 @@ at::Tensor DTensor::full_tensor() const {
 
 namespace {
 
-// Tagged local tensors, keyed by their TensorImpl; the weak pointer tells a live entry from a
-// stale one whose address was reused.
-struct TagEntry {
-  c10::weak_intrusive_ptr<c10::TensorImpl> impl;
+// Tagged local tensors: what from_tagged makes a DTensor of again.
+struct Tag {
   DeviceMesh mesh;
   Placements placements;
   std::vector<int64_t> shape;
   std::shared_ptr<void> slot;
 };
 
-struct TagRegistry {
-  std::mutex mutex;
-  std::unordered_map<const c10::TensorImpl*, TagEntry> entries;
-};
-
-TagRegistry& tag_registry() {
-  static TagRegistry registry;
-  return registry;
+hyper_parallel::detail::WeakTensorMap<Tag>& tags() {
+  static hyper_parallel::detail::WeakTensorMap<Tag> table;
+  return table;
 }
 
 }  // namespace
 
 at::Tensor DTensor::to_local_tagged() const {
-  auto& reg = tag_registry();
-  std::lock_guard<std::mutex> lock(reg.mutex);
-  if (reg.entries.size() > 4096) {  // drop entries of tensors that died
-    for (auto it = reg.entries.begin(); it != reg.entries.end();) {
-      it = it->second.impl.expired() ? reg.entries.erase(it) : std::next(it);
-    }
-  }
-  reg.entries.insert_or_assign(local_.unsafeGetTensorImpl(),
-                               TagEntry{c10::weak_intrusive_ptr<c10::TensorImpl>(local_.getIntrusivePtr()),
-                                        mesh_, placements_, shape_, grad_slot_});
+  tags().insert_or_assign(local_, Tag{mesh_, placements_, shape_, grad_slot_});
   return local_;
 }
 
 std::optional<DTensor> DTensor::from_tagged(const at::Tensor& local) {
-  if (!local.defined()) return std::nullopt;
-  auto& reg = tag_registry();
-  std::lock_guard<std::mutex> lock(reg.mutex);
-  auto it = reg.entries.find(local.unsafeGetTensorImpl());
-  if (it == reg.entries.end()) return std::nullopt;
-  auto alive = it->second.impl.lock();
-  if (!alive || alive.get() != local.unsafeGetTensorImpl()) {
-    reg.entries.erase(it);
-    return std::nullopt;
-  }
-  DTensor result(local, it->second.mesh, it->second.placements, it->second.shape);
-  result.grad_slot_ = std::static_pointer_cast<GradSlot>(it->second.slot);
+  auto tag = tags().find(local);
+  if (!tag) return std::nullopt;
+  DTensor result(local, tag->mesh, tag->placements, tag->shape);
+  result.grad_slot_ = std::static_pointer_cast<GradSlot>(tag->slot);
   return result;
 }
 

@@ -2,9 +2,7 @@
 
 #include <algorithm>
 #include <deque>
-#include <mutex>
 #include <optional>
-#include <unordered_map>
 
 #include <ATen/ATen.h>
 #include <ATen/native/Resize.h>
@@ -20,31 +18,16 @@
 #include <hyper_parallel/core/nn/pending_gradient.h>
 
 #include "../autograd/attach_backward.h"
+#include "../util/weak_tensor_map.h"
 #include "flat_layout.h"
 
 namespace hyper_parallel::fully_shard {
 namespace {
 
-using WeakTensor = c10::weak_intrusive_ptr<c10::TensorImpl>;
-
 // The parameters some group manages: one group per parameter.
-struct Managed {
-  std::mutex mutex;
-  std::unordered_map<const c10::TensorImpl*, WeakTensor> by_tensor;
-};
-
-Managed& managed() {
-  static Managed m;
-  return m;
-}
-
-bool claim(const at::Tensor& param) {
-  auto& m = managed();
-  std::lock_guard<std::mutex> lock(m.mutex);
-  for (auto it = m.by_tensor.begin(); it != m.by_tensor.end();) {
-    it = it->second.expired() ? m.by_tensor.erase(it) : std::next(it);
-  }
-  return m.by_tensor.emplace(param.unsafeGetTensorImpl(), WeakTensor(param.getIntrusivePtr())).second;
+hyper_parallel::detail::WeakTensorMap<bool>& managed() {
+  static hyper_parallel::detail::WeakTensorMap<bool> table;
+  return table;
 }
 
 // Storage bytes of `t`'s view, from nothing (resharded) back to what its sizes need, or freed.
@@ -230,8 +213,8 @@ ParamGroup::ParamGroup(std::vector<at::Tensor> params, std::vector<std::string> 
       options.mp_policy().param_dtype().value_or(params.empty() ? at::kFloat : params[0].scalar_type());
   s.layout = detail::FlatLayout(shapes, s.shard_group.size(), s.shard_group.rank());
   for (size_t i = 0; i < params.size(); ++i) {
-    TORCH_CHECK_VALUE(claim(params[i]), "fully_shard: expected each parameter once in a group, got ",
-                      names[i], " twice");
+    TORCH_CHECK_VALUE(managed().try_insert(params[i], true),
+                      "fully_shard: expected each parameter once in a group, got ", names[i], " twice");
     {
       at::NoGradGuard no_grad;
       params[i].set_data(s.layout.shard_of(params[i].detach(), static_cast<int64_t>(i)));
@@ -476,11 +459,6 @@ int64_t ParamGroup::index_of(const at::Tensor& param) const {
   return -1;
 }
 
-bool ParamGroup::is_managed(const at::Tensor& param) {
-  auto& m = managed();
-  std::lock_guard<std::mutex> lock(m.mutex);
-  auto it = m.by_tensor.find(param.unsafeGetTensorImpl());
-  return it != m.by_tensor.end() && it->second.lock().get() == param.unsafeGetTensorImpl();
-}
+bool ParamGroup::is_managed(const at::Tensor& param) { return managed().find(param).has_value(); }
 
 }  // namespace hyper_parallel::fully_shard

@@ -42,9 +42,9 @@ nn::HookableModule& sharding_target(const ParallelStyle& style, torch::nn::Modul
   style.check_kind(target);
   std::vector<std::string> parameters;
   for (const auto& item : module.named_parameters(/*recurse=*/false)) {
-    TORCH_CHECK_VALUE(hm.parameter_layout(item.key()) == nullptr, name, ": expected a module no style ",
+    TORCH_CHECK_VALUE(!hm.parameter_layout(item.key()), name, ": expected a module no style ",
                       "has parallelized yet, got ", module.name(), " whose parameter '", item.key(),
-                      "' is already laid out by another style");
+                      "' is already laid out (by another style, or by fully_shard: apply styles first)");
     parameters.push_back(item.key());
   }
   TORCH_CHECK_VALUE(hm.forward_kernel() == nullptr, name, ": expected a module no style has ",
@@ -53,9 +53,7 @@ nn::HookableModule& sharding_target(const ParallelStyle& style, torch::nn::Modul
   auto params = module.named_parameters(/*recurse=*/false);  // handles to the module's tensors
   for (const auto& row : style.parameter_shardings(hm.module_kind(), parameters)) {
     auto& param = params[row.name];
-    const auto global_shape = param.sizes().vec();
     shard_parameter_in_place(param, mesh, row.placements, src_data_rank);
-    hm.set_parameter_layout(row.name, {mesh, row.placements, global_shape});
     if (row.sums_gradient) sum_gradient_over_mesh(param, mesh);
   }
   return hm;

@@ -397,7 +397,7 @@ TEST_F(MC2Style, AModuleTakesOneStyleAndIsLeftUntouchedOnError) {
   HP_EXPECT_THROW_MSG(tp::parallelize_module(*lin, *mesh, tp::MC2ColwiseParallel()),
                       "MC2ColwiseParallel: expected a module no style has parallelized yet");
   HP_EXPECT_THROW_MSG(tp::parallelize_module(*lin, *mesh, tp::RowwiseParallel()),
-                      "parameter 'weight' is already laid out by another style");
+                      "parameter 'weight' is already laid out (by another style");
   EXPECT_TRUE(lin->weight.equal(shard));
   EXPECT_FALSE(tp::MC2Linear::of(*lin).has_value());
 }

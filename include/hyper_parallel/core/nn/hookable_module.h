@@ -7,8 +7,8 @@
 
 #include <functional>
 #include <iosfwd>
-#include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -61,14 +61,9 @@ class HookableModule {
   bool has_parameter_view() const { return static_cast<bool>(parameter_view_); }
   const std::shared_ptr<ForwardKernel>& forward_kernel() const { return kernel_; }
 
-  void set_parameter_layout(const std::string& name, ParameterLayout layout) {
-    layouts_.insert_or_assign(name, std::move(layout));
-  }
-  /// The layout parameter `name` of this module was given; nullptr if unsharded.
-  const ParameterLayout* parameter_layout(const std::string& name) const {
-    auto it = layouts_.find(name);
-    return it == layouts_.end() ? nullptr : &it->second;
-  }
+  /// The layout a style or fully_shard gave this module's parameter `name`: its recorded layout
+  /// (nn::recorded_layout, the one record of layouts); none if unsharded or no such parameter.
+  std::optional<ParameterLayout> parameter_layout(const std::string& name) const;
 
   /// Names of what was applied to this module (e.g. parallel styles), in order, for printing.
   void add_applied_style(std::string name) { styles_.push_back(std::move(name)); }
@@ -105,7 +100,6 @@ class HookableModule {
   std::vector<OutputHook> output_hooks_;
   std::shared_ptr<ForwardKernel> kernel_;
   ParameterView parameter_view_;
-  std::map<std::string, ParameterLayout> layouts_;
   std::vector<std::string> styles_;
 };
 
