@@ -122,6 +122,36 @@ void complete_on_completion_thread(const std::shared_ptr<PendingAllReduceState>&
       });
 }
 
+std::shared_ptr<PendingAllReduceState> start_reduction(const at::Tensor& buffer, ReduceOp op,
+                                                       const Group& group, Agreement agreement,
+                                                       CollectiveKind kind, const char* name,
+                                                       std::function<void(PendingAllReduceState&)> finish) {
+  TORCH_CHECK_TYPE(buffer.defined() && at::isFloatingType(buffer.scalar_type()),
+                   "hyper_parallel::comm::", name, ": expected a floating-point tensor, got ",
+                   buffer.defined() ? c10::toString(buffer.scalar_type()) : "an undefined tensor");
+  TORCH_CHECK_VALUE(buffer.is_contiguous(), "hyper_parallel::comm::", name,
+                    ": expected a contiguous buffer, got strides ", buffer.strides());
+  TORCH_CHECK_VALUE(group.size() <= OpTags::kMaxSteps, "hyper_parallel::comm::", name,
+                    ": expected a group of at most ", OpTags::kMaxSteps, " ranks, got ", group.size());
+  std::ostringstream what;
+  what << buffer.scalar_type() << buffer.sizes() << " on " << group.name() << " (started)";
+  OpScope scope(group,
+                {kind,
+                 buffer.scalar_type(),
+                 {buffer.numel(), static_cast<int64_t>(op == ReduceOp::kAvg)},
+                 {"numel", "avg"}},
+                what.str(), /*counted=*/true, agreement);
+  // Detached: the in-place sums on the completion thread never touch autograd's metadata.
+  auto state = std::make_shared<PendingAllReduceState>(buffer.detach().view({-1}), op, group);
+  if (group.size() == 1) {
+    state->done = true;
+    return state;
+  }
+  state->post_reduce(/*step=*/0);
+  complete_on_completion_thread(state, scope, std::move(finish));
+  return state;
+}
+
 void wait_until_complete(PendingAllReduceState& state, const char* op) {
   const auto start = std::chrono::steady_clock::now();
   {
@@ -151,32 +181,9 @@ void PendingAllReduce::wait() {
 
 PendingAllReduce start_all_reduce(const at::Tensor& buffer, ReduceOp op, const Group& group,
                                   Agreement agreement) {
-  TORCH_CHECK_TYPE(buffer.defined() && at::isFloatingType(buffer.scalar_type()),
-                   "hyper_parallel::comm::start_all_reduce: expected a floating-point tensor, got ",
-                   buffer.defined() ? c10::toString(buffer.scalar_type()) : "an undefined tensor");
-  TORCH_CHECK_VALUE(buffer.is_contiguous(),
-                    "hyper_parallel::comm::start_all_reduce: expected a contiguous buffer, got ", "strides ",
-                    buffer.strides());
-  TORCH_CHECK_VALUE(group.size() <= OpTags::kMaxSteps,
-                    "hyper_parallel::comm::start_all_reduce: expected a group of at most ", OpTags::kMaxSteps,
-                    " ranks, got ", group.size());
-  std::ostringstream what;
-  what << buffer.scalar_type() << buffer.sizes() << " on " << group.name() << " (started)";
-  OpScope scope(group,
-                {CollectiveKind::kAllReduce,
-                 buffer.scalar_type(),
-                 {buffer.numel(), static_cast<int64_t>(op == ReduceOp::kAvg)},
-                 {"numel", "avg"}},
-                what.str(), /*counted=*/true, agreement);
-  // Detached: the in-place sums on the completion thread never touch autograd's metadata.
-  auto state = std::make_shared<detail::PendingAllReduceState>(buffer.detach().view({-1}), op, group);
-  if (group.size() == 1) {
-    state->done = true;  // the sum and the average of one rank's tensor: itself
-    return PendingAllReduce(std::move(state));
-  }
-  state->post_reduce(/*step=*/0);
-  detail::complete_on_completion_thread(state, scope, [](detail::PendingAllReduceState& s) { s.gather(1); });
-  return PendingAllReduce(std::move(state));
+  return PendingAllReduce(detail::start_reduction(buffer, op, group, agreement, CollectiveKind::kAllReduce,
+                                                  "start_all_reduce",
+                                                  [](detail::PendingAllReduceState& s) { s.gather(1); }));
 }
 
 }  // namespace hyper_parallel::comm

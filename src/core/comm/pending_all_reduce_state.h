@@ -58,6 +58,15 @@ void sum_in_rank_order(const std::vector<at::Tensor>& partials, const at::Tensor
 void complete_on_completion_thread(const std::shared_ptr<PendingAllReduceState>& state, OpScope& scope,
                                    std::function<void(PendingAllReduceState&)> work);
 
+/// Starts the direct reduction of `buffer` over `group`, in place, as one op of `kind`: checks it
+/// (a contiguous floating-point buffer, a group of at most OpTags::kMaxSteps ranks; messages
+/// name `name`), agrees (`agreement`), posts phase 1 and runs `finish` on the completion thread.
+/// A group of one rank is done at once: the sum and the average of one rank's tensor are itself.
+std::shared_ptr<PendingAllReduceState> start_reduction(const at::Tensor& buffer, ReduceOp op,
+                                                       const Group& group, Agreement agreement,
+                                                       CollectiveKind kind, const char* name,
+                                                       std::function<void(PendingAllReduceState&)> finish);
+
 /// Blocks until `state` completes, records the time blocked as an exposed wait in `op` (e.g.
 /// "pending all_reduce") and rethrows its failure, if any.
 void wait_until_complete(PendingAllReduceState& state, const char* op);
