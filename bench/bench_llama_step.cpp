@@ -11,8 +11,8 @@
 // (measured beside the same stream) added to its compute. It also reports each configuration's
 // peak RSS over its steps (VmHWM, reset before each step).
 // With --dp N (TP = world / N) it compares data parallelism with blocking gradient reductions
-// against the overlapped buckets of data_parallel (with MC2 all when TP > 1); each replica runs
-// batch / N sequences.
+// against the overlapped buckets of data_parallel and fully_shard over dp, resharding after each
+// block's forward or not (with MC2 all when TP > 1); each replica runs batch / N sequences.
 //
 //   bash bench/run_bench.sh bench_llama_step 2gbit 2 -- --rates 250mbit 500mbit 2gbit
 //   bash bench/run_bench.sh bench_llama_step 2gbit 2 -- --dp 2 --rates 500mbit 2gbit
@@ -56,6 +56,7 @@ struct Config {
   bool defer_weight_grads = true;  // MC2Options::defer_weight_grads
   bool ddp_layout = false;         // no grow_first_buckets, no shrink_last_buckets, no row-sparse embedding
   bool reshard_after_forward = true;  // kFullyShard
+  bool split_root = false;  // kFullyShard: the embedding and the output layer in groups of their own
 };
 
 // The meshes: TP over the world, or {dp, tp}.
@@ -91,6 +92,12 @@ Run build(const Config& c, const llama3::ModelArgs& args, int64_t seq_len, const
   if (c.dp == GradientSync::kFullyShard) {
     const auto options =
         hp::fully_shard::FullyShardOptions().mesh(*meshes.dp).reshard_after_forward(c.reshard_after_forward);
+    // With split_root, the output layer's gradients reduce as soon as its backward ends (first), not
+    // with the embedding's at the end of the backward.
+    if (c.split_root) {
+      hp::fully_shard::fully_shard(*run.model->tok_embeddings, options);
+      hp::fully_shard::fully_shard(*run.model->output, options);
+    }
     for (const auto& block : *run.model->layers) hp::fully_shard::fully_shard(*block, options);
     hp::fully_shard::fully_shard(*run.model, options);
   } else if (c.dp != GradientSync::kNone) {
@@ -266,6 +273,25 @@ void report_exposed_waits(const Bench& b, const std::vector<Measured>& results) 
   }
 }
 
+// What resharding after the forward costs: fully_shard's backward gathers every group again, so
+// "FSDP" sends more than "FSDP keep" per step; its extra MB and the two step times' ratio.
+void report_regather(const Bench& b, const std::vector<Measured>& results) {
+  std::optional<size_t> resharded, kept;
+  for (size_t c = 0; c < b.configs.size(); ++c) {
+    if (b.configs[c].dp != GradientSync::kFullyShard || b.configs[c].split_root) continue;
+    (b.configs[c].reshard_after_forward ? resharded : kept) = c;
+  }
+  if (!resharded || !kept) return;
+  const auto& r = results[*resharded];
+  const auto& k = results[*kept];
+  std::printf(
+      "%s's backward all-gathers again: %.2f MB sent per step vs %s's %.2f (+%.2f MB, %.2fx the bytes), "
+      "step %.2fx %s's\n",
+      b.configs[*resharded].name.c_str(), r.bytes / 1e6, b.configs[*kept].name.c_str(), k.bytes / 1e6,
+      (r.bytes - k.bytes) / 1e6, k.bytes > 0 ? static_cast<double>(r.bytes) / k.bytes : 0.0,
+      r.step.median / k.step.median, b.configs[*kept].name.c_str());
+}
+
 // Speedups are against the first configuration (plain TP, or DP blocking). The bound is max(compute-only
 // step, bytes sent / measured link rate); the phase-wise bound adds max(compute, wire) of the forward and of
 // the backward, and the optimizer's compute; the floor is the phase-wise bound with each phase's compute
@@ -305,6 +331,7 @@ void report(const Bench& b, const std::vector<Measured>& results, const std::str
     std::printf(" %s %.1f;", b.configs[c].name.c_str(), results[c].state_mb);
   }
   std::printf("\n");
+  report_regather(b, results);
   std::printf(
       "CPU ms/MB: (step CPU - compute-only CPU) / MB sent, all threads. The link alone (a 1 MiB send/recv "
       "stream), per MB sent: %.2f ms of this process's CPU, %.2f ms of the machine's per rank (softirq "
@@ -360,8 +387,9 @@ Meshes make_meshes(int64_t dp) {
 // window). With DP: blocking against overlapped gradient reductions, and the overlapped ones in
 // DDP's bucket layout ("DP overlap DDP": rebuilt in the backward's order, neither growing first
 // buckets nor shrinking last ones, the embedding's gradient reduced dense), and fully_shard over dp
-// with the gathered parameters freed after each block's forward ("FSDP") or kept ("FSDP keep")
-// (MC2 all inside each replica when TP > 1).
+// with the gathered parameters freed after each block's forward ("FSDP") or kept ("FSDP keep"), and
+// kept with the embedding and the output layer in groups of their own ("FSDP keep split") (MC2 all
+// inside each replica when TP > 1).
 std::vector<Config> configs_for(const Meshes& meshes) {
   if (!meshes.dp) {
     return {{"plain TP", false, llama3::MC2Scope::kFfn},
@@ -375,7 +403,8 @@ std::vector<Config> configs_for(const Meshes& meshes) {
           {"DP overlap", mc2, scope, GradientSync::kOverlapped},
           {"DP overlap DDP", mc2, scope, GradientSync::kOverlapped, true, true},
           {"FSDP", mc2, scope, GradientSync::kFullyShard},
-          {"FSDP keep", mc2, scope, GradientSync::kFullyShard, true, false, false}};
+          {"FSDP keep", mc2, scope, GradientSync::kFullyShard, true, false, false},
+          {"FSDP keep split", mc2, scope, GradientSync::kFullyShard, true, false, false, true}};
 }
 
 }  // namespace
