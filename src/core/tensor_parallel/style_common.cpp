@@ -6,6 +6,7 @@
 #include <torch/nn/module.h>
 
 #include <hyper_parallel/core/nn/matmul.h>
+#include <hyper_parallel/core/nn/parameter_layout.h>
 
 namespace hyper_parallel::tensor_parallel {
 
@@ -42,7 +43,7 @@ nn::HookableModule& sharding_target(const ParallelStyle& style, torch::nn::Modul
   style.check_kind(target);
   std::vector<std::string> parameters;
   for (const auto& item : module.named_parameters(/*recurse=*/false)) {
-    TORCH_CHECK_VALUE(!hm.parameter_layout(item.key()), name, ": expected a module no style ",
+    TORCH_CHECK_VALUE(!nn::recorded_layout(item.value()), name, ": expected a module no style ",
                       "has parallelized yet, got ", module.name(), " whose parameter '", item.key(),
                       "' is already laid out (by another style, or by fully_shard: apply styles first)");
     parameters.push_back(item.key());

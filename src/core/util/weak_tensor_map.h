@@ -28,14 +28,14 @@ namespace hyper_parallel::detail {
 template <typename Value>
 class WeakTensorMap {
  public:
-  /// Sets `tensor`'s value (replacing its entry, or a dead tensor's at its address).
+  /// Sets `tensor`'s value, replacing the one it had.
   void insert_or_assign(const at::Tensor& tensor, Value value) {
     std::lock_guard<std::mutex> lock(mutex_);
     sweep_if_grown();
     entries_.insert_or_assign(tensor.unsafeGetTensorImpl(), Entry{weak(tensor), std::move(value)});
   }
 
-  /// Sets `tensor`'s value unless a live entry has it already; whether it was set.
+  /// Sets `tensor`'s value unless it has one already; whether it was set.
   bool try_insert(const at::Tensor& tensor, Value value) {
     std::lock_guard<std::mutex> lock(mutex_);
     sweep_if_grown();
@@ -55,11 +55,12 @@ class WeakTensorMap {
   }
 
   /// The value of the first live tensor for which `pred(tensor)` holds, in no particular order.
+  /// `pred` runs under the table's lock: it must not call into the same table.
   template <typename Predicate>
   std::optional<Value> find_if(Predicate pred) const {
     std::lock_guard<std::mutex> lock(mutex_);
-    for (const auto& [impl, entry] : entries_) {
-      (void)impl;
+    for (const auto& item : entries_) {
+      const auto& entry = item.second;
       auto target = entry.tensor.lock();
       if (target && pred(at::Tensor(std::move(target)))) return entry.value;
     }

@@ -363,6 +363,14 @@ TEST(FullyShard, ErrorsNameWhatWasExpected) {
                       "fully_shard: expected a module fully_shard was not applied to");
   HP_EXPECT_THROW_MSG(fs::ParamGroup({net.blocks[0]->up->weight}, {"up.weight"}, {}),
                       "fully_shard: expected a parameter no fully_shard manages yet, got up.weight");
+  // Styles come before fully_shard: a parameter it laid out takes no style afterwards. (24 rows
+  // shard evenly at every world size, so the plan's shapes agree across ranks.)
+  auto lin = hp::nn::Linear(12, 24);
+  fs::fully_shard(*lin, fs::FullyShardOptions().mesh(dp_mesh()));
+  auto tp_mesh = hp::dtensor::init_device_mesh("cpu", {hp_test::world_size()}, {"tp"});
+  HP_EXPECT_THROW_MSG(
+      hp::tensor_parallel::parallelize_module(*lin, tp_mesh, hp::tensor_parallel::ColwiseParallel()),
+      "parameter 'weight' is already laid out (by another style, or by fully_shard: apply styles first)");
 }
 
 }  // namespace

@@ -32,7 +32,7 @@ TEST(WeakTensorMap, NeverKeepsATensorAlive) {
   EXPECT_TRUE(watch.expired());
 }
 
-TEST(WeakTensorMap, TryInsertKeepsALiveEntryAndReplacesADeadOne) {
+TEST(WeakTensorMap, TryInsertKeepsAnExistingValue) {
   WeakTensorMap<int> table;
   auto a = at::zeros({4});
   EXPECT_TRUE(table.try_insert(a, 1));
