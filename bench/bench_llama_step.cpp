@@ -31,7 +31,6 @@
 #include <CLI/CLI.hpp>
 #include <torch/optim/adamw.h>
 
-#include <hyper_parallel/core/comm/skip_transfers.h>
 #include <hyper_parallel/hyper_parallel.h>
 
 #include "bench_util.h"
@@ -42,6 +41,9 @@
 #include "llama3/model.h"
 #include "llama3/parallelize.h"
 #include "llama3/trainer.h"
+
+// The compute-only twin of a step (an internal bench hook).
+#include "core/comm/test_hooks.h"
 
 namespace hp = hyper_parallel;
 namespace tp = hp::tensor_parallel;
@@ -166,7 +168,7 @@ std::vector<Measured> measure(Bench& b, const Meshes& mesh) {
       out[c].peak_rss_mb = std::max(out[c].peak_rss_mb, peak_rss_mb());
       StepTimes twin;
       {
-        hp::comm::detail::SkipTransfers skip;
+        hp::comm::test_hooks::SkipTransfers skip;
         twin = step(b.compute_only[c], batch, b.seq_len, b.args.vocab_size, mesh);
       }
       // SkipTransfers is the calling thread's: a transfer posted from another thread would escape it.

@@ -35,6 +35,9 @@
 #include "bench_util.h"
 #include "common/run_main.h"
 
+// The fused ops' schedules without their matmuls (an internal bench hook).
+#include "core/tensor_parallel/mc2/transfers_only.h"
+
 namespace hp = hyper_parallel;
 namespace tp = hp::tensor_parallel;
 

@@ -16,6 +16,7 @@
 
 #include "phase_status.h"
 #include "save_phases.h"
+#include "../core/comm/test_hooks.h"
 
 namespace hyper_parallel::checkpoint::detail {
 namespace {
@@ -64,20 +65,21 @@ void AsyncWriter::snapshot(const State& state, const SavePlan& plan) {
 }
 
 SaveResult AsyncWriter::start(const char* fn, const std::string& root, SavePlan plan, const State& state,
-                              int64_t step, bool durable, Fault fault) {
+                              int64_t step, bool durable) {
   TORCH_INTERNAL_ASSERT(!thread_.joinable(), "AsyncWriter::start: a save is still in flight");
   snapshot(state, plan);
   SaveResult promised{step_dir(root, step), plan.total_bytes, 0};
   for (const auto& b : buffers_) promised.bytes_written += b.numel() * static_cast<int64_t>(b.element_size());
   path_ = promised.path;  // result_ and error_ are empty: wait() collected the last save
-  thread_ = std::thread([this, fn, root, plan = std::move(plan), step, durable, fault] {
+  thread_ = std::thread([this, fn, root, plan = std::move(plan), step, durable] {
     lower_priority();
-    comm::detail::mark_library_thread();  // its waits do not hold up the training thread
+    comm::detail::mark_library_thread();                      // its waits do not hold up the training thread
+    const comm::test_hooks::BackgroundSaveThread background;  // where the async_write fault may fire
     const auto t0 = std::chrono::steady_clock::now();
     const double cpu0 = thread_cpu_seconds();
     try {
       comm::CommRegion region("checkpoint");
-      auto result = write_and_publish(fn, root, plan, buffers_, step, durable, fault, group_);
+      auto result = write_and_publish(fn, root, plan, buffers_, step, durable, group_);
       result.background_seconds =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       result.background_cpu_seconds = thread_cpu_seconds() - cpu0;

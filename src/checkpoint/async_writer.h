@@ -36,7 +36,7 @@ class AsyncWriter {
   /// Snapshots this rank's tensors of `plan` from `state`, starts the writer thread on them and
   /// returns what the save will write. No save may be in flight (call wait() first).
   SaveResult start(const char* fn, const std::string& root, SavePlan plan, const State& state, int64_t step,
-                   bool durable, Fault fault);
+                   bool durable);
   /// Waits for the save in flight and returns its result, or raises its error; nullopt if none.
   std::optional<SaveResult> wait();
   bool in_flight() const { return thread_.joinable(); }

@@ -13,6 +13,7 @@
 #include <hyper_parallel/core/comm/collectives.h>
 #include <hyper_parallel/core/comm/process_group.h>
 
+#include "../core/comm/test_hooks.h"
 #include "async_writer.h"
 #include "index.h"
 #include "phase_status.h"
@@ -28,9 +29,11 @@ constexpr const char* kFn = "checkpoint::save";
 
 // Phase 2: every rank writes and fsyncs its shards, then the shard descriptions of every rank
 // are gathered (rank 0 needs them for the index).
-std::vector<std::vector<std::string>> write_and_gather_shards(
-    const detail::SavePlan& plan, const std::vector<at::Tensor>& data, const std::string& staging,
-    int64_t step, bool durable, detail::Fault fault, const comm::Group& group, int64_t* bytes_written) {
+std::vector<std::vector<std::string>> write_and_gather_shards(const detail::SavePlan& plan,
+                                                              const std::vector<at::Tensor>& data,
+                                                              const std::string& staging, int64_t step,
+                                                              bool durable, const comm::Group& group,
+                                                              int64_t* bytes_written) {
   const int64_t rank = group.rank();
   json shards = json::array();
   std::string error;
@@ -38,7 +41,8 @@ std::vector<std::vector<std::string>> write_and_gather_shards(
     if (!plan.mine.empty()) {
       const auto path = (std::filesystem::path(staging) / detail::rank_file_name(rank)).string();
       const auto halfway = [&] {
-        detail::maybe_exit_for_fault(kFn, fault, detail::Fault::kAsyncWrite, rank, group.size());
+        comm::test_hooks::exit_at_save_fault(kFn, comm::test_hooks::SaveFault::kAsyncWrite, rank,
+                                             group.size());
       };
       for (const auto& shard : detail::write_rank_file(kFn, path, plan, data, rank, step, durable, halfway)) {
         shards.push_back(detail::shard_json(shard.name, shard));
@@ -48,7 +52,7 @@ std::vector<std::vector<std::string>> write_and_gather_shards(
   } catch (const std::exception& e) {
     error = detail::message_of(e);
   }
-  detail::maybe_exit_for_fault(kFn, fault, detail::Fault::kAfterShard, rank, group.size());
+  comm::test_hooks::exit_at_save_fault(kFn, comm::test_hooks::SaveFault::kAfterShard, rank, group.size());
   std::vector<std::vector<std::string>> shards_by_rank;
   std::vector<std::string> errors;
   for (const auto& text :
@@ -66,7 +70,7 @@ std::vector<std::vector<std::string>> write_and_gather_shards(
 namespace detail {
 
 SaveResult write_and_publish(const char* fn, const std::string& root, const SavePlan& plan,
-                             const std::vector<at::Tensor>& data, int64_t step, bool durable, Fault fault,
+                             const std::vector<at::Tensor>& data, int64_t step, bool durable,
                              const comm::Group& group) {
   const auto staging = staging_dir(root, step, plan.nonce);
   std::string error;
@@ -81,14 +85,14 @@ SaveResult write_and_publish(const char* fn, const std::string& root, const Save
 
   SaveResult result{step_dir(root, step), plan.total_bytes, 0};
   const auto shards_by_rank =
-      write_and_gather_shards(plan, data, staging, step, durable, fault, group, &result.bytes_written);
+      write_and_gather_shards(plan, data, staging, step, durable, group, &result.bytes_written);
   // Phase 3, rank 0: the index and the publication; the others wait in the last gather, so that
   // no rank returns before the checkpoint is published.
   error.clear();
   if (group.rank() == 0) {
     try {
       const auto index = index_text(plan.keys, shards_by_rank, step, group.size());
-      publish(fn, root, staging, step, plan.nonce, index, durable, fault);
+      publish(fn, root, staging, step, plan.nonce, index, durable);
     } catch (const std::exception& e) {
       error = message_of(e);
     }
@@ -100,21 +104,20 @@ SaveResult write_and_publish(const char* fn, const std::string& root, const Save
 }  // namespace detail
 
 SaveResult save(const std::string& root, const State& state, const SaveOptions& options) {
-  auto fault = detail::fault_from_env(kFn);
+  comm::test_hooks::check_save_fault_setting(kFn);
   const int64_t step = options.step();
   TORCH_CHECK(step >= 0, kFn, ": expected step >= 0, got ", step);
   auto& writer = detail::AsyncWriter::get();
   writer.wait();  // the previous asynchronous save, if any: its error is this call's
   if (!options.asynchronous()) {
-    if (fault == detail::Fault::kAsyncWrite) fault = detail::Fault::kNone;
     const auto world = comm::world();
     const auto plan = detail::agree_on_plan(kFn, state, step, world);
     return detail::write_and_publish(kFn, root, plan, detail::tensors_to_write(state, plan), step,
-                                     options.fsync(), fault, world);
+                                     options.fsync(), world);
   }
   const auto& group = writer.group();
   auto plan = detail::agree_on_plan(kFn, state, step, group);
-  return writer.start(kFn, root, std::move(plan), state, step, options.fsync(), fault);
+  return writer.start(kFn, root, std::move(plan), state, step, options.fsync());
 }
 
 std::optional<SaveResult> finish() { return detail::AsyncWriter::get().wait(); }

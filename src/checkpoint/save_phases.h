@@ -20,7 +20,7 @@ namespace hyper_parallel::checkpoint::detail {
 /// Writes `data` (one tensor per plan.mine entry) as root/step-<step> and publishes it.
 /// Collective over `group`; an error on any rank is raised on every rank.
 SaveResult write_and_publish(const char* fn, const std::string& root, const SavePlan& plan,
-                             const std::vector<at::Tensor>& data, int64_t step, bool durable, Fault fault,
+                             const std::vector<at::Tensor>& data, int64_t step, bool durable,
                              const comm::Group& group);
 
 }  // namespace hyper_parallel::checkpoint::detail

@@ -3,17 +3,13 @@
 #include <signal.h>
 #include <unistd.h>
 
-#include <cstdio>
-#include <cstdlib>
-#include <string>
-
 #include <ATen/ATen.h>
-#include <c10/util/Exception.h>
 
 #include <hyper_parallel/core/comm/collectives.h>
 #include <hyper_parallel/core/comm/counters.h>
 
 #include "env.h"
+#include "test_hooks.h"
 
 namespace hyper_parallel::comm {
 namespace {
@@ -40,29 +36,9 @@ bool agree_on_preemption(const Group& group) {
   return all_reduce(flag, ReduceOp::kSum, group).item<int>() > 0;
 }
 
-namespace {
-
-// Whether fault variable `name` ("<rank>:<step>") names this rank and `step` on a first attempt.
-bool fault_at(const char* name, int64_t step) {
-  const char* v = std::getenv(name);
-  if (v == nullptr || *v == '\0' || restart_count() > 0) return false;
-  long long rank = -1, at_step = -1;
-  char tail = 0;
-  TORCH_CHECK(std::sscanf(v, "%lld:%lld%c", &rank, &at_step, &tail) == 2, "hyper_parallel::comm: expected ",
-              name, "=<rank>:<step>, got '", v, "'");
-  if (at_step != step || rank != global_rank()) return false;
-  std::fprintf(stderr, "%s=%s: rank %lld %s itself at step %lld\n", name, v, rank,
-               std::string(name) == "HP_FAULT_KILL_AT_STEP" ? "kills" : "stops", at_step);
-  std::fflush(stdout);
-  std::fflush(stderr);
-  return true;
-}
-
-}  // namespace
-
 void maybe_kill_at_step(int64_t step) {
-  if (fault_at("HP_FAULT_KILL_AT_STEP", step)) ::kill(::getpid(), SIGKILL);
-  if (fault_at("HP_FAULT_STOP_AT_STEP", step)) ::kill(::getpid(), SIGSTOP);
+  if (test_hooks::step_fault("HP_FAULT_KILL_AT_STEP", step)) ::kill(::getpid(), SIGKILL);
+  if (test_hooks::step_fault("HP_FAULT_STOP_AT_STEP", step)) ::kill(::getpid(), SIGSTOP);
 }
 
 namespace detail {

@@ -12,11 +12,10 @@
 #include <hyper_parallel/core/comm/p2p.h>
 #include <hyper_parallel/core/comm/work.h>
 
-#include <hyper_parallel/core/comm/skip_transfers.h>
-
 #include "control_channel.h"
 #include "flight_recorder.h"
 #include "group_impl.h"
+#include "test_hooks.h"
 
 namespace hyper_parallel::comm {
 namespace {
@@ -166,7 +165,7 @@ OpScope::OpScope(const Group& group, const OpSignature& signature, const std::st
                            describe(fields_of(signature, seq, group.size()), signature.names));
   try {
     if (agreement == Agreement::kPerOp && group.size() > 1 && agreement_checks_enabled() &&
-        !detail::transfers_skipped()) {
+        !test_hooks::transfers_skipped()) {
       agree(group, signature, seq);
     }
   } catch (...) {

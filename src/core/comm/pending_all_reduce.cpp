@@ -16,13 +16,13 @@
 #include <hyper_parallel/core/comm/counters.h>
 #include <hyper_parallel/core/comm/p2p.h>
 #include <hyper_parallel/core/comm/schedule.h>
-#include <hyper_parallel/core/comm/skip_transfers.h>
 #include <hyper_parallel/core/comm/trace.h>
 #include <hyper_parallel/core/comm/work.h>
 
 #include "completion_thread.h"
 #include "flight_recorder.h"
 #include "pending_all_reduce_state.h"
+#include "test_hooks.h"
 
 namespace hyper_parallel::comm {
 
@@ -100,7 +100,7 @@ void complete_on_completion_thread(const std::shared_ptr<PendingAllReduceState>&
   // compute-only twins), the counters' region, the op's flight-recorder record, which stays open
   // until the work ends (a hang or a failure there names this op and the peer), and the trace's
   // op, so that the transfers posted there are this op's.
-  const bool skipped = transfers_skipped();
+  const bool skipped = test_hooks::transfers_skipped();
   completion_thread(state->group.impl())
       .submit([state, work = std::move(work), skipped, region = current_region(),
                record = scope.keep_record_open(), op = trace::detail::current_op()] {
@@ -110,7 +110,7 @@ void complete_on_completion_thread(const std::shared_ptr<PendingAllReduceState>&
           CommRegion counted_in(region);
           trace::detail::CurrentOpGuard traced_as(op);
           at::NoGradGuard no_grad;
-          std::optional<SkipTransfers> skip;
+          std::optional<test_hooks::SkipTransfers> skip;
           if (skipped) skip.emplace();
           work(*state);
         } catch (...) {

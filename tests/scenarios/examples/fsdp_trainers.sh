@@ -23,10 +23,20 @@ last_loss() {
   sed -n 's/^\[rank 0\] loss fell: .*(last \([-0-9.e]*\))$/\1/p' <<<"$out"
 }
 
+# The replicated run of a (world, trainer, flags) is trained once and its loss reused.
+replicated_losses=$(mktemp -d)
+trap 'rm -rf "$replicated_losses"' EXIT
+replicated_loss() {
+  local file
+  file="$replicated_losses/$(tr ' ' '_' <<<"$*")"
+  [[ -s $file ]] || last_loss "$@" >"$file"
+  cat "$file"
+}
+
 # compare WORLD TRAINER "REPLICATED FLAGS" "SHARDED FLAGS"
 compare() {
   local world=$1 trainer=$2 dp fsdp again
-  dp=$(last_loss "$world" "$trainer" $3)
+  dp=$(replicated_loss "$world" "$trainer" $3)
   fsdp=$(last_loss "$world" "$trainer" $4)
   again=$(last_loss "$world" "$trainer" $4)
   [[ -n $dp && -n $fsdp ]] || { echo "FAIL: no final loss ($trainer $3 / $4)"; exit 1; }

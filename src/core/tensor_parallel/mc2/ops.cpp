@@ -9,6 +9,8 @@
 #include <hyper_parallel/core/comm/schedule.h>
 #include <hyper_parallel/core/nn/matmul.h>
 
+#include "transfers_only.h"
+
 namespace hyper_parallel::tensor_parallel {
 
 namespace detail {

@@ -76,15 +76,6 @@ namespace detail {
 /// a @ b on a's device, traced as a matmul span; 16-bit CPU operands accumulate in float32
 /// (nn::mm).
 at::Tensor local_matmul(const at::Tensor& a, const at::Tensor& b);
-
-/// For benchmarks: the schedules of all_gather_matmul / matmul_reduce_scatter with no-op
-/// callbacks: the same transfers, chunks, accumulate dtype and order, matmuls left out, so timing
-/// them gives the communication the fused op has to hide. Results are meaningless; not counted
-/// as collectives.
-void all_gather_matmul_transfers_only(const at::Tensor& x, const at::Tensor& w, const comm::Group& group,
-                                      const MC2Options& options = {});
-void matmul_reduce_scatter_transfers_only(const at::Tensor& x, const at::Tensor& w, const comm::Group& group,
-                                          const MC2Options& options = {});
 }  // namespace detail
 
 }  // namespace hyper_parallel::tensor_parallel
