@@ -14,6 +14,7 @@ packages=(
   libssl-dev            # SHA-256 of the state digest (tests/tools/state_digest)
   gnuplot-nox           # bench/plot_sweep.sh
   python3-torch python3-dev pybind11-dev python3-pytest  # the Python package and its tests (/usr/bin/python3)
+  flake8                # the Python linter (lint_python: pyflakes's checks)
   python3-venv python3-setuptools python3-wheel        # pip install of the package into a venv over Debian's torch
   iproute2              # ip netns / tc, for benchmarks over a rate-limited link
 )

@@ -3,7 +3,8 @@
 # through CTest: the C++ unit and multi-rank tests, hp-run's tests, the scenarios of
 # tests/scenarios/, the Python package's pytest suites (unit tests in one process, system tests
 # on 2 and 4 ranks under hp-run, with Debian's /usr/bin/python3) and the lint checks (format,
-# function length, the environment table). `ctest -L unit` runs the quick ones alone.
+# function length, the environment table, flake8 on the Python, the layers' includes). The build
+# also links each layer alone (hp_layer_check_*). `ctest -L unit` runs the quick ones alone.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install_deps.sh

@@ -61,7 +61,8 @@ def parallelize_llama3(model, tp_mesh, *, enable_sequence_parallel: bool = True,
         output = MC2ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False,
                                     contract=contract)
     else:
-        output = ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1) if enable_loss_parallel else Replicate(),
+        output = ColwiseParallel(input_layouts=residual,
+                                 output_layouts=Shard(-1) if enable_loss_parallel else Replicate(),
                                  use_local_output=not enable_loss_parallel)
     plan = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=residual),

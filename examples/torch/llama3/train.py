@@ -154,7 +154,8 @@ def train(args):
     log = rank == 0
     if log:
         dp_mode = "" if not args.fsdp else f" (HSDP {args.hsdp} x {args.fsdp})" if args.hsdp > 1 else " (fully_shard)"
-        print(f"llama3 (Python) {args.preset}, DP {args.dp}{dp_mode}, TP {mesh.size(0)}, SP {'off' if args.no_sequence_parallel else 'on'}, "
+        print(f"llama3 (Python) {args.preset}, DP {args.dp}{dp_mode}, TP {mesh.size(0)}, "
+              f"SP {'off' if args.no_sequence_parallel else 'on'}, "
               f"MC2 {'on (' + args.mc2_scope + ')' if args.enable_mc2 else 'off'}, loss parallel "
               f"{'on' if args.loss_parallel else 'off'}, {args.dtype}, batch {args.batch_size}", flush=True)
     first = resume(args, model, optimizer, log)

@@ -3,7 +3,6 @@ like the single-process model over the global batch; runs are bitwise determinis
 overlapped path equals the blocking one bitwise; no_sync accumulates; unused parameters keep
 no gradient; train.py --dp matches train.py without it; clear errors."""
 
-import copy
 import os
 import sys
 

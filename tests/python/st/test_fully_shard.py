@@ -85,7 +85,8 @@ def test_trains_like_the_full_batch_reference_bitwise_run_to_run():
             net = shard(Net(), mesh=dp_mesh(), reshard_after_forward=reshard)
             assert isinstance(net, FSDPModule) and isinstance(net.blocks[0], hyper_parallel.HSDPModule)
             losses = train(net, 3, sharded=True)
-            runs.append(torch.stack([comm.all_reduce(l.reshape(1), comm.ReduceOp.AVG, comm.world()) for l in losses]))
+            runs.append(torch.stack([comm.all_reduce(loss.reshape(1), comm.ReduceOp.AVG, comm.world())
+                                     for loss in losses]))
             for p, q in zip(net.parameters(), reference.parameters()):
                 torch.testing.assert_close(full_tensor(p), q.detach(), rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(runs[0].flatten(), torch.stack(ref_losses), rtol=1e-5, atol=1e-6)
@@ -146,7 +147,8 @@ def test_tensor_parallel_inside_fully_shard_on_a_2x2_mesh():
     losses = train(net, 2, sharded=True, replicas=2, replica=dp)
     for p, q in zip(net.parameters(), reference.parameters()):
         torch.testing.assert_close(full_tensor(p), q.detach(), rtol=1e-5, atol=1e-6)
-    mean = torch.stack([comm.all_reduce(l.reshape(1), comm.ReduceOp.AVG, mesh["dp"].get_group()) for l in losses])
+    mean = torch.stack([comm.all_reduce(loss.reshape(1), comm.ReduceOp.AVG, mesh["dp"].get_group())
+                        for loss in losses])
     torch.testing.assert_close(mean.flatten(), torch.stack(ref_losses), rtol=1e-5, atol=1e-6)
 
 

@@ -34,7 +34,8 @@ def close(actual, expected, dtype):
     scale = expected.abs().max().item()
     assert actual.dtype == dtype and actual.shape == expected.shape
     diff = (actual.double() - expected).abs().max().item()
-    assert torch.allclose(actual.double(), expected, rtol=rtol, atol=atol * scale), f"max abs diff {diff} (scale {scale})"
+    assert torch.allclose(actual.double(), expected, rtol=rtol, atol=atol * scale), \
+        f"max abs diff {diff} (scale {scale})"
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +107,8 @@ def test_matmul_reduce_scatter_function(mesh, new_group, dtype, which):
 def test_functions_reject_a_world_size_that_is_not_the_groups(new_group):
     p = dist.get_world_size()
     x, w = torch.ones(2, 8, dtype=torch.bfloat16), torch.ones(4, 8, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match=rf"AllGatherMatmulFunction: expected world_size to equal the group's size \({p}\), got {p + 1}"):
+    message = rf"AllGatherMatmulFunction: expected world_size to equal the group's size \({p}\), got {p + 1}"
+    with pytest.raises(ValueError, match=message):
         AllGatherMatmulFunction.apply(x, w, new_group, p + 1, None)
 
 

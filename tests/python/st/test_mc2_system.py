@@ -16,7 +16,7 @@ import hyper_parallel
 from hyper_parallel import ColwiseParallel, MC2ColwiseParallel, MC2RowwiseParallel, RowwiseParallel, init_device_mesh
 from hyper_parallel.core import comm
 from hyper_parallel.core.dtensor.placement_types import Shard
-from hyper_parallel.core.tensor_parallel.mc2 import MC2Contract, MC2Options
+from hyper_parallel.core.tensor_parallel.mc2 import MC2Options
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "examples", "torch", "llama3"))
 

@@ -147,11 +147,15 @@ def test_apply_is_public_and_parallelize_module_calls_it(mesh):
 
 
 @pytest.mark.parametrize("style, module, error, message", [
-    (MC2ColwiseParallel, lambda: nn.Embedding(64, 512), NotImplementedError, "MC2ColwiseParallel does not support Embedding"),
-    (MC2RowwiseParallel, lambda: nn.Embedding(64, 512), NotImplementedError, "MC2RowwiseParallel does not support Embedding"),
+    (MC2ColwiseParallel, lambda: nn.Embedding(64, 512), NotImplementedError,
+     "MC2ColwiseParallel does not support Embedding"),
+    (MC2RowwiseParallel, lambda: nn.Embedding(64, 512), NotImplementedError,
+     "MC2RowwiseParallel does not support Embedding"),
     (MC2ColwiseParallel, lambda: nn.ReLU(), TypeError, "MC2ColwiseParallel: expected torch.nn.Linear, got ReLU"),
-    (ColwiseParallel, lambda: nn.ReLU(), TypeError, "ColwiseParallel: expected torch.nn.Linear or torch.nn.Embedding, got ReLU"),
-    (RowwiseParallel, lambda: nn.LayerNorm(4), TypeError, "RowwiseParallel: expected torch.nn.Linear or torch.nn.Embedding"),
+    (ColwiseParallel, lambda: nn.ReLU(), TypeError,
+     "ColwiseParallel: expected torch.nn.Linear or torch.nn.Embedding, got ReLU"),
+    (RowwiseParallel, lambda: nn.LayerNorm(4), TypeError,
+     "RowwiseParallel: expected torch.nn.Linear or torch.nn.Embedding"),
 ])
 def test_the_module_kind_is_checked_before_the_mesh_is_touched(style, module, error, message):
     target = module()

@@ -21,7 +21,8 @@ from hyper_parallel import checkpoint, init_device_mesh  # noqa: E402
 def main(preset: str, dtype: str, src: str, dst: str) -> int:
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
-    model = llama.Transformer(llama.ModelArgs.from_preset(preset)).to(torch.bfloat16 if dtype == "bf16" else torch.float32)
+    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    model = llama.Transformer(llama.ModelArgs.from_preset(preset)).to(torch_dtype)
     parallelize_llama3(model, mesh)
     optimizer = torch.optim.AdamW(model.parameters())
     step = checkpoint.latest_step(src)

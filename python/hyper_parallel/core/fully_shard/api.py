@@ -156,7 +156,8 @@ def _check_options(module, reshard_after_forward, shard_placement_fn, mp_policy,
                                   "average their gradients with hyper_parallel.data_parallel")
     _bool(comm_fusion, "fully_shard comm_fusion")
     if shard_placement_fn is not None and not callable(shard_placement_fn):
-        raise ValueError(f"fully_shard: expected a callable shard_placement_fn, got {type(shard_placement_fn).__name__}")
+        raise ValueError("fully_shard: expected a callable shard_placement_fn, got "
+                         f"{type(shard_placement_fn).__name__}")
 
 
 def _owned_parameters(module: nn.Module, ignored: set, shard_placement_fn):

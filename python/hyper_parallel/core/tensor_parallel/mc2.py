@@ -184,7 +184,8 @@ class MC2Linear(nn.Linear):
         return self._state().forward(input, self.weight, self.bias)
 
     def extra_repr(self) -> str:
-        mc2 = f"mc2_mode={self.mc2_mode}, mc2_world_size={self.mc2_world_size}" if self.is_configured else "unconfigured"
+        mc2 = (f"mc2_mode={self.mc2_mode}, mc2_world_size={self.mc2_world_size}" if self.is_configured
+               else "unconfigured")
         return f"{super().extra_repr()}, {mc2}"
 
 
