@@ -83,11 +83,20 @@ void bind_parameters(py::module& m) {
         py::arg("parameters"), py::arg("max_norm"));
   m.def("vocab_parallel_cross_entropy", &tp::vocab_parallel_cross_entropy, py::arg("local_logits"),
         py::arg("targets"), py::arg("vocab_size"), py::arg("mesh"));
-  m.def("shard_parameter_in_place", &tp::shard_parameter_in_place, py::arg("param"), py::arg("mesh"),
-        py::arg("placements"), py::arg("src_data_rank"));
-  m.def("sum_gradient_over_mesh", &tp::sum_gradient_over_mesh, py::arg("param"), py::arg("mesh"));
-  m.def("check_unclaimed", &tp::check_unclaimed, py::arg("style"), py::arg("module_type"),
-        py::arg("claimed_by"));
+  m.def(
+      "lay_out_parameters",
+      [](const tp::ParallelStyle& style, const std::string& kind, const std::string& type,
+         std::vector<int64_t> weight_shape, const py::object& weight_dtype,
+         const std::vector<std::pair<std::string, at::Tensor>>& parameters,
+         const std::optional<std::string>& claimed_by, const dtensor::DeviceMesh& mesh,
+         std::optional<int64_t> src_data_rank) {
+        tp::lay_out_parameters(style, target_arg(kind, type, std::move(weight_shape), weight_dtype),
+                               parameters, claimed_by, mesh, src_data_rank, tp::ModuleTypeNames::torch_nn());
+      },
+      py::arg("style"), py::arg("kind"), py::arg("module_type"), py::arg("weight_shape"),
+      py::arg("weight_dtype"), py::arg("parameters"), py::arg("claimed_by"), py::arg("mesh"),
+      py::arg("src_data_rank"),
+      "The core's apply preamble for a torch.nn module: its checks, then its parameters laid out in place.");
 }
 
 void bind_style_base(py::module& m) {
@@ -98,25 +107,7 @@ void bind_style_base(py::module& m) {
           [](const tp::ParallelStyle& s, const std::string& kind, const std::string& type) {
             s.check_kind(target_arg(kind, type, {}, py::none()), tp::ModuleTypeNames::torch_nn());
           },
-          py::arg("kind"), py::arg("module_type"))
-      .def(
-          "check_target",
-          [](const tp::ParallelStyle& s, const std::string& kind, const std::string& type,
-             std::vector<int64_t> shape, const py::object& dtype, const dtensor::DeviceMesh& mesh) {
-            s.check_target(target_arg(kind, type, std::move(shape), dtype), mesh);
-          },
-          py::arg("kind"), py::arg("module_type"), py::arg("weight_shape"), py::arg("weight_dtype"),
-          py::arg("mesh"))
-      .def(
-          "parameter_shardings",
-          [](const tp::ParallelStyle& s, const std::string& kind, const std::vector<std::string>& names) {
-            std::vector<std::tuple<std::string, dtensor::Placements, bool>> rows;
-            for (const auto& r : s.parameter_shardings(module_kind_arg(kind), names)) {
-              rows.emplace_back(r.name, r.placements, r.sums_gradient);
-            }
-            return rows;
-          },
-          py::arg("kind"), py::arg("parameters"), "(name, placements, sums_gradient) per parameter.");
+          py::arg("kind"), py::arg("module_type"));
 }
 
 void bind_plain_styles(py::module& m) {

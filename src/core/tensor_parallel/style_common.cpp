@@ -7,6 +7,7 @@
 
 #include <hyper_parallel/core/nn/matmul.h>
 #include <hyper_parallel/core/nn/parameter_layout.h>
+#include <hyper_parallel/core/tensor_parallel/parallelize.h>
 
 namespace hyper_parallel::tensor_parallel {
 
@@ -37,26 +38,13 @@ ModuleTarget target_of(nn::HookableModule& hm, torch::nn::Module& module) {
 
 nn::HookableModule& sharding_target(const ParallelStyle& style, torch::nn::Module& module,
                                     const DeviceMesh& mesh, std::optional<int64_t> src_data_rank) {
-  const auto name = style.name();
-  auto& hm = hookable(name.c_str(), module);
-  const auto target = target_of(hm, module);
-  style.check_kind(target);
-  std::vector<std::string> parameters;
-  for (const auto& item : module.named_parameters(/*recurse=*/false)) {
-    TORCH_CHECK_VALUE(!nn::recorded_layout(item.value()), name, ": expected a module no style ",
-                      "has parallelized yet, got ", module.name(), " whose parameter '", item.key(),
-                      "' is already laid out (by another style, or by fully_shard: apply styles first)");
-    parameters.push_back(item.key());
-  }
-  TORCH_CHECK_VALUE(hm.forward_kernel() == nullptr, name, ": expected a module no style has ",
-                    "parallelized yet, got ", module.name(), " already using ", hm.forward_kernel()->name());
-  style.check_target(target, mesh);
-  auto params = module.named_parameters(/*recurse=*/false);  // handles to the module's tensors
-  for (const auto& row : style.parameter_shardings(hm.module_kind(), parameters)) {
-    auto& param = params[row.name];
-    shard_parameter_in_place(param, mesh, row.placements, src_data_rank);
-    if (row.sums_gradient) sum_gradient_over_mesh(param, mesh);
-  }
+  auto& hm = hookable(style.name().c_str(), module);
+  std::vector<std::pair<std::string, at::Tensor>> parameters;  // handles to the module's tensors
+  for (const auto& item : module.named_parameters(/*recurse=*/false))
+    parameters.emplace_back(item.key(), item.value());
+  std::optional<std::string> claimed_by;
+  if (hm.forward_kernel() != nullptr) claimed_by = hm.forward_kernel()->name();
+  lay_out_parameters(style, target_of(hm, module), parameters, claimed_by, mesh, src_data_rank);
   return hm;
 }
 
@@ -149,5 +137,32 @@ VocabShard vocab_shard(const at::Tensor& ids, int64_t vocab_size, const DeviceMe
 }
 
 }  // namespace detail
+
+void lay_out_parameters(const ParallelStyle& style, const ModuleTarget& target,
+                        const std::vector<std::pair<std::string, at::Tensor>>& parameters,
+                        const std::optional<std::string>& claimed_by, const DeviceMesh& mesh,
+                        std::optional<int64_t> src_data_rank, const ModuleTypeNames& names) {
+  const auto name = style.name();
+  style.check_kind(target, names);
+  check_tp_mesh(name.c_str(), mesh);
+  check_unclaimed(name, target.type, claimed_by);
+  std::vector<std::string> parameter_names;
+  for (const auto& [parameter, value] : parameters) {
+    TORCH_CHECK_VALUE(!nn::recorded_layout(value), name,
+                      ": expected a module no style has parallelized yet, got ", target.type,
+                      " whose parameter '", parameter,
+                      "' is already laid out (by another style, or by fully_shard: apply styles first)");
+    parameter_names.push_back(parameter);
+  }
+  style.check_target(target, mesh);
+  for (const auto& row : style.parameter_shardings(target.kind, parameter_names)) {
+    const auto it = std::find_if(parameters.begin(), parameters.end(),
+                                 [&](const auto& p) { return p.first == row.name; });
+    TORCH_INTERNAL_ASSERT(it != parameters.end(), name, ": the table names parameter '", row.name,
+                          "' the module lacks");
+    shard_parameter_in_place(it->second, mesh, row.placements, src_data_rank);
+    if (row.sums_gradient) sum_gradient_over_mesh(it->second, mesh);
+  }
+}
 
 }  // namespace hyper_parallel::tensor_parallel

@@ -172,6 +172,20 @@ def test_a_second_style_on_one_module_is_refused(mesh):
         RowwiseParallel().apply(linear, mesh)
 
 
+def test_a_style_after_fully_shard_is_refused_before_any_parameter_changes():
+    # fully_shard lays out the parameters first; a style would shard its shards. Styles go first.
+    dp_tp = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+    linear = nn.Linear(12, 24)
+    hyper_parallel.fully_shard(linear, mesh=dp_tp["dp"])
+    weight = linear.weight.detach().clone()
+    with pytest.raises(ValueError, match="ColwiseParallel: expected a module no style has parallelized yet, got "
+                                         r"FSDPLinear whose parameter 'weight' is already laid out \(by another "
+                                         r"style, or by fully_shard: apply styles first\)"):
+        ColwiseParallel().apply(linear, dp_tp["tp"])
+    assert not hasattr(linear, "_hp_sharding_style")
+    assert torch.equal(linear.weight.detach(), weight)
+
+
 def test_placements_compare_with_anything():
     assert (Shard(1) == None) is False  # noqa: E711
     assert Shard(1) != None  # noqa: E711

@@ -11,6 +11,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <torch/arg.h>
@@ -63,8 +64,8 @@ class ParallelStyle {
              std::optional<int64_t> src_data_rank = 0) const;
   virtual std::string name() const = 0;
 
-  /// The checks apply makes before it touches anything, in this order: check_kind, then
-  /// check_unclaimed, then check_target. The Python front end makes the same calls.
+  /// The checks apply makes before it touches anything (lay_out_parameters runs them, for
+  /// this library's modules and for the Python front end's torch.nn modules alike).
   ///
   /// Throws unless the style takes a module of `target.kind`: c10::TypeError for a kind it does
   /// not take, c10::NotImplementedError for one it does not support yet; `names` spell the
@@ -85,6 +86,19 @@ class ParallelStyle {
   virtual void apply_to(torch::nn::Module& module, const dtensor::DeviceMesh& mesh,
                         std::optional<int64_t> src_data_rank) const = 0;
 };
+
+/// The apply preamble of a style that lays out a module's parameters, one sequence for every
+/// front end (the styles' apply on this library's modules, the Python styles on torch.nn
+/// modules), in this order: style.check_kind (its messages spell the accepted types as `names`
+/// does), the 1-d mesh (check_tp_mesh), check_unclaimed (`claimed_by`: the style that already
+/// changed the module's forward, if any), no parameter laid out already (by another style, or by
+/// fully_shard: styles go first), style.check_target; then the style's parameter table applied
+/// to `parameters` (the module's own, by name): each sharded in place, its layout recorded, a
+/// partial gradient summed by a hook. Throws before anything is touched.
+void lay_out_parameters(const ParallelStyle& style, const ModuleTarget& target,
+                        const std::vector<std::pair<std::string, at::Tensor>>& parameters,
+                        const std::optional<std::string>& claimed_by, const dtensor::DeviceMesh& mesh,
+                        std::optional<int64_t> src_data_rank, const ModuleTypeNames& names = {});
 
 /// ColwiseParallel: Linear weight and bias Shard(0), Embedding weight Shard(1); the input is made
 /// Replicate (a Shard input is all-gathered; its gradient, Partial, is reduce-scattered); the

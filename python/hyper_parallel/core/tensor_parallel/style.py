@@ -43,24 +43,17 @@ def _core_mesh(device_mesh):
 
 
 def _shard_module(core, module: nn.Module, device_mesh, src_data_rank):
-    """The apply preamble, in the core's order: the module's kind, the 1-d mesh, no style there
-    before, the style's limits; then the parameters, by the core's table. Returns the kind and
-    the core's mesh (_core_mesh)."""
+    """The apply preamble: the core's, in one call (its checks, then the module's parameters laid
+    out by its table). The kind is checked first here too, before a foreign mesh is converted.
+    Returns the kind and the core's mesh (_core_mesh)."""
     kind, module_type = _module_kind(module), type(module).__name__
     core.check_kind(kind, module_type)
     device_mesh = _core_mesh(device_mesh)
-    _C.check_tp_mesh(core.name(), device_mesh)
-    _C.check_unclaimed(core.name(), module_type, getattr(module, "_hp_sharding_style", None))
     weight = module._parameters.get("weight")
-    core.check_target(kind, module_type, list(weight.shape) if weight is not None else [],
-                      weight.dtype if weight is not None else None, device_mesh)
+    _C.lay_out_parameters(core, kind, module_type, list(weight.shape) if weight is not None else [],
+                          weight.dtype if weight is not None else None, list(module.named_parameters(recurse=False)),
+                          getattr(module, "_hp_sharding_style", None), device_mesh, src_data_rank)
     module._hp_sharding_style = core.name()
-    names = [name for name, _ in module.named_parameters(recurse=False)]
-    for name, placements, sums_gradient in core.parameter_shardings(kind, names):
-        param = module._parameters[name]
-        _C.shard_parameter_in_place(param, device_mesh, placements, src_data_rank)
-        if sums_gradient:
-            _C.sum_gradient_over_mesh(param, device_mesh)
     return kind, device_mesh
 
 
