@@ -8,7 +8,7 @@
 #include <hyper_parallel/core/comm/collectives.h>
 
 #include "../autograd/attach_backward.h"
-#include "../autograd/gather_window.h"
+#include "../autograd/weight_grad_scheduler.h"
 #include "../util/weak_tensor_map.h"
 
 namespace hyper_parallel::dtensor {
@@ -248,15 +248,17 @@ DTensor DTensor::redistribute(const Placements& placements) const {
       local_, out,
       [mesh = mesh_, shape = shape_, from = placements_, target, slot](const at::Tensor& grad) {
         const Placements grad_pl = slot->placements.value_or(for_gradient(target));
-        // The work deferred into this gather's window (autograd/gather_window.h) runs while its
+        // The work deferred into this gather's window (autograd/weight_grad_scheduler.h) runs while its
         // last blocks travel.
-        return redistribute_with_window(grad, mesh, shape, grad_pl, for_gradient(from),
-                                        hyper_parallel::detail::run_window_jobs);
+        return redistribute_with_window(grad, mesh, shape, grad_pl, for_gradient(from), [] {
+          hyper_parallel::detail::WeightGradScheduler::of_this_thread().run_posted();
+        });
       },
       "DTensorRedistributeBackward");
   // A reduce-scatter (a row-parallel output, the embedding's) gathers in backward: it hosts the
   // deferred work of the ops recorded after it.
-  if (backward_gathers(placements_, target)) hyper_parallel::detail::remember_gather_host(out);
+  if (backward_gathers(placements_, target))
+    hyper_parallel::detail::WeightGradScheduler::of_this_thread().remember_host(out);
   DTensor result(out, mesh_, target, shape_);
   result.grad_slot_ = slot;
   return result;

@@ -9,7 +9,7 @@
 #include <hyper_parallel/core/comm/trace.h>
 
 #include "../../autograd/attach_backward.h"
-#include "../../autograd/gather_window.h"
+#include "../../autograd/weight_grad_scheduler.h"
 
 namespace hyper_parallel::tensor_parallel::detail {
 
@@ -20,7 +20,7 @@ void DeferredWeightGrad::post(Job job) {
   result_.clear();
   error_ = nullptr;
   done_ = false;
-  hyper_parallel::detail::post_window_job(shared_from_this());
+  hyper_parallel::detail::WeightGradScheduler::of_this_thread().post(shared_from_this());
 }
 
 void DeferredWeightGrad::run() {

@@ -3,7 +3,7 @@
 //
 // A row Linear's dW = dY_fullᵀ X needs every gathered dY row, so it cannot hide behind its own
 // gather; a layer sharing a gather (wk, wv beside wq; w3 beside w1) has no collective of its
-// own. Both post their dW (and the bias's sum) as a window job (autograd/gather_window.h) to the
+// own. Both post their dW (and the bias's sum) as a window job (autograd/weight_grad_scheduler.h) to the
 // gather host recorded last before them in forward; the column backwards keep their
 // reduce-scatter windows for their own dW. A delivery node per layer hands each result to
 // autograd, so the weight's AccumulateGrad, its hooks and gradient reducers see it as usual. It
@@ -23,12 +23,12 @@
 
 #include <ATen/core/Tensor.h>
 
-#include "../../autograd/gather_window.h"
+#include "../../autograd/weight_grad_scheduler.h"
 
 namespace hyper_parallel::tensor_parallel::detail {
 
 /// One layer's deferred {weight, bias} gradients.
-class DeferredWeightGrad : public hyper_parallel::detail::WindowJob,
+class DeferredWeightGrad : public hyper_parallel::detail::WeightGradJob,
                            public std::enable_shared_from_this<DeferredWeightGrad> {
  public:
   using Job = std::function<std::vector<at::Tensor>()>;

@@ -8,7 +8,7 @@
 #include <hyper_parallel/core/comm/trace.h>
 
 #include "../../autograd/attach_backward.h"
-#include "../../autograd/gather_window.h"
+#include "../../autograd/weight_grad_scheduler.h"
 #include "../../autograd/saved_tensor.h"
 #include "deferred_weight_grad.h"
 
@@ -31,7 +31,7 @@ std::vector<at::Tensor> weight_grads_of(const at::Tensor& dy, const at::Tensor& 
   return {needs.weight ? local_matmul(dy.t(), a) : at::Tensor(), needs.bias ? sum_rows(dy) : at::Tensor()};
 }
 
-// The gather host (autograd/gather_window.h) whose window a layer's weight gradient can run in,
+// The gather host (autograd/weight_grad_scheduler.h) whose window a layer's weight gradient can run in,
 // when deferral is on and the layer has a weight gradient to compute.
 std::optional<uint64_t> deferral_host(std::optional<uint64_t> host, const MC2Options& options,
                                       MC2LinearNeeds needs) {
@@ -44,7 +44,8 @@ std::optional<uint64_t> deferral_host(std::optional<uint64_t> host, const MC2Opt
 // gradients earlier layers deferred into this window run; returns (dX, dY_full).
 std::pair<at::Tensor, at::Tensor> row_gather(const at::Tensor& dy, const at::Tensor& w,
                                              const comm::Group& group, const MC2Options& options) {
-  return all_gather_mm(dy.contiguous(), w, group, options, hyper_parallel::detail::run_window_jobs);
+  return all_gather_mm(dy.contiguous(), w, group, options,
+                       [] { hyper_parallel::detail::WeightGradScheduler::of_this_thread().run_posted(); });
 }
 
 // A Linear's backward, split where deferral cuts it: from dY, dX (undefined when not needed) and
@@ -175,7 +176,8 @@ at::Tensor mc2_shared_column_linear(const at::Tensor& gathered, const at::Tensor
   // dG = dY W joins the gathering layer's reduce-scatter; dW = dYᵀ G runs in the window of the
   // gather host recorded last before this layer (the next gather of the backward).
   return attach_linear_backward(
-      gathered, w, bias, y, deferral_host(hyper_parallel::detail::gather_host(), options, needs),
+      gathered, w, bias, y,
+      deferral_host(hyper_parallel::detail::WeightGradScheduler::of_this_thread().host(), options, needs),
       [g = SavedTensor(gathered, "MC2SharedColumnLinearBackward", "gathered input"),
        w = SavedTensor(w, "MC2SharedColumnLinearBackward", "weight"), needs](const at::Tensor& dy_in) {
         auto dy = dy_in.contiguous();
@@ -196,7 +198,8 @@ at::Tensor mc2_row_linear(const at::Tensor& x, const at::Tensor& w, const at::Te
   const auto needs = needs_of(x, w, bias);
   // dW = dY_fullᵀ X needs the whole gather: with a host, it runs in the next backward gather's window.
   y = attach_linear_backward(
-      x, w, bias, y, deferral_host(hyper_parallel::detail::gather_host(), options, needs),
+      x, w, bias, y,
+      deferral_host(hyper_parallel::detail::WeightGradScheduler::of_this_thread().host(), options, needs),
       [x = SavedTensor(x, "MC2RowLinearBackward", "input"),
        w = SavedTensor(w, "MC2RowLinearBackward", "weight"), group, options, needs](const at::Tensor& dy) {
         auto [dx, dy_full] = row_gather(dy, w.get(), group, options);
@@ -207,7 +210,7 @@ at::Tensor mc2_row_linear(const at::Tensor& x, const at::Tensor& w, const at::Te
       },
       "MC2RowLinearBackward");
   // This row's gather window hosts the weight gradients of the layers recorded after it.
-  hyper_parallel::detail::remember_gather_host(y);
+  hyper_parallel::detail::WeightGradScheduler::of_this_thread().remember_host(y);
   return y;
 }
 
