@@ -11,4 +11,7 @@ bash scripts/install_deps.sh
 bash scripts/build.sh
 build_dir=${BUILD_DIR:-build}
 cd "$build_dir"
-ctest --output-on-failure --parallel 2 --timeout 900
+# Three tests at a time on 2 cores: several spend part of their time waiting (rank timeouts,
+# restarts), and the suite holds under more load than this (scripts/stress_tests.sh: 4 at a time
+# beside two busy loops). HP_TEST_JOBS sets another count.
+ctest --output-on-failure --parallel "${HP_TEST_JOBS:-3}" --timeout 900
