@@ -21,10 +21,10 @@ const char* armed_value(const char* name) {
   return v == nullptr || *v == '\0' || restart_count() > 0 ? nullptr : v;
 }
 
-[[noreturn]] void exit_with_status_3() {
+// What a fault point said reaches the launcher before the process stops or exits.
+void flush_output() {
   std::fflush(stdout);
   std::fflush(stderr);
-  std::_Exit(3);
 }
 
 constexpr SaveFault kSaveFaults[] = {SaveFault::kAfterShard, SaveFault::kAsyncWrite, SaveFault::kBeforeRename,
@@ -56,8 +56,7 @@ bool step_fault(const char* name, int64_t step) {
   if (at_step != step || rank != global_rank()) return false;
   std::fprintf(stderr, "%s=%s: rank %lld %s itself at step %lld\n", name, v, rank,
                std::string(name) == "HP_FAULT_KILL_AT_STEP" ? "kills" : "stops", at_step);
-  std::fflush(stdout);
-  std::fflush(stderr);
+  flush_output();
   return true;
 }
 
@@ -80,7 +79,8 @@ void exit_at_save_fault(const char* fn, SaveFault point, int64_t rank, int64_t w
   if (rank != faulting_rank) return;
   std::fprintf(stderr, "%s: HP_CHECKPOINT_FAULT=%s: rank %lld exits with status 3\n", fn, name_of(point),
                static_cast<long long>(rank));
-  exit_with_status_3();
+  flush_output();
+  std::_Exit(3);
 }
 
 BackgroundSaveThread::BackgroundSaveThread() : previous_(t_background_save) { t_background_save = true; }
