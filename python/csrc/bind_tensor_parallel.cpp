@@ -86,16 +86,21 @@ void bind_parameters(py::module& m) {
   m.def(
       "lay_out_parameters",
       [](const tp::ParallelStyle& style, const std::string& kind, const std::string& type,
-         std::vector<int64_t> weight_shape, const py::object& weight_dtype,
          const std::vector<std::pair<std::string, at::Tensor>>& parameters,
          const std::optional<std::string>& claimed_by, const dtensor::DeviceMesh& mesh,
          std::optional<int64_t> src_data_rank) {
-        tp::lay_out_parameters(style, target_arg(kind, type, std::move(weight_shape), weight_dtype),
-                               parameters, claimed_by, mesh, src_data_rank, tp::ModuleTypeNames::torch_nn());
+        // The target's weight is the module's own parameter "weight", as target_of reads it.
+        auto target = target_arg(kind, type, {}, py::none());
+        for (const auto& [name, value] : parameters) {
+          if (name != "weight") continue;
+          target.weight_shape = value.sizes().vec();
+          target.weight_dtype = value.scalar_type();
+        }
+        tp::lay_out_parameters(style, target, parameters, claimed_by, mesh, src_data_rank,
+                               tp::ModuleTypeNames::torch_nn());
       },
-      py::arg("style"), py::arg("kind"), py::arg("module_type"), py::arg("weight_shape"),
-      py::arg("weight_dtype"), py::arg("parameters"), py::arg("claimed_by"), py::arg("mesh"),
-      py::arg("src_data_rank"),
+      py::arg("style"), py::arg("kind"), py::arg("module_type"), py::arg("parameters"), py::arg("claimed_by"),
+      py::arg("mesh"), py::arg("src_data_rank"),
       "The core's apply preamble for a torch.nn module: its checks, then its parameters laid out in place.");
 }
 

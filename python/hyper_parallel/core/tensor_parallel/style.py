@@ -49,9 +49,7 @@ def _shard_module(core, module: nn.Module, device_mesh, src_data_rank):
     kind, module_type = _module_kind(module), type(module).__name__
     core.check_kind(kind, module_type)
     device_mesh = _core_mesh(device_mesh)
-    weight = module._parameters.get("weight")
-    _C.lay_out_parameters(core, kind, module_type, list(weight.shape) if weight is not None else [],
-                          weight.dtype if weight is not None else None, list(module.named_parameters(recurse=False)),
+    _C.lay_out_parameters(core, kind, module_type, list(module.named_parameters(recurse=False)),
                           getattr(module, "_hp_sharding_style", None), device_mesh, src_data_rank)
     module._hp_sharding_style = core.name()
     return kind, device_mesh
