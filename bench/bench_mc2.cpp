@@ -5,7 +5,8 @@
 //   compute    the op's matmuls alone, in the same chunks, no communication (T_compute)
 //   unfused    the library's collective, then the matmul (AG+MM) / the matmul, then the
 //              collective (MM+RS)
-//   fused      the MC2 op, for each chunks_per_rank
+//   fused      the MC2 op, for each chunks_per_rank, and with chunks_per_rank = auto (the
+//              default: a cost model's choice per op; the count it chose is printed)
 //   coll       the library's collective alone; engine: the fused op's own schedule with no-op
 //              callbacks (same transfers as fused)
 // bytes_min per rank, 16-bit: all-gather (P-1)·m·k·2; reduce-scatter (P-1)/P·M·n·2.
@@ -35,7 +36,9 @@
 #include "bench_util.h"
 #include "common/run_main.h"
 
-// The fused ops' schedules without their matmuls (an internal bench hook).
+// The fused ops' schedules without their matmuls (an internal bench hook), and the count the
+// automatic choice proposes on this rank (rank 0's is the one all ranks use).
+#include "core/tensor_parallel/mc2/chunk_planner.h"
 #include "core/tensor_parallel/mc2/transfers_only.h"
 
 namespace hp = hyper_parallel;
@@ -59,6 +62,8 @@ struct Result {
   double compute_whole = 0;      // the same matmuls as one GEMM per block (no chunking)
   double compute_contended = 0;  // compute while the engine's transfers run on the same cores
   std::vector<std::pair<int64_t, bench::Stats>> fused;  // per chunk count
+  bench::Stats fused_auto;                              // chunks_per_rank = auto
+  int64_t auto_chunks = 0;                              // what it chose
 };
 
 // The operands of one op on one shape, and its variants as callables.
@@ -118,6 +123,10 @@ struct Setup {
       tp::detail::matmul_reduce_scatter_transfers_only(x, w, group, default_options);
     }
   }
+  int64_t auto_chunks(const hp::comm::Group& group) const {
+    return ag ? tp::detail::all_gather_mm_chunks(x, w.t(), group, tp::MC2Options())
+              : tp::detail::mm_reduce_scatter_chunks(x, w.t(), group, tp::MC2Options());
+  }
   void fused(const hp::comm::Group& group, const tp::MC2Options& options) {
     if (ag) {
       tp::all_gather_matmul(x, w, group, options);
@@ -157,8 +166,10 @@ Result measure(Op op, const Shape& s, const hp::comm::Group& group, int iters,
     variants.push_back(
         [&u, &group, options = tp::MC2Options().chunks_per_rank(c)] { u.fused(group, options); });
   }
+  variants.push_back([&u, &group] { u.fused(group, tp::MC2Options()); });
   const auto stats = bench::interleaved(group, iters, variants);
-  Result res{0, 0, stats[0], stats[1], stats[2], stats[3], stats[4], 0, 0, {}};
+  Result res{0,        0, stats[0], stats[1], stats[2],     stats[3],
+             stats[4], 0, 0,        {},       stats.back(), u.auto_chunks(group)};
   for (size_t i = 0; i < chunk_counts.size(); ++i) res.fused.emplace_back(chunk_counts[i], stats[7 + i]);
   whole_times.erase(whole_times.begin());  // the warm-up round
   contended_times.erase(contended_times.begin());
@@ -169,11 +180,69 @@ Result measure(Op op, const Shape& s, const hp::comm::Group& group, int iters,
   return res;
 }
 
+// The default of fixed counts, 2 chunks, against auto ("-" when 2 was not measured).
+const bench::Stats* fixed_count(const Result& res, int64_t chunks) {
+  for (const auto& f : res.fused) {
+    if (f.first == chunks) return &f.second;
+  }
+  return nullptr;
+}
+
+std::string c2_over_auto(const Result& res) {
+  const auto* two = fixed_count(res, 2);
+  if (two == nullptr) return "-";
+  char text[16];
+  std::snprintf(text, sizeof text, "%.3f", two->median / res.fused_auto.median);
+  return text;
+}
+
+double best_fixed(const Result& res) {
+  double best = res.fused.front().second.median;
+  for (const auto& f : res.fused) best = std::min(best, f.second.median);
+  return best;
+}
+
+// Across rows: how close auto came to the best fixed count and to 2 chunks (the old default),
+// by its own run and by the fixed run of the count it chose (the same schedule, timed as a
+// variant of its own: the two differ by the noise of one median).
+struct AutoSummary {
+  int rows = 0, own_within_5 = 0, chosen_within_5 = 0, chosen_rows = 0, not_worse_than_c2 = 0, with_c2 = 0;
+  double auto_total = 0, best_total = 0, c2_total = 0, auto_with_c2_total = 0;
+  void add(const Result& res) {
+    const double best = best_fixed(res);
+    ++rows;
+    own_within_5 += res.fused_auto.median <= 1.05 * best;
+    auto_total += res.fused_auto.median;
+    best_total += best;
+    const auto* chosen = fixed_count(res, res.auto_chunks);
+    if (chosen != nullptr) {
+      ++chosen_rows;
+      chosen_within_5 += chosen->median <= 1.05 * best;
+    }
+    if (const auto* two = fixed_count(res, 2)) {
+      ++with_c2;
+      const double mine = chosen != nullptr ? chosen->median : res.fused_auto.median;
+      not_worse_than_c2 += mine <= 1.02 * two->median;  // within the noise of one median
+      c2_total += two->median;
+      auto_with_c2_total += res.fused_auto.median;
+    }
+  }
+  void print() const {
+    std::printf(
+        "auto over %d rows: its own run within 5%% of the best fixed count in %d; the count it chose "
+        "within 5%% in %d of %d, not slower than 2 chunks (2%% noise) in %d of %d\n",
+        rows, own_within_5, chosen_within_5, chosen_rows, not_worse_than_c2, with_c2);
+    std::printf("auto over %d rows, total time: best fixed per row / auto %.3f; 2 chunks / auto %.3f\n", rows,
+                best_total / auto_total, auto_with_c2_total > 0 ? c2_total / auto_with_c2_total : 0.0);
+  }
+};
+
 void print_header(const std::vector<int64_t>& chunk_counts) {
   std::printf("%-22s %-7s %6s %5s %9s %9s %9s %9s", "op", "shape", "Gbit/s", "r", "compute", "comm_min",
               "bound", "unfused");
   for (auto c : chunk_counts) std::printf("  fused/c%-2lld", static_cast<long long>(c));
-  std::printf(" %7s %7s %6s %9s %9s\n", "speedup", "effic.", "chunks", "coll", "engine");
+  std::printf("  fused/auto %7s %7s %6s %9s %9s %5s %9s %11s %8s\n", "speedup", "effic.", "chunks", "coll",
+              "engine", "auto", "best/auto", "best/chosen", "c2/auto");
   std::printf("%-22s %-7s %6s %5s %9s %9s %9s %9s\n", "", "", "", "", "ms", "ms", "ms", "ms");
 }
 
@@ -188,9 +257,15 @@ void print_line(Op op, const Shape& s, const Result& res) {
               res.r, res.compute.median * 1e3, res.stream.median * 1e3, bound * 1e3,
               res.unfused.median * 1e3);
   for (const auto& f : res.fused) std::printf(" %10.1f", f.second.median * 1e3);
-  std::printf(" %6.2fx %7.2f %6lld %9.1f %9.1f\n", res.unfused.median / best->second.median,
-              bound / best->second.median, static_cast<long long>(best->first), res.coll.median * 1e3,
-              res.engine.median * 1e3);
+  const auto* chosen = fixed_count(res, res.auto_chunks);
+  char chosen_text[16] = "-";
+  if (chosen != nullptr)
+    std::snprintf(chosen_text, sizeof chosen_text, "%.3f", best->second.median / chosen->median);
+  std::printf(" %11.1f %6.2fx %7.2f %6lld %9.1f %9.1f %5lld %9.3f %11s %8s\n", res.fused_auto.median * 1e3,
+              res.unfused.median / best->second.median, bound / best->second.median,
+              static_cast<long long>(best->first), res.coll.median * 1e3, res.engine.median * 1e3,
+              static_cast<long long>(res.auto_chunks), best->second.median / res.fused_auto.median,
+              chosen_text, c2_over_auto(res).c_str());
   // Where the time beyond the bound goes, in ms: the GEMMs cut in chunks run slower than whole
   // ones; the transfers' CPU work slows the compute on shared cores; the rest is exposed
   // communication (head, tail, waits).
@@ -209,11 +284,15 @@ void write_csv(std::ofstream& csv, Op op, const Shape& s, const Result& res, con
   auto cell = [&](const bench::Stats& st) {
     csv << "," << st.median * 1e3 << "," << st.min * 1e3 << "," << st.max * 1e3;
   };
-  for (const auto& [chunks, fused] : res.fused) {
+  // The fixed counts, then auto as "auto:<the count it chose>".
+  auto rows = res.fused;
+  rows.emplace_back(-1, res.fused_auto);
+  for (const auto& [chunks, fused] : rows) {
     std::string link_text = link;
     std::replace(link_text.begin(), link_text.end(), ',', ';');  // one CSV field
+    const auto chunks_text = chunks < 0 ? "auto:" + std::to_string(res.auto_chunks) : std::to_string(chunks);
     csv << op_name(op) << "," << s.name << "," << s.rows_per_rank << "," << s.k << "," << s.n << ","
-        << link_text << "," << res.rate_gbps << "," << res.r << "," << chunks;
+        << link_text << "," << res.rate_gbps << "," << res.r << "," << chunks_text;
     cell(res.compute);
     cell(res.stream);
     cell(res.unfused);
@@ -224,6 +303,44 @@ void write_csv(std::ofstream& csv, Op op, const Shape& s, const Result& res, con
   }
   csv.flush();
 }
+
+// What main measures, and where it reports.
+struct Run {
+  int iters;
+  std::vector<int64_t> chunk_counts;
+  int64_t stream_chunks;
+  std::vector<double> ratios;  // empty: the current rate only
+  std::string rate_cmd;
+  bool print;
+  std::ofstream* csv;
+  std::string link;
+  AutoSummary summary{};
+
+  void report(Op op, const Shape& s, const Result& res) {
+    summary.add(res);
+    if (print) print_line(op, s, res);
+    if (csv != nullptr) write_csv(*csv, op, s, res, link);
+  }
+
+  // One op on one shape: at the current rate, or at each rate that makes r take each ratio.
+  void op_on_shape(Op op, const Shape& s, const hp::comm::Group& group) {
+    if (ratios.empty()) {
+      report(op, s, measure(op, s, group, iters, chunk_counts, stream_chunks));
+      return;
+    }
+    // T_compute does not depend on the link: measure it once, then set each rate so that
+    // r = T_comm_min / T_compute takes the requested values.
+    const int64_t m = s.rows_per_rank;
+    const double bytes_min = (group.size() - 1) * m * (op == Op::kAllGatherMatmul ? s.k : s.n) * 2.0;
+    auto probe = measure(op, s, group, 3, {stream_chunks}, stream_chunks);
+    for (double ratio : ratios) {
+      const double rate = std::clamp(8 * bytes_min / (ratio * probe.compute.median), 2e7, 4e10);
+      bench::set_rate("bench_mc2", rate_cmd, std::to_string(static_cast<long long>(rate)) + "bit", group);
+      hp::comm::probe_link(group);  // what auto reads: the link as it is now
+      report(op, s, measure(op, s, group, iters, chunk_counts, stream_chunks));
+    }
+  }
+};
 
 }  // namespace
 
@@ -281,28 +398,19 @@ int main(int argc, char** argv) {
                   static_cast<long long>(p), iters, link.c_str());
       print_header(chunk_counts);
     }
+    Run run{iters,
+            chunk_counts,
+            stream_chunks,
+            sweep ? ratios : std::vector<double>{},
+            rate_cmd,
+            print,
+            csv.is_open() ? &csv : nullptr,
+            link};
     for (const auto& s : shapes) {
-      for (Op op : {Op::kAllGatherMatmul, Op::kMatmulReduceScatter}) {
-        if (!sweep) {
-          auto res = measure(op, s, group, iters, chunk_counts, stream_chunks);
-          if (print) print_line(op, s, res);
-          if (csv.is_open()) write_csv(csv, op, s, res, link);
-          continue;
-        }
-        // T_compute does not depend on the link: measure it once, then set each rate so that
-        // r = T_comm_min / T_compute takes the requested values.
-        const int64_t m = s.rows_per_rank;
-        const double bytes_min = (p - 1) * m * (op == Op::kAllGatherMatmul ? s.k : s.n) * 2.0;
-        auto probe = measure(op, s, group, 3, {stream_chunks}, stream_chunks);
-        for (double ratio : ratios) {
-          const double rate = std::clamp(8 * bytes_min / (ratio * probe.compute.median), 2e7, 4e10);
-          bench::set_rate("bench_mc2", rate_cmd, std::to_string(static_cast<long long>(rate)) + "bit", group);
-          auto res = measure(op, s, group, iters, chunk_counts, stream_chunks);
-          if (print) print_line(op, s, res);
-          if (csv.is_open()) write_csv(csv, op, s, res, link);
-        }
-      }
+      for (Op op : {Op::kAllGatherMatmul, Op::kMatmulReduceScatter}) run.op_on_shape(op, s, group);
     }
+    auto& summary = run.summary;
+    if (print) summary.print();
     hp::comm::destroy_process_group();
     return 0;
   });

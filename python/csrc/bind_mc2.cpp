@@ -15,13 +15,33 @@ py::tuple grads_tuple(const tp::MC2LinearGrads& g) {
   return py::make_tuple(value(g.input), value(g.weight), value(g.bias));
 }
 
+// chunks_per_rank: a count >= 1, or "auto" (MC2Options::kAutoChunks).
+int64_t chunks_from_python(const py::object& chunks) {
+  if (py::isinstance<py::str>(chunks)) {
+    const auto text = chunks.cast<std::string>();
+    TORCH_CHECK_VALUE(text == "auto", "MC2Options: expected chunks_per_rank an int >= 1 or 'auto', got '",
+                      text, "'");
+    return tp::MC2Options::kAutoChunks;
+  }
+  TORCH_CHECK_TYPE(py::isinstance<py::int_>(chunks) && !py::isinstance<py::bool_>(chunks),
+                   "MC2Options: expected chunks_per_rank an int >= 1 or 'auto', got ",
+                   std::string(py::str(chunks.get_type().attr("__name__"))));
+  const auto count = chunks.cast<int64_t>();
+  TORCH_CHECK_VALUE(count >= 1, "MC2Options: expected chunks_per_rank an int >= 1 or 'auto', got ", count);
+  return count;
+}
+
 void bind_contract(py::module& m) {
   py::class_<tp::MC2Options>(m, "MC2Options")
-      .def(py::init([](int64_t chunks, bool defer) {
-             return tp::MC2Options().chunks_per_rank(chunks).defer_weight_grads(defer);
+      .def(py::init([](const py::object& chunks, bool defer) {
+             return tp::MC2Options().chunks_per_rank(chunks_from_python(chunks)).defer_weight_grads(defer);
            }),
-           py::arg("chunks_per_rank") = 2, py::kw_only(), py::arg("defer_weight_grads") = true)
-      .def_property_readonly("chunks_per_rank", [](const tp::MC2Options& o) { return o.chunks_per_rank(); })
+           py::arg("chunks_per_rank") = "auto", py::kw_only(), py::arg("defer_weight_grads") = true)
+      .def_property_readonly("chunks_per_rank",
+                             [](const tp::MC2Options& o) -> py::object {
+                               if (o.chunks_per_rank() == tp::MC2Options::kAutoChunks) return py::str("auto");
+                               return py::int_(o.chunks_per_rank());
+                             })
       .def_property_readonly("defer_weight_grads",
                              [](const tp::MC2Options& o) { return o.defer_weight_grads(); });
   py::class_<tp::MC2Contract>(m, "MC2Contract")

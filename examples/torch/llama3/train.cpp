@@ -9,6 +9,7 @@
 #include <CLI/CLI.hpp>
 
 #include <hyper_parallel/core/comm.h>
+#include <hyper_parallel/core/tensor_parallel/mc2/ops.h>
 
 #include "common/run_main.h"
 #include "train_defaults.h"
@@ -63,7 +64,8 @@ std::optional<llama3::TrainOptions> parse_flags(int argc, char** argv) {
   auto o = default_options();
   ShardingFlags sharding;
   std::string preset = o.preset(), dtype = o.dtype(), mc2_scope = o.mc2_scope();
-  int64_t steps = o.steps(), batch_size = o.batch_size(), chunks = o.mc2_chunks_per_rank(), dp = o.dp();
+  int64_t steps = o.steps(), batch_size = o.batch_size(), dp = o.dp();
+  std::string chunks = "auto";
   std::optional<int64_t> seq_len;
   double lr = o.lr();
   uint64_t seed = o.seed();
@@ -96,9 +98,9 @@ std::optional<llama3::TrainOptions> parse_flags(int argc, char** argv) {
   app.add_flag("--no-sequence-parallel", no_sp, "replicate activations between blocks");
   app.add_flag("--loss-parallel", loss_parallel, "keep logits sharded over the vocabulary");
   auto* mc2_flag = app.add_flag("--enable-mc2", mc2, "fuse the feed-forward's collectives into its matmuls");
-  app.add_option("--mc2-chunks", chunks, "MC2 chunks per rank")
+  app.add_option("--mc2-chunks", chunks, "MC2 chunks per rank: a count, or auto (a cost model's, per op)")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber)
+      ->check(CLI::IsMember({"auto"}) | CLI::PositiveNumber)
       ->needs(mc2_flag);
   app.add_flag("--relaxed-mc2-contract", relaxed, "allow fp32 and any size under MC2 (debugging)")
       ->needs(mc2_flag);
@@ -128,7 +130,8 @@ std::optional<llama3::TrainOptions> parse_flags(int argc, char** argv) {
   }
   o.preset(preset).dtype(dtype).steps(steps).batch_size(batch_size).dp(dp).seq_len(seq_len).lr(lr).seed(seed);
   o.enable_sequence_parallel(!no_sp).enable_loss_parallel(loss_parallel);
-  o.enable_mc2(mc2).mc2_scope(mc2_scope).relaxed_mc2_contract(relaxed).mc2_chunks_per_rank(chunks);
+  o.enable_mc2(mc2).mc2_scope(mc2_scope).relaxed_mc2_contract(relaxed).mc2_chunks_per_rank(
+      chunks == "auto" ? hyper_parallel::tensor_parallel::MC2Options::kAutoChunks : std::stoll(chunks));
   o.checkpoint_dir(checkpoint_dir).checkpoint_every(checkpoint_every).resume(resume).async_checkpoint(async);
   sharding.apply(o);
   return o;

@@ -48,7 +48,8 @@ struct TrainOptions {
   TORCH_ARG(std::string, mc2_scope) = "ffn";
   /// MC2 limits; strict (bf16/fp16 only) unless relaxed for debugging.
   TORCH_ARG(bool, relaxed_mc2_contract) = false;
-  TORCH_ARG(int64_t, mc2_chunks_per_rank) = 2;
+  /// MC2Options::chunks_per_rank: kAutoChunks (0), or a fixed count.
+  TORCH_ARG(int64_t, mc2_chunks_per_rank) = 0;
   TORCH_ARG(bool, log) = true;  // one line per step on rank 0
   /// Single-process reference: the same model and data, not parallelized, no communication.
   TORCH_ARG(bool, reference) = false;

@@ -5,6 +5,7 @@
 #include <hyper_parallel/core/comm/collectives.h>
 #include <hyper_parallel/core/comm/counters.h>
 #include <hyper_parallel/core/comm/lifecycle.h>
+#include <hyper_parallel/core/comm/link_probe.h>
 #include <hyper_parallel/core/comm/op.h>
 #include <hyper_parallel/core/comm/p2p.h>
 #include <hyper_parallel/core/comm/pending_all_gather.h>

@@ -3,12 +3,15 @@
 
 #include <atomic>
 #include <chrono>
+#include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include <hyper_parallel/core/comm/link_probe.h>
 #include <hyper_parallel/core/comm/process_group.h>
 
 namespace hyper_parallel::comm::detail {
@@ -22,6 +25,8 @@ struct GroupImpl {
   std::atomic<int64_t> next_op{0};                // tag blocks handed out so far
   std::atomic<int64_t> next_seq{0};               // ops (OpScope) started on this group so far
   std::atomic<std::thread::id> issuing_thread{};  // the thread inside an OpScope on it, if any
+  std::mutex link_mutex;                          // guards link (not held while probing)
+  std::optional<LinkEstimate> link;               // link_probe.h, once measured
 };
 
 }  // namespace hyper_parallel::comm::detail

@@ -21,7 +21,20 @@ namespace hyper_parallel::comm {
 namespace {
 
 // The fixed-size signature every rank sends to every other rank of the group.
-enum Field { kMagic, kKind, kSeq, kDtype, kDim0, kDim1, kDim2, kDim3, kChunks, kGroupSize, kFields };
+enum Field {
+  kMagic,
+  kKind,
+  kSeq,
+  kDtype,
+  kDim0,
+  kDim1,
+  kDim2,
+  kDim3,
+  kChunks,
+  kProposed,
+  kGroupSize,
+  kFields
+};
 constexpr int64_t kSignatureMagic = 0x48504f5053;  // "HPOPS"
 
 std::string describe(const std::array<int64_t, kFields>& f, const std::array<const char*, 4>& names) {
@@ -35,7 +48,7 @@ std::string describe(const std::array<int64_t, kFields>& f, const std::array<con
       s << " d" << i << "=" << f[kDim0 + i];
     }
   }
-  s << " chunks=" << f[kChunks];
+  s << " chunks=" << (f[kProposed] ? "auto:" : "") << f[kChunks];
   return s.str();
 }
 
@@ -49,13 +62,15 @@ std::array<int64_t, kFields> fields_of(const OpSignature& sig, int64_t seq, int6
           sig.dims[2],
           sig.dims[3],
           sig.chunks,
+          sig.chunks_proposed ? 1 : 0,
           group_size};
 }
 
 // Every rank sends its signature to every other rank and receives theirs; all ranks then hold
 // the same P signatures and reach the same verdict. The messages have a fixed size and a tag of
-// their own per group, matched in order, so they can never be mistaken for payload.
-void agree(const Group& group, const OpSignature& sig, int64_t seq) {
+// their own per group, matched in order, so they can never be mistaken for payload. Returns the
+// chunk count all use: the common one, or rank 0's proposal.
+int64_t agree(const Group& group, const OpSignature& sig, int64_t seq) {
   const int64_t p = group.size(), r = group.rank();
   const auto mine = fields_of(sig, seq, p);
   std::vector<at::Tensor> all(p);
@@ -86,9 +101,11 @@ void agree(const Group& group, const OpSignature& sig, int64_t seq) {
     TORCH_INTERNAL_ASSERT(fields[q][kMagic] == kSignatureMagic, "agreement: rank ", q, " of ", group.name(),
                           " sent a malformed signature");
     max_seq = std::max(max_seq, fields[q][kSeq]);
-    same = same && fields[q] == mine;
+    auto theirs = fields[q];
+    if (sig.chunks_proposed && theirs[kProposed] == 1) theirs[kChunks] = mine[kChunks];  // proposals differ
+    same = same && theirs == mine;
   }
-  if (same) return;
+  if (same) return fields[0][kChunks];
   // Every rank throws the same error; the next op starts from one call number on every rank.
   group.impl().next_seq = max_seq + 1;
   std::ostringstream ranks;
@@ -122,6 +139,8 @@ const char* to_string(CollectiveKind kind) {
       return "all_gather_matmul";
     case CollectiveKind::kMatmulReduceScatter:
       return "matmul_reduce_scatter";
+    case CollectiveKind::kLinkProbe:
+      return "link_probe";
   }
   return "unknown";
 }
@@ -156,7 +175,11 @@ void OpScope::release_group() {
 
 OpScope::OpScope(const Group& group, const OpSignature& signature, const std::string& detail, bool counted,
                  Agreement agreement)
-    : span_(to_string(signature.kind), detail), uncaught_(std::uncaught_exceptions()) {
+    : span_(to_string(signature.kind), detail),
+      uncaught_(std::uncaught_exceptions()),
+      chunks_(signature.chunks) {
+  TORCH_INTERNAL_ASSERT(!signature.chunks_proposed || agreement == Agreement::kPerOp,
+                        "OpScope: a proposed chunk count needs a per-op agreement");
   claim_group(group, signature);
   const int64_t seq = group.impl().next_seq.fetch_add(1);
   auto& recorder = detail::FlightRecorder::get();
@@ -164,9 +187,9 @@ OpScope::OpScope(const Group& group, const OpSignature& signature, const std::st
   record_ = recorder.begin(to_string(signature.kind), seq, group.name(),
                            describe(fields_of(signature, seq, group.size()), signature.names));
   try {
-    if (agreement == Agreement::kPerOp && group.size() > 1 && agreement_checks_enabled() &&
-        !test_hooks::transfers_skipped()) {
-      agree(group, signature, seq);
+    const bool checked = agreement_checks_enabled() || signature.chunks_proposed;
+    if (agreement == Agreement::kPerOp && group.size() > 1 && checked && !test_hooks::transfers_skipped()) {
+      chunks_ = agree(group, signature, seq);
     }
   } catch (...) {
     recorder.end(record_, /*ok=*/false);

@@ -142,3 +142,20 @@ def test_a_non_1d_mesh_is_a_value_error(mesh):
     with pytest.raises(ValueError, match="parallelize_module: expected a 1-d TP mesh, got a 2-d mesh"):
         hyper_parallel.parallelize_module(nn.Linear(4, 4), init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp")),
                                           ColwiseParallel())
+
+
+def test_options_chunk_the_rows_automatically_unless_given_a_count():
+    from hyper_parallel.core.tensor_parallel.mc2 import MC2Options
+
+    assert MC2Options().chunks_per_rank == "auto"
+    assert MC2Options("auto").chunks_per_rank == "auto"
+    assert MC2Options(4).chunks_per_rank == 4
+    assert MC2Options(chunks_per_rank=2, defer_weight_grads=False).defer_weight_grads is False
+    with pytest.raises(ValueError, match="expected chunks_per_rank an int >= 1 or 'auto', got 0"):
+        MC2Options(0)
+    with pytest.raises(ValueError, match="got 'fast'"):
+        MC2Options("fast")
+    with pytest.raises(TypeError, match="got float"):
+        MC2Options(2.0)
+    with pytest.raises(TypeError, match="got bool"):
+        MC2Options(True)

@@ -94,6 +94,46 @@ TEST_F(Agreement, FusedOpsWithDifferentShapesOrChunkCounts) {
   });
 }
 
+// kAutoChunks: each rank proposes its own count and all take rank 0's; every rank must propose.
+TEST_F(Agreement, ProposedChunkCountsSettleOnRankZeros) {
+  for (int i = 0; i < 2; ++i) {
+    hp::comm::OpSignature sig{hp::comm::CollectiveKind::kAllGatherMatmul, at::kBFloat16, {4, 32, 0, 0}};
+    sig.chunks = 1 + r + i;  // the ranks' estimates differ
+    sig.chunks_proposed = true;
+    const hp::comm::OpScope op(world, sig, "proposals");
+    EXPECT_EQ(op.chunks(), 1 + i);
+  }
+  // The op itself: the same on every rank, equal to a fixed count's result.
+  auto x = at::arange(4 * 32, at::kFloat).reshape({4, 32}).div(128).add(r).to(at::kBFloat16);
+  auto w = at::arange(16 * 32, at::kFloat).reshape({16, 32}).div(512).to(at::kBFloat16);
+  EXPECT_TRUE(
+      tp::all_gather_matmul(x, w, world)
+          .first.equal(tp::all_gather_matmul(x, w, world, tp::MC2Options().chunks_per_rank(2)).first));
+  // Automatic on one rank, fixed on the others: they disagree (the group's link is measured).
+  expect_disagreement("all_gather_matmul", [&] {
+    tp::all_gather_matmul(x, w, world, tp::MC2Options().chunks_per_rank(r == 0 ? 0 : 2));
+  });
+}
+
+// The first automatic op of a group measures its link, a collective: a rank that calls another
+// op there gets the agreement error instead of a hang.
+TEST_F(Agreement, FirstAutomaticOpOfAGroupAgainstAFixedOne) {
+  std::vector<int64_t> all(p);
+  for (int64_t q = 0; q < p; ++q) all[q] = q;
+  const auto fresh = hp::comm::new_group(all);
+  auto x = at::ones({4, 32}, at::kBFloat16), w = at::ones({16, 32}, at::kBFloat16);
+  std::string message;
+  try {
+    tp::all_gather_matmul(x, w, fresh, tp::MC2Options().chunks_per_rank(r == 0 ? 0 : 2));
+  } catch (const c10::Error& e) {
+    message = e.what_without_backtrace();
+  }
+  EXPECT_NE(message.find(r == 0 ? "disagree on link_probe" : "disagree on all_gather_matmul"),
+            std::string::npos)
+      << message;
+  EXPECT_TRUE(tp::all_gather_matmul(x, w, fresh).first.equal(at::full({4 * p, 16}, 32, at::kBFloat16)));
+}
+
 TEST_F(Agreement, FusedOpsAllowUnevenShardsOfTheLocalExtent) {
   // A weight whose sharded dim does not divide by the world size has torch.chunk shards: the
   // gather's n and the reduce-scatter's k_l differ between ranks, and the ops still run.

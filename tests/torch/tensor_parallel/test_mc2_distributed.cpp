@@ -78,11 +78,38 @@ TEST_P(FusedOps, MatmulReduceScatterEqualsMatmulThenReduceScatter) {
 
 INSTANTIATE_TEST_SUITE_P(DtypesAndChunks, FusedOps,
                          ::testing::Combine(::testing::Values(at::kFloat, at::kBFloat16, at::kHalf),
-                                            ::testing::Values(1, 2, 4)),
+                                            ::testing::Values(tp::MC2Options::kAutoChunks, 1, 2, 4)),
                          [](const auto& info) {
+                           const int64_t chunks = std::get<1>(info.param);
                            return std::string(c10::toString(std::get<0>(info.param))) + "_chunks" +
-                                  std::to_string(std::get<1>(info.param));
+                                  (chunks == tp::MC2Options::kAutoChunks ? "Auto" : std::to_string(chunks));
                          });
+
+// Chunking cuts the rows of the products, never a sum, and the automatic count keeps chunks at
+// multiples of 32 rows, so each row is computed by the same BLAS kernel as with one chunk: the
+// same bits whatever the cost model picks, and a run is reproducible. (An arbitrary count such
+// as 3 cuts rows mid-tile and may change the last bits on some BLAS libraries.) 128 rows per
+// rank: the counts 2 and 4 are also 32-row aligned.
+TEST(FusedOpsChunking, AlignedChunkCountsAndAutoGiveTheBitsOfOneChunk) {
+  auto group = hp::comm::world();
+  const int64_t p = group.size(), m = 128, k = 96, n = 56;
+  for (auto dtype : {at::kFloat, at::kBFloat16}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    at::manual_seed(500 + group.rank());
+    auto x = at::randn({p * m, k}).to(dtype);
+    at::manual_seed(11);
+    auto w = at::randn({n, k}).to(dtype);
+    const auto one = tp::MC2Options().chunks_per_rank(1);
+    const auto y_gather = tp::all_gather_matmul(x.narrow(0, 0, m), w, group, one).first;
+    const auto y_reduce = tp::matmul_reduce_scatter(x, w, group, one);
+    for (int64_t chunks : {tp::MC2Options::kAutoChunks, int64_t{2}, int64_t{4}}) {
+      SCOPED_TRACE("chunks " + std::to_string(chunks));
+      const auto options = tp::MC2Options().chunks_per_rank(chunks);
+      EXPECT_TRUE(tp::all_gather_matmul(x.narrow(0, 0, m), w, group, options).first.equal(y_gather));
+      EXPECT_TRUE(tp::matmul_reduce_scatter(x, w, group, options).equal(y_reduce));
+    }
+  }
+}
 
 // The reduce-scatter of a 16-bit matmul puts the 16-bit minimum on the wire, (P-1)/P · M · n · 2
 // bytes per rank, and the all-gather (P-1) · m · k · 2; the reduce-scatter sums the P partial

@@ -78,8 +78,8 @@ TEST_F(MC2Style, ConfigureValidatesModeAndWorldSize) {
       mc2.configure_mc2(tp::MC2Mode::kAllGather, group, 1, tp::MC2Contract().world_sizes({4, 8})),
       "MC2 world_size: expected one of [4, 8], got 2");
   HP_EXPECT_THROW_MSG(
-      mc2.configure_mc2(tp::MC2Mode::kAllGather, group, 1, {}, tp::MC2Options().chunks_per_rank(0)),
-      "expected chunks_per_rank >= 1, got 0");
+      mc2.configure_mc2(tp::MC2Mode::kAllGather, group, 1, {}, tp::MC2Options().chunks_per_rank(-1)),
+      "expected chunks_per_rank >= 1, or kAutoChunks (0: chosen per op), got -1");
   EXPECT_FALSE(mc2.is_configured());
   mc2.configure_mc2(tp::MC2Mode::kReduceScatter, group, 0);
   EXPECT_EQ(mc2.mode(), tp::MC2Mode::kReduceScatter);

@@ -38,8 +38,10 @@ enum class CollectiveKind {
   // collective, not an all_gather plus a matmul.
   kAllGatherMatmul,
   kMatmulReduceScatter,
+  // The link measurement of link_probe.h: a ring of timed messages, not counted.
+  kLinkProbe,
 };
-constexpr int kNumCollectiveKinds = 8;
+constexpr int kNumCollectiveKinds = 9;
 
 /// "all_gather", "matmul_reduce_scatter", ...
 const char* to_string(CollectiveKind kind);
@@ -58,6 +60,11 @@ struct OpSignature {
   std::array<int64_t, 4> dims{};
   std::array<const char*, 4> names{};
   int64_t chunks = 1;
+  /// True: `chunks` is this rank's proposal (each rank's own estimate of the best count), and
+  /// the ranks settle on rank 0's: OpScope::chunks(). Everything else must still be equal, and
+  /// every rank must propose. The exchange then always happens, HP_COMM_CHECK=0 or not: it is
+  /// what makes the ranks agree.
+  bool chunks_proposed = false;
 };
 
 /// Whether an op makes the ranks agree on its signature before it posts payload.
@@ -94,6 +101,9 @@ class OpScope {
   /// the op takes it (detail::FlightRecorder::set_current, then end).
   std::shared_ptr<detail::OpRecord> keep_record_open();
 
+  /// The chunk count every rank of the group uses: the signature's, or rank 0's proposal.
+  int64_t chunks() const { return chunks_; }
+
  private:
   void claim_group(const Group& group, const OpSignature& signature);
   void release_group();
@@ -101,6 +111,7 @@ class OpScope {
   trace::OpSpan span_;
   std::shared_ptr<detail::OpRecord> record_, previous_;
   int uncaught_ = 0;
+  int64_t chunks_ = 1;
   bool kept_open_ = false;
   detail::GroupImpl* claimed_ = nullptr;
   std::thread::id previous_thread_;

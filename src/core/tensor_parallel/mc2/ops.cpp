@@ -9,6 +9,7 @@
 #include <hyper_parallel/core/comm/schedule.h>
 #include <hyper_parallel/core/nn/matmul.h>
 
+#include "chunk_planner.h"
 #include "transfers_only.h"
 
 namespace hyper_parallel::tensor_parallel {
@@ -43,20 +44,18 @@ void check_operands(const char* fn, const at::Tensor& a, const at::Tensor& b) {
   TORCH_CHECK(at::isFloatingType(a.scalar_type()), fn, ": expected a floating dtype, got ", a.scalar_type());
 }
 
-// Each of the P blocks holds `rows_per_rank` rows, cut into chunks_per_rank chunks.
-comm::BlockLayout fused_layout(int64_t rows_per_rank, const comm::Group& group, const MC2Options& options) {
-  TORCH_CHECK(options.chunks_per_rank() >= 1, "MC2Options: expected chunks_per_rank >= 1, got ",
-              options.chunks_per_rank());
-  return comm::BlockLayout(std::vector<int64_t>(group.size(), rows_per_rank), options.chunks_per_rank());
+// Each of the P blocks holds `rows_per_rank` rows, cut into the chunk count the ranks agreed on.
+comm::BlockLayout fused_layout(int64_t rows_per_rank, const comm::Group& group, int64_t chunks) {
+  return comm::BlockLayout(std::vector<int64_t>(group.size(), rows_per_rank), chunks);
 }
 
 // G = all_gather(a) [P·m, k] through the ring; on_chunk(block, chunk, rows) sees each chunk as
 // soon as it is here and forwarded.
 at::Tensor gather_rows(
-    const at::Tensor& a, const comm::Group& group, const MC2Options& options,
+    const at::Tensor& a, const comm::Group& group, int64_t chunks,
     const std::function<void(const comm::BlockLayout&, int64_t, int64_t, const at::Tensor&)>& on_chunk,
     const comm::InFlightFn& while_in_flight = {}) {
-  const auto layout = fused_layout(a.size(0), group, options);
+  const auto layout = fused_layout(a.size(0), group, chunks);
   auto gathered = at::empty({layout.total_rows(), a.size(1)}, a.options());
   comm::ring_all_gather(
       a, gathered, layout, group,
@@ -66,17 +65,31 @@ at::Tensor gather_rows(
   return gathered;
 }
 
-// What the ranks must agree on: the extents that travel, the dtype and the chunk count. The
-// gather moves a [m, k] (rows per rank); the reduce-scatter moves rows of the product a [M, k_l]
-// b [k_l, n]. The extent that stays local (the gather's n, the reduce-scatter's k_l) may differ
-// between ranks: a weight whose sharded dim does not divide by the world size has shards of
-// torch.chunk sizes.
+// What the ranks must agree on: the extents that travel, the dtype and the chunk count (with
+// kAutoChunks, each rank's proposal: they settle on rank 0's). The gather moves a [m, k] (rows
+// per rank); the reduce-scatter moves rows of the product a [M, k_l] b [k_l, n]. The extent that
+// stays local (the gather's n, the reduce-scatter's k_l) may differ between ranks: a weight whose
+// sharded dim does not divide by the world size has shards of torch.chunk sizes.
 comm::OpSignature signature(CollectiveKind kind, const at::Tensor& a, const at::Tensor& b,
-                            const MC2Options& options) {
+                            const MC2Options& options, int64_t proposed_chunks) {
+  comm::OpSignature sig{kind, a.scalar_type()};
   if (kind == CollectiveKind::kAllGatherMatmul) {
-    return {kind, a.scalar_type(), {a.size(0), a.size(1), 0, 0}, {"m", "k"}, options.chunks_per_rank()};
+    sig.dims = {a.size(0), a.size(1), 0, 0};
+    sig.names = {"m", "k"};
+  } else {
+    sig.dims = {a.size(0), b.size(1), 0, 0};
+    sig.names = {"M", "n"};
   }
-  return {kind, a.scalar_type(), {a.size(0), b.size(1), 0, 0}, {"M", "n"}, options.chunks_per_rank()};
+  sig.chunks = proposed_chunks;
+  sig.chunks_proposed = options.chunks_per_rank() == MC2Options::kAutoChunks;
+  return sig;
+}
+
+// The chunk count this rank proposes: a fixed one, or the cost model's for these operands.
+int64_t proposal(CollectiveKind kind, const at::Tensor& a, const at::Tensor& b, const comm::Group& group,
+                 const MC2Options& options) {
+  return kind == CollectiveKind::kAllGatherMatmul ? detail::all_gather_mm_chunks(a, b, group, options)
+                                                  : detail::mm_reduce_scatter_chunks(a, b, group, options);
 }
 
 void check_reduce_rows(const char* fn, const at::Tensor& a, const comm::Group& group) {
@@ -90,12 +103,13 @@ std::pair<at::Tensor, at::Tensor> all_gather_mm(const at::Tensor& a_in, const at
                                                 const comm::Group& group, const MC2Options& options,
                                                 const comm::InFlightFn& while_in_flight) {
   check_operands("all_gather_matmul", a_in, b);
-  comm::OpScope op(group, signature(CollectiveKind::kAllGatherMatmul, a_in, b, options), group.name());
   const auto a = a_in.contiguous();
+  const auto chunks = proposal(CollectiveKind::kAllGatherMatmul, a, b, group, options);
+  comm::OpScope op(group, signature(CollectiveKind::kAllGatherMatmul, a, b, options, chunks), group.name());
   auto y = at::empty({group.size() * a.size(0), b.size(1)}, a.options());
   // The chunk's rows of Y are computed while the next chunks travel.
   auto gathered = gather_rows(
-      a, group, options,
+      a, group, op.chunks(),
       [&](const comm::BlockLayout& layout, int64_t block, int64_t j, const at::Tensor& rows) {
         matmul_into(layout.chunk(y, block, j), rows, b);
       },
@@ -108,8 +122,10 @@ at::Tensor mm_reduce_scatter(const at::Tensor& a_in, const at::Tensor& b, const 
                              const comm::InFlightFn& while_in_flight) {
   check_operands("matmul_reduce_scatter", a_in, b);
   check_reduce_rows("matmul_reduce_scatter", a_in, group);
-  comm::OpScope op(group, signature(CollectiveKind::kMatmulReduceScatter, a_in, b, options), group.name());
   const auto a = a_in.contiguous();
+  const auto chunks = proposal(CollectiveKind::kMatmulReduceScatter, a, b, group, options);
+  comm::OpScope op(group, signature(CollectiveKind::kMatmulReduceScatter, a, b, options, chunks),
+                   group.name());
   const int64_t n = b.size(1);
   TORCH_INTERNAL_ASSERT(!addend.defined() || addend.sizes() == c10::IntArrayRef({a.size(0), n}),
                         "matmul_reduce_scatter: addend of shape ", addend.sizes());
@@ -119,7 +135,7 @@ at::Tensor mm_reduce_scatter(const at::Tensor& a_in, const at::Tensor& b, const 
     if (while_in_flight) while_in_flight();
     return y;
   }
-  const auto layout = fused_layout(a.size(0) / group.size(), group, options);
+  const auto layout = fused_layout(a.size(0) / group.size(), group, op.chunks());
   const auto acc = comm::accumulate_type(a.scalar_type());
   at::Tensor reduced;
   if (comm::reduces_directly(a.scalar_type())) {
@@ -176,19 +192,24 @@ namespace detail {
 void all_gather_matmul_transfers_only(const at::Tensor& x, const at::Tensor& w, const comm::Group& group,
                                       const MC2Options& options) {
   check_operands("all_gather_matmul", x, w.t());
-  comm::OpScope op(group, signature(CollectiveKind::kAllGatherMatmul, x, w.t(), options), "transfers only",
+  const auto a = x.contiguous(), b = w.t();
+  const auto chunks = proposal(CollectiveKind::kAllGatherMatmul, a, b, group, options);
+  comm::OpScope op(group, signature(CollectiveKind::kAllGatherMatmul, a, b, options, chunks),
+                   "transfers only",
                    /*counted=*/false);
-  gather_rows(x.contiguous(), group, options, {});
+  gather_rows(a, group, op.chunks(), {});
 }
 
 void matmul_reduce_scatter_transfers_only(const at::Tensor& x, const at::Tensor& w, const comm::Group& group,
                                           const MC2Options& options) {
   check_operands("matmul_reduce_scatter", x, w.t());
   check_reduce_rows("matmul_reduce_scatter", x, group);
-  comm::OpScope op(group, signature(CollectiveKind::kMatmulReduceScatter, x, w.t(), options),
+  const auto a = x.contiguous(), b = w.t();
+  const auto chunks = proposal(CollectiveKind::kMatmulReduceScatter, a, b, group, options);
+  comm::OpScope op(group, signature(CollectiveKind::kMatmulReduceScatter, a, b, options, chunks),
                    "transfers only", /*counted=*/false);
   const int64_t n = w.size(0);
-  const auto layout = fused_layout(x.size(0) / group.size(), group, options);
+  const auto layout = fused_layout(x.size(0) / group.size(), group, op.chunks());
   if (comm::reduces_directly(x.scalar_type())) {
     comm::direct_reduce_scatter(layout, n, x.options(), group, [&](int64_t block, int64_t j) {
       return at::empty({layout.chunk_rows(block, j), n}, x.options());

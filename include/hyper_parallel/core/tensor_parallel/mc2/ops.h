@@ -20,8 +20,9 @@
 // and every op waits for its own sends before it returns.
 //
 // Contract: all ranks of the group call the same op, in the same order, with the same dtype and
-// chunks_per_rank, and the same extents that travel (m and k of the gather; the rows and n of the
-// reduce-scatter). The extent that stays local may differ (uneven weight shards).
+// chunks_per_rank (each a fixed count, or each kAutoChunks), and the same extents that travel (m and k of the
+// gather; the rows and n of the reduce-scatter). The extent that stays local may differ (uneven weight
+// shards).
 
 #include <cstdint>
 #include <utility>
@@ -36,10 +37,16 @@ namespace hyper_parallel::tensor_parallel {
 
 /// How the fused ops cut each rank's block of rows. Usage: MC2Options().chunks_per_rank(4)
 struct MC2Options {
+  /// chunks_per_rank: chosen per op by the cost model of chunk_cost.h.
+  static constexpr int64_t kAutoChunks = 0;
   /// Each rank's block of rows travels and is multiplied as this many chunks (torch.chunk
   /// sizes): more chunks pipeline finer (the first matmul starts sooner, the last transfer
-  /// hides behind more work) but run smaller GEMMs. Default 2, from bench_mc2 on 2 ranks.
-  TORCH_ARG(int64_t, chunks_per_rank) = 2;
+  /// hides behind more work) but run smaller GEMMs and send more messages. kAutoChunks (the
+  /// default): each op's count comes from a cost model of its schedule, fed with this rank's
+  /// GEMM time per chunk size (measured once per shape) and the group's link (measured by the
+  /// group's first such op); the ranks take rank 0's choice. A fixed count makes the schedule,
+  /// and with it every transfer, the same from run to run and machine to machine.
+  TORCH_ARG(int64_t, chunks_per_rank) = kAutoChunks;
   /// The weight gradients that cannot hide behind their own collective (a row Linear's, which
   /// needs the whole gather of dY, and those of layers sharing another layer's gather) are
   /// computed in the next backward gather's window instead: a row Linear's, or a reduce-scatter
