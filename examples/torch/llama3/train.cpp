@@ -17,6 +17,18 @@
 
 namespace {
 
+// --mc2-chunks: auto, or a whole count (CLI::PositiveNumber would let 0.5 through as 0, auto).
+CLI::Validator mc2_chunks_check() {
+  return CLI::Validator(
+      [](std::string& v) {
+        const bool count = !v.empty() && v.size() <= 4 &&
+                           v.find_first_not_of("0123456789") == std::string::npos && std::stoll(v) >= 1;
+        return v == "auto" || count ? std::string()
+                                    : "expected auto or a count from 1 to 9999, got '" + v + "'";
+      },
+      "auto|COUNT");
+}
+
 // The command line, as TrainOptions. Returns nullopt after printing help; throws
 // CLI::ParseError on a bad flag.
 // The flags' defaults: the table train.py reads too (train_defaults.json).
@@ -100,7 +112,7 @@ std::optional<llama3::TrainOptions> parse_flags(int argc, char** argv) {
   auto* mc2_flag = app.add_flag("--enable-mc2", mc2, "fuse the feed-forward's collectives into its matmuls");
   app.add_option("--mc2-chunks", chunks, "MC2 chunks per rank: a count, or auto (a cost model's, per op)")
       ->capture_default_str()
-      ->check(CLI::IsMember({"auto"}) | CLI::PositiveNumber)
+      ->check(mc2_chunks_check())
       ->needs(mc2_flag);
   app.add_flag("--relaxed-mc2-contract", relaxed, "allow fp32 and any size under MC2 (debugging)")
       ->needs(mc2_flag);

@@ -33,6 +33,14 @@ grep -q "llama3_train: Attention: expected seq_len <= max_seq_len 8, got 9" "$ou
 code=$?
 [[ $code -eq 2 ]] || fail "expected exit status 2 for a bad flag, got $code"
 grep -q -- "--preset: nope" "$out" || fail "expected the message to name --preset and 'nope'"
+# --mc2-chunks takes auto or a whole count: 0.5 is not silently auto, nor 2.7 silently 2.
+for bad in 0.5 2.7 0 1e30; do
+  "$train" --enable-mc2 --mc2-chunks "$bad" >"$out" 2>&1
+  code=$?
+  [[ $code -eq 2 ]] || fail "expected exit status 2 for --mc2-chunks $bad, got $code"
+  grep -q -- "--mc2-chunks: expected auto or a count from 1 to 9999, got '$bad'" "$out" \
+    || fail "expected the message to name --mc2-chunks and '$bad'"
+done
 # --async-checkpoint without --checkpoint-dir: a usage error naming both flags.
 "$train" --async-checkpoint >"$out" 2>&1
 code=$?

@@ -115,6 +115,21 @@ TEST_F(Agreement, ProposedChunkCountsSettleOnRankZeros) {
   });
 }
 
+// A bad count is checked once the ranks agreed: on one rank, the agreement error on all (not a
+// wait for the transport's timeout on the others); on all, the count's error on all.
+TEST_F(Agreement, ABadChunkCountFailsOnEveryRank) {
+  auto x = at::ones({4, 32}, at::kBFloat16), w = at::ones({16, 32}, at::kBFloat16);
+  expect_disagreement("all_gather_matmul", [&] {
+    tp::all_gather_matmul(x, w, world, tp::MC2Options().chunks_per_rank(r == 0 ? -1 : 2));
+  });
+  expect_disagreement("matmul_reduce_scatter", [&] {
+    tp::matmul_reduce_scatter(at::ones({2 * p, 32}, at::kBFloat16), w, world,
+                              tp::MC2Options().chunks_per_rank(r == p - 1 ? -3 : 0));
+  });
+  HP_EXPECT_THROW_MSG(tp::all_gather_matmul(x, w, world, tp::MC2Options().chunks_per_rank(-1)),
+                      "expected chunks_per_rank >= 1, or kAutoChunks (0: chosen per op), got -1");
+}
+
 // The first automatic op of a group measures its link, a collective: a rank that calls another
 // op there gets the agreement error instead of a hang.
 TEST_F(Agreement, FirstAutomaticOpOfAGroupAgainstAFixedOne) {

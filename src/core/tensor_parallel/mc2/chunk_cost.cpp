@@ -87,6 +87,11 @@ double predicted_seconds(FusedSchedule schedule, int64_t ranks, const ChunkCandi
   TORCH_CHECK_VALUE(ranks >= 1 && candidate.chunks >= 1,
                     "predicted_seconds: expected ranks >= 1 and chunks >= 1, got ", ranks, " and ",
                     candidate.chunks);
+  TORCH_CHECK_VALUE(link.bytes_per_s > 0 && link.latency_s >= 0 && candidate.gemm_seconds >= 0 &&
+                        candidate.chunk_bytes >= 0,
+                    "predicted_seconds: expected a link rate > 0 and times and bytes >= 0, got rate ",
+                    link.bytes_per_s, " B/s, latency ", link.latency_s, " s, GEMM ", candidate.gemm_seconds,
+                    " s, ", candidate.chunk_bytes, " bytes");
   const int64_t c = candidate.chunks;
   const double g = candidate.gemm_seconds;
   if (ranks == 1) return static_cast<double>(c) * g;
@@ -106,6 +111,7 @@ double predicted_seconds(FusedSchedule schedule, int64_t ranks, const ChunkCandi
 int64_t choose_chunks(FusedSchedule schedule, int64_t ranks, const std::vector<ChunkCandidate>& candidates,
                       const comm::LinkEstimate& link, double tolerance) {
   TORCH_CHECK_VALUE(!candidates.empty(), "choose_chunks: expected at least one candidate, got none");
+  TORCH_CHECK_VALUE(tolerance >= 0, "choose_chunks: expected tolerance >= 0, got ", tolerance);
   std::vector<double> seconds;
   for (const auto& c : candidates) seconds.push_back(predicted_seconds(schedule, ranks, c, link));
   const double best = *std::min_element(seconds.begin(), seconds.end());

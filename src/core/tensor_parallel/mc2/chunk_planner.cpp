@@ -15,6 +15,7 @@
 
 #include <hyper_parallel/core/comm/chunks.h>
 #include <hyper_parallel/core/comm/link_probe.h>
+#include <hyper_parallel/core/comm/p2p.h>
 #include <hyper_parallel/core/comm/schedule.h>
 #include <hyper_parallel/core/nn/matmul.h>
 
@@ -113,11 +114,14 @@ int64_t proposed_chunks(FusedSchedule schedule, const at::Tensor& a, const at::T
   if (options.chunks_per_rank() != MC2Options::kAutoChunks) return options.chunks_per_rank();
   // One rank, or no rows: nothing travels, one chunk.
   if (group.size() == 1 || rows_per_rank == 0) return 1;
+  // The engine caps the chunks of one op so that each transfer has a tag of its own.
+  const int64_t most = std::max<int64_t>(1, comm::OpTags::kMaxSteps / group.size());
   const auto link = comm::link_estimate(group);
   const int64_t width = schedule == FusedSchedule::kRingGather ? a.size(1) : b.size(1);
   const double row_bytes = static_cast<double>(width * c10::elementSize(wire_dtype));
   std::vector<ChunkCandidate> candidates;
   for (const int64_t c : candidate_chunk_counts(rows_per_rank)) {
+    if (c > most) break;
     const int64_t rows = comm::chunk_size(rows_per_rank, c, 0);  // the largest chunk
     candidates.push_back({c, GemmTimes::get().seconds(a, b, rows, c), static_cast<double>(rows) * row_bytes});
   }
@@ -126,23 +130,15 @@ int64_t proposed_chunks(FusedSchedule schedule, const at::Tensor& a, const at::T
   return chosen;
 }
 
-void check_chunks(const MC2Options& options) {
-  TORCH_CHECK_VALUE(options.chunks_per_rank() >= 0,
-                    "MC2Options: expected chunks_per_rank >= 1, or kAutoChunks (0: chosen per op), got ",
-                    options.chunks_per_rank());
-}
-
 }  // namespace
 
 int64_t all_gather_mm_chunks(const at::Tensor& a, const at::Tensor& b, const comm::Group& group,
                              const MC2Options& options) {
-  check_chunks(options);
   return proposed_chunks(FusedSchedule::kRingGather, a, b, a.size(0), a.scalar_type(), group, options);
 }
 
 int64_t mm_reduce_scatter_chunks(const at::Tensor& a, const at::Tensor& b, const comm::Group& group,
                                  const MC2Options& options) {
-  check_chunks(options);
   const bool direct = comm::reduces_directly(a.scalar_type());
   return proposed_chunks(direct ? FusedSchedule::kDirectReduce : FusedSchedule::kRingReduce, a, b,
                          a.size(0) / group.size(),

@@ -17,7 +17,9 @@
 namespace hyper_parallel::tensor_parallel::detail {
 
 /// This rank's proposal for all_gather_mm(a [m, k], b [k, n]) and mm_reduce_scatter(a [P m, k_l],
-/// b [k_l, n]) (contiguous a). Collective only when it measures the group's link (link_probe.h).
+/// b [k_l, n]) (contiguous a): a fixed count as it is (checked once the ranks agreed, so a bad
+/// count on one rank is the agreement error on all), or auto's. Collective only when it measures
+/// the group's link (link_probe.h).
 int64_t all_gather_mm_chunks(const at::Tensor& a, const at::Tensor& b, const comm::Group& group,
                              const MC2Options& options);
 int64_t mm_reduce_scatter_chunks(const at::Tensor& a, const at::Tensor& b, const comm::Group& group,

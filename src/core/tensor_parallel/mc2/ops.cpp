@@ -44,6 +44,15 @@ void check_operands(const char* fn, const at::Tensor& a, const at::Tensor& b) {
   TORCH_CHECK(at::isFloatingType(a.scalar_type()), fn, ": expected a floating dtype, got ", a.scalar_type());
 }
 
+// The chunk count the ranks agreed on, checked after the agreement: a bad count on one rank is
+// the agreement error on every rank, and the same bad count on all is this error on all.
+int64_t agreed_chunks(const comm::OpScope& op) {
+  TORCH_CHECK_VALUE(op.chunks() >= 1,
+                    "MC2Options: expected chunks_per_rank >= 1, or kAutoChunks (0: chosen per op), got ",
+                    op.chunks());
+  return op.chunks();
+}
+
 // Each of the P blocks holds `rows_per_rank` rows, cut into the chunk count the ranks agreed on.
 comm::BlockLayout fused_layout(int64_t rows_per_rank, const comm::Group& group, int64_t chunks) {
   return comm::BlockLayout(std::vector<int64_t>(group.size(), rows_per_rank), chunks);
@@ -109,7 +118,7 @@ std::pair<at::Tensor, at::Tensor> all_gather_mm(const at::Tensor& a_in, const at
   auto y = at::empty({group.size() * a.size(0), b.size(1)}, a.options());
   // The chunk's rows of Y are computed while the next chunks travel.
   auto gathered = gather_rows(
-      a, group, op.chunks(),
+      a, group, agreed_chunks(op),
       [&](const comm::BlockLayout& layout, int64_t block, int64_t j, const at::Tensor& rows) {
         matmul_into(layout.chunk(y, block, j), rows, b);
       },
@@ -129,13 +138,14 @@ at::Tensor mm_reduce_scatter(const at::Tensor& a_in, const at::Tensor& b, const 
   const int64_t n = b.size(1);
   TORCH_INTERNAL_ASSERT(!addend.defined() || addend.sizes() == c10::IntArrayRef({a.size(0), n}),
                         "matmul_reduce_scatter: addend of shape ", addend.sizes());
+  agreed_chunks(op);
   // One rank: nothing to overlap, one matmul.
   if (group.size() == 1) {
     auto y = addend.defined() ? local_matmul(a, b) + addend : local_matmul(a, b);
     if (while_in_flight) while_in_flight();
     return y;
   }
-  const auto layout = fused_layout(a.size(0) / group.size(), group, op.chunks());
+  const auto layout = fused_layout(a.size(0) / group.size(), group, agreed_chunks(op));
   const auto acc = comm::accumulate_type(a.scalar_type());
   at::Tensor reduced;
   if (comm::reduces_directly(a.scalar_type())) {
@@ -197,7 +207,7 @@ void all_gather_matmul_transfers_only(const at::Tensor& x, const at::Tensor& w, 
   comm::OpScope op(group, signature(CollectiveKind::kAllGatherMatmul, a, b, options, chunks),
                    "transfers only",
                    /*counted=*/false);
-  gather_rows(a, group, op.chunks(), {});
+  gather_rows(a, group, agreed_chunks(op), {});
 }
 
 void matmul_reduce_scatter_transfers_only(const at::Tensor& x, const at::Tensor& w, const comm::Group& group,
@@ -209,7 +219,7 @@ void matmul_reduce_scatter_transfers_only(const at::Tensor& x, const at::Tensor&
   comm::OpScope op(group, signature(CollectiveKind::kMatmulReduceScatter, a, b, options, chunks),
                    "transfers only", /*counted=*/false);
   const int64_t n = w.size(0);
-  const auto layout = fused_layout(x.size(0) / group.size(), group, op.chunks());
+  const auto layout = fused_layout(x.size(0) / group.size(), group, agreed_chunks(op));
   if (comm::reduces_directly(x.scalar_type())) {
     comm::direct_reduce_scatter(layout, n, x.options(), group, [&](int64_t block, int64_t j) {
       return at::empty({layout.chunk_rows(block, j), n}, x.options());

@@ -115,4 +115,9 @@ TEST(ChunkCost, NearTiesGoToFewerChunks) {
 TEST(ChunkCost, ErrorsNameWhatWasExpected) {
   EXPECT_THROW(tp::choose_chunks(FusedSchedule::kRingGather, 2, {}, link(1.0)), c10::ValueError);
   EXPECT_THROW(tp::predicted_seconds(FusedSchedule::kRingGather, 0, {1, 1, 1}, link(1.0)), c10::ValueError);
+  EXPECT_THROW(tp::choose_chunks(FusedSchedule::kRingGather, 2, candidates(), link(1.0), -0.1),
+               c10::ValueError);
+  // A default LinkEstimate has no rate: an error, not a NaN prediction.
+  EXPECT_THROW(tp::predicted_seconds(FusedSchedule::kRingGather, 2, {1, 1, 0}, {}), c10::ValueError);
+  EXPECT_THROW(tp::choose_chunks(FusedSchedule::kDirectReduce, 2, candidates(), {}), c10::ValueError);
 }
