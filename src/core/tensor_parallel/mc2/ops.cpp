@@ -74,31 +74,26 @@ at::Tensor gather_rows(
   return gathered;
 }
 
-// What the ranks must agree on: the extents that travel, the dtype and the chunk count (with
-// kAutoChunks, each rank's proposal: they settle on rank 0's). The gather moves a [m, k] (rows
-// per rank); the reduce-scatter moves rows of the product a [M, k_l] b [k_l, n]. The extent that
-// stays local (the gather's n, the reduce-scatter's k_l) may differ between ranks: a weight whose
-// sharded dim does not divide by the world size has shards of torch.chunk sizes.
+// What the ranks must agree on: the extents that travel, the dtype and the chunk count (a
+// fixed one, or with kAutoChunks this rank's proposal from the cost model: they settle on rank
+// 0's). The gather moves a [m, k] (rows per rank); the reduce-scatter moves rows of the product
+// a [M, k_l] b [k_l, n]. The extent that stays local (the gather's n, the reduce-scatter's k_l)
+// may differ between ranks: a weight whose sharded dim does not divide by the world size has
+// shards of torch.chunk sizes.
 comm::OpSignature signature(CollectiveKind kind, const at::Tensor& a, const at::Tensor& b,
-                            const MC2Options& options, int64_t proposed_chunks) {
+                            const comm::Group& group, const MC2Options& options) {
   comm::OpSignature sig{kind, a.scalar_type()};
   if (kind == CollectiveKind::kAllGatherMatmul) {
     sig.dims = {a.size(0), a.size(1), 0, 0};
     sig.names = {"m", "k"};
+    sig.chunks = detail::all_gather_mm_chunks(a, b, group, options);
   } else {
     sig.dims = {a.size(0), b.size(1), 0, 0};
     sig.names = {"M", "n"};
+    sig.chunks = detail::mm_reduce_scatter_chunks(a, b, group, options);
   }
-  sig.chunks = proposed_chunks;
   sig.chunks_proposed = options.chunks_per_rank() == MC2Options::kAutoChunks;
   return sig;
-}
-
-// The chunk count this rank proposes: a fixed one, or the cost model's for these operands.
-int64_t proposal(CollectiveKind kind, const at::Tensor& a, const at::Tensor& b, const comm::Group& group,
-                 const MC2Options& options) {
-  return kind == CollectiveKind::kAllGatherMatmul ? detail::all_gather_mm_chunks(a, b, group, options)
-                                                  : detail::mm_reduce_scatter_chunks(a, b, group, options);
 }
 
 void check_reduce_rows(const char* fn, const at::Tensor& a, const comm::Group& group) {
@@ -113,8 +108,7 @@ std::pair<at::Tensor, at::Tensor> all_gather_mm(const at::Tensor& a_in, const at
                                                 const comm::InFlightFn& while_in_flight) {
   check_operands("all_gather_matmul", a_in, b);
   const auto a = a_in.contiguous();
-  const auto chunks = proposal(CollectiveKind::kAllGatherMatmul, a, b, group, options);
-  comm::OpScope op(group, signature(CollectiveKind::kAllGatherMatmul, a, b, options, chunks), group.name());
+  comm::OpScope op(group, signature(CollectiveKind::kAllGatherMatmul, a, b, group, options), group.name());
   auto y = at::empty({group.size() * a.size(0), b.size(1)}, a.options());
   // The chunk's rows of Y are computed while the next chunks travel.
   auto gathered = gather_rows(
@@ -132,20 +126,19 @@ at::Tensor mm_reduce_scatter(const at::Tensor& a_in, const at::Tensor& b, const 
   check_operands("matmul_reduce_scatter", a_in, b);
   check_reduce_rows("matmul_reduce_scatter", a_in, group);
   const auto a = a_in.contiguous();
-  const auto chunks = proposal(CollectiveKind::kMatmulReduceScatter, a, b, group, options);
-  comm::OpScope op(group, signature(CollectiveKind::kMatmulReduceScatter, a, b, options, chunks),
+  comm::OpScope op(group, signature(CollectiveKind::kMatmulReduceScatter, a, b, group, options),
                    group.name());
   const int64_t n = b.size(1);
   TORCH_INTERNAL_ASSERT(!addend.defined() || addend.sizes() == c10::IntArrayRef({a.size(0), n}),
                         "matmul_reduce_scatter: addend of shape ", addend.sizes());
-  agreed_chunks(op);
+  const int64_t chunks = agreed_chunks(op);
   // One rank: nothing to overlap, one matmul.
   if (group.size() == 1) {
     auto y = addend.defined() ? local_matmul(a, b) + addend : local_matmul(a, b);
     if (while_in_flight) while_in_flight();
     return y;
   }
-  const auto layout = fused_layout(a.size(0) / group.size(), group, agreed_chunks(op));
+  const auto layout = fused_layout(a.size(0) / group.size(), group, chunks);
   const auto acc = comm::accumulate_type(a.scalar_type());
   at::Tensor reduced;
   if (comm::reduces_directly(a.scalar_type())) {
@@ -203,9 +196,7 @@ void all_gather_matmul_transfers_only(const at::Tensor& x, const at::Tensor& w, 
                                       const MC2Options& options) {
   check_operands("all_gather_matmul", x, w.t());
   const auto a = x.contiguous(), b = w.t();
-  const auto chunks = proposal(CollectiveKind::kAllGatherMatmul, a, b, group, options);
-  comm::OpScope op(group, signature(CollectiveKind::kAllGatherMatmul, a, b, options, chunks),
-                   "transfers only",
+  comm::OpScope op(group, signature(CollectiveKind::kAllGatherMatmul, a, b, group, options), "transfers only",
                    /*counted=*/false);
   gather_rows(a, group, agreed_chunks(op), {});
 }
@@ -215,8 +206,7 @@ void matmul_reduce_scatter_transfers_only(const at::Tensor& x, const at::Tensor&
   check_operands("matmul_reduce_scatter", x, w.t());
   check_reduce_rows("matmul_reduce_scatter", x, group);
   const auto a = x.contiguous(), b = w.t();
-  const auto chunks = proposal(CollectiveKind::kMatmulReduceScatter, a, b, group, options);
-  comm::OpScope op(group, signature(CollectiveKind::kMatmulReduceScatter, a, b, options, chunks),
+  comm::OpScope op(group, signature(CollectiveKind::kMatmulReduceScatter, a, b, group, options),
                    "transfers only", /*counted=*/false);
   const int64_t n = w.size(0);
   const auto layout = fused_layout(x.size(0) / group.size(), group, agreed_chunks(op));
