@@ -3,10 +3,11 @@
 // sequence and loss parallelism on, steps interleaved. For each configuration it also runs a
 // compute-only twin (the same model and shard shapes, transfers skipped), so
 //   exposed communication = step time - compute-only step time,
-// and it counts the payload bytes each rank sends per step, in the forward and in the backward.
+// and it counts the payload bytes each rank sends per step, in the forward, the backward and the
+// optimizer phase.
 // The link's rate is measured in the same run (a send/recv stream), giving the step's bound
 // max(T_compute_only, T_wire) and each configuration's step ÷ bound, and the phase-wise bound
-// max(forward compute, forward wire) + max(backward compute, backward wire) + optimizer, and the
+// max(compute, wire) of the forward, of the backward and of the optimizer phase, and the
 // floor: the phase-wise bound with the compute each phase's transfers take from the shared cores
 // (measured beside the same stream) added to its compute. It also reports each configuration's
 // peak RSS over its steps (VmHWM, reset before each step).
@@ -51,6 +52,35 @@ using namespace llama_step;
 
 namespace {
 
+std::unique_ptr<torch::optim::AdamW> adamw(const std::vector<at::Tensor>& params) {
+  return std::make_unique<torch::optim::AdamW>(
+      params, torch::optim::AdamWOptions(1e-3).weight_decay(0.1).betas({0.9, 0.95}));
+}
+
+// One AdamW over the model, or with early_gather one per group in the forward's order (the root's
+// own parameters, the embedding, each block, the output layer); the root, the embedding and block 0
+// gather after their step. AdamW is per parameter, so the updates are those of one optimizer.
+void add_optimizers(Run& run, const Config& c) {
+  if (!c.early_gather) {
+    run.optimizers.push_back({adamw(run.model->parameters()), std::nullopt});
+    return;
+  }
+  TORCH_CHECK(c.dp == GradientSync::kFullyShard && c.split_root,
+              "bench_llama_step: early_gather needs fully_shard with split_root");
+  using hp::fully_shard::FSDPModule;
+  std::vector<std::pair<FSDPModule, bool>> order{{*FSDPModule::of(*run.model), true},
+                                                 {*FSDPModule::of(*run.model->tok_embeddings), true}};
+  for (size_t i = 0; i < run.model->layers->size(); ++i) {
+    order.emplace_back(*FSDPModule::of(*run.model->layers[i]), i == 0);
+  }
+  order.emplace_back(*FSDPModule::of(*run.model->output), false);
+  for (auto& [module, gather_after] : order) {
+    if (module.group() == nullptr) continue;
+    run.optimizers.push_back({adamw(module.group()->parameters()),
+                              gather_after ? std::optional<FSDPModule>(module) : std::nullopt});
+  }
+}
+
 Run build(const Config& c, const llama3::ModelArgs& args, int64_t seq_len, const Meshes& meshes,
           double bucket_mb) {
   const auto& mesh = meshes.tp;
@@ -87,8 +117,7 @@ Run build(const Config& c, const llama3::ModelArgs& args, int64_t seq_len, const
                       ? hp::data_parallel::data_parallel(run.model->parameters(), *meshes.dp, options)
                       : hp::data_parallel::data_parallel(*run.model, *meshes.dp, options);
   }
-  run.optimizer = std::make_unique<torch::optim::AdamW>(
-      run.model->parameters(), torch::optim::AdamWOptions(1e-3).weight_decay(0.1).betas({0.9, 0.95}));
+  add_optimizers(run, c);
   return run;
 }
 
@@ -97,7 +126,7 @@ Run build(const Config& c, const llama3::ModelArgs& args, int64_t seq_len, const
 struct StepTimes {
   double total = 0, forward = 0, backward = 0, optimizer = 0;
   double cpu = 0;  // user + system seconds of every thread of the process
-  int64_t forward_bytes = 0, backward_bytes = 0;
+  int64_t forward_bytes = 0, backward_bytes = 0, optimizer_bytes = 0;
   std::vector<hp::comm::ExposedWait> waits;  // this rank's blocked time per region and op
 };
 
@@ -114,7 +143,7 @@ StepTimes step(Run& run, at::Tensor batch, int64_t seq_len, int64_t vocab, const
   auto since = [](std::chrono::steady_clock::time_point from) {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - from).count();
   };
-  run.optimizer->zero_grad();
+  for (auto& o : run.optimizers) o.optimizer->zero_grad();
   at::Tensor loss;
   {
     hp::comm::CommRegion region("forward");
@@ -134,9 +163,17 @@ StepTimes step(Run& run, at::Tensor batch, int64_t seq_len, int64_t vocab, const
   {
     hp::comm::CommRegion region("optimizer");
     tp::clip_grad_norm_(*run.model, 1.0);
-    run.optimizer->step();
+    for (auto& o : run.optimizers) {
+      o.optimizer->step();
+      if (o.gather_after) o.gather_after->unshard(/*async_op=*/true);
+    }
+    // The next step's first gathers end within this step: steps of other configurations run next.
+    for (auto& o : run.optimizers) {
+      if (o.gather_after) o.gather_after->wait_for_unshard();
+    }
   }
   t.optimizer = since(t2);
+  t.optimizer_bytes = hp::comm::payload_bytes_sent() - before - t.forward_bytes - t.backward_bytes;
   t.total = since(t0);
   t.waits = hp::comm::exposed_waits();
   t.cpu = bench::process_cpu_seconds() - cpu0;
@@ -172,26 +209,28 @@ std::vector<Measured> measure(Bench& b, const Meshes& mesh) {
         twin = step(b.compute_only[c], batch, b.seq_len, b.args.vocab_size, mesh);
       }
       // SkipTransfers is the calling thread's: a transfer posted from another thread would escape it.
-      TORCH_CHECK(twin.forward_bytes + twin.backward_bytes == 0,
-                  "bench_llama_step: the compute-only twin of ", b.configs[c].name, " sent ",
-                  twin.forward_bytes + twin.backward_bytes, " payload bytes");
+      const int64_t twin_bytes = twin.forward_bytes + twin.backward_bytes + twin.optimizer_bytes;
+      TORCH_CHECK(twin_bytes == 0, "bench_llama_step: the compute-only twin of ", b.configs[c].name, " sent ",
+                  twin_bytes, " payload bytes");
       if (s < b.warmup) continue;
       real[c].push_back(t.total);
       compute[c].push_back(twin.total);
       fwd[c].push_back(twin.forward);
       bwd[c].push_back(twin.backward);
       opt[c].push_back(twin.optimizer);
-      if (t.forward_bytes + t.backward_bytes > 0) {
-        cpu_per_mb[c].push_back((t.cpu - twin.cpu) * 1e3 / ((t.forward_bytes + t.backward_bytes) / 1e6));
-      }
+      const int64_t bytes = t.forward_bytes + t.backward_bytes + t.optimizer_bytes;
+      if (bytes > 0) cpu_per_mb[c].push_back((t.cpu - twin.cpu) * 1e3 / (bytes / 1e6));
       for (const auto& w : t.waits) out[c].waits[{w.region, w.op}] += w.seconds / b.steps;
       out[c].forward_bytes = t.forward_bytes;
       out[c].backward_bytes = t.backward_bytes;
-      out[c].bytes = t.forward_bytes + t.backward_bytes;
+      out[c].optimizer_bytes = t.optimizer_bytes;
+      out[c].bytes = bytes;
     }
   }
   for (size_t c = 0; c < n; ++c) {
-    out[c].state_mb = bench::model_state_bytes(*b.real[c].model, *b.real[c].optimizer) / 1e6;
+    std::vector<torch::optim::AdamW*> optimizers;
+    for (auto& o : b.real[c].optimizers) optimizers.push_back(o.optimizer.get());
+    out[c].state_mb = bench::model_state_bytes(*b.real[c].model, optimizers) / 1e6;
     out[c].step = bench::slowest(real[c], group);
     out[c].compute = bench::slowest(compute[c], group).median;
     out[c].compute_forward = bench::slowest(fwd[c], group).median;
@@ -219,7 +258,8 @@ Meshes make_meshes(int64_t dp) {
 // buckets nor shrinking last ones, the embedding's gradient reduced dense), and fully_shard over dp
 // with the gathered parameters freed after each block's forward ("FSDP") or kept ("FSDP keep"), and
 // kept with the embedding and the output layer in groups of their own ("FSDP keep split") (MC2 all
-// inside each replica when TP > 1).
+// inside each replica when TP > 1), and that with the first groups gathered for the next step
+// right after their own optimizer step ("FSDP keep early").
 std::vector<Config> configs_for(const Meshes& meshes) {
   if (!meshes.dp) {
     return {{"plain TP", false, llama3::MC2Scope::kFfn},
@@ -234,7 +274,23 @@ std::vector<Config> configs_for(const Meshes& meshes) {
           {"DP overlap DDP", mc2, scope, GradientSync::kOverlapped, true, true},
           {"FSDP", mc2, scope, GradientSync::kFullyShard},
           {"FSDP keep", mc2, scope, GradientSync::kFullyShard, true, false, false},
-          {"FSDP keep split", mc2, scope, GradientSync::kFullyShard, true, false, false, true}};
+          {"FSDP keep split", mc2, scope, GradientSync::kFullyShard, true, false, false, true},
+          {"FSDP keep early", mc2, scope, GradientSync::kFullyShard, true, false, false, true, true}};
+}
+
+// The configurations named in `only` (all if empty), in that order; a c10::ValueError names the
+// known ones.
+std::vector<Config> select_configs(const std::vector<Config>& all, const std::vector<std::string>& only) {
+  if (only.empty()) return all;
+  std::vector<Config> chosen;
+  std::string known;
+  for (const auto& c : all) known += (known.empty() ? "'" : ", '") + c.name + "'";
+  for (const auto& name : only) {
+    auto it = std::find_if(all.begin(), all.end(), [&](const Config& c) { return c.name == name; });
+    TORCH_CHECK_VALUE(it != all.end(), "expected --configs among ", known, ", got '", name, "'");
+    chosen.push_back(*it);
+  }
+  return chosen;
 }
 
 }  // namespace
@@ -260,6 +316,8 @@ int main(int argc, char** argv) {
   app.add_option("--dp", dp, "data-parallel replicas (TP = world / dp)")->capture_default_str();
   app.add_option("--bucket-mb", b.bucket_mb, "data_parallel's bucket cap, MiB")->capture_default_str();
   app.add_option("--preset", preset, "model size")->capture_default_str();
+  std::vector<std::string> only;
+  app.add_option("--configs", only, "measure only these configurations (names as printed), in this order");
   app.add_option("--rates", rates, "link rates to measure at, e.g. 250mbit (needs HP_BENCH_RATE_CMD)");
   CLI11_PARSE(app, argc, argv);
 
@@ -270,7 +328,7 @@ int main(int argc, char** argv) {
     const auto group = meshes.world;
     b.args = llama3::ModelArgs::from_preset(preset);
     b.seq_len = b.args.max_seq_len;
-    b.configs = configs_for(meshes);
+    b.configs = select_configs(configs_for(meshes), only);
     for (const auto& c : b.configs) {
       b.real.push_back(build(c, b.args, b.seq_len, meshes, b.bucket_mb));
       b.compute_only.push_back(build(c, b.args, b.seq_len, meshes, b.bucket_mb));

@@ -17,7 +17,8 @@
 
 namespace bench {
 
-double model_state_bytes(const torch::nn::Module& model, torch::optim::AdamW& optimizer) {
+double model_state_bytes(const torch::nn::Module& model,
+                         const std::vector<torch::optim::AdamW*>& optimizers) {
   double bytes = 0;
   const auto count = [&](const at::Tensor& t) {
     if (t.defined()) bytes += static_cast<double>(t.storage().nbytes());
@@ -25,12 +26,14 @@ double model_state_bytes(const torch::nn::Module& model, torch::optim::AdamW& op
   for (const auto& p : model.parameters()) {
     count(p);
     count(p.grad());
-    auto it = optimizer.state().find(c10::guts::to_string(p.unsafeGetTensorImpl()));
-    if (it == optimizer.state().end()) continue;
-    const auto& s = static_cast<const torch::optim::AdamWParamState&>(*it->second);
-    count(s.exp_avg());
-    count(s.exp_avg_sq());
-    count(s.max_exp_avg_sq());
+    for (auto* optimizer : optimizers) {
+      auto it = optimizer->state().find(c10::guts::to_string(p.unsafeGetTensorImpl()));
+      if (it == optimizer->state().end()) continue;
+      const auto& s = static_cast<const torch::optim::AdamWParamState&>(*it->second);
+      count(s.exp_avg());
+      count(s.exp_avg_sq());
+      count(s.max_exp_avg_sq());
+    }
   }
   return bytes;
 }

@@ -22,7 +22,7 @@ namespace bench {
 
 /// Bytes of this rank's model state: every parameter, its gradient and its AdamW moments, counted
 /// from their storages (a sharded parameter counts its shard).
-double model_state_bytes(const torch::nn::Module& model, torch::optim::AdamW& optimizer);
+double model_state_bytes(const torch::nn::Module& model, const std::vector<torch::optim::AdamW*>& optimizers);
 
 /// Keep freed buffers in the heap, as a caching allocator would: otherwise every large
 /// allocation is a fresh mmap whose page faults get timed (they can cost more than a transfer).

@@ -31,6 +31,10 @@ struct Config {
   bool ddp_layout = false;         // no grow_first_buckets, no shrink_last_buckets, no row-sparse embedding
   bool reshard_after_forward = true;  // kFullyShard
   bool split_root = false;  // kFullyShard: the embedding and the output layer in groups of their own
+  // kFullyShard (with split_root): one optimizer per group, stepped in the forward's order, and the
+  // groups that the forward needs before its first block has computed (the root, the embedding and
+  // block 0) gather for the next step as soon as their own step is done, beside the others' steps.
+  bool early_gather = false;
 };
 
 // The meshes: TP over the world, or {dp, tp}.
@@ -42,10 +46,18 @@ struct Meshes {
   int64_t replicas() const { return dp ? dp->size(0) : 1; }
 };
 
-// One configuration's model and optimizer.
+// One optimizer of a configuration and, with early_gather, the group it steps when that group
+// gathers right after its step.
+struct OptimizerStep {
+  std::unique_ptr<torch::optim::AdamW> optimizer;
+  std::optional<hp::fully_shard::FSDPModule> gather_after;
+};
+
+// One configuration's model and optimizers (one, or one per group with early_gather, stepped in
+// order).
 struct Run {
   llama3::Transformer model{nullptr};
-  std::unique_ptr<torch::optim::AdamW> optimizer;
+  std::vector<OptimizerStep> optimizers;
   std::shared_ptr<hp::data_parallel::GradientReducer> reducer;
 };
 
@@ -55,7 +67,7 @@ struct Run {
 struct Measured {
   bench::Stats step;
   double compute = 0, compute_forward = 0, compute_backward = 0, compute_optimizer = 0;
-  int64_t bytes = 0, forward_bytes = 0, backward_bytes = 0;
+  int64_t bytes = 0, forward_bytes = 0, backward_bytes = 0, optimizer_bytes = 0;
   double peak_rss_mb = 0;
   double state_mb = 0;  // this rank's parameters, gradients and AdamW state, from their storages
   double transport_cpu_ms_per_mb = 0;  // (step CPU - compute-only CPU) / MB sent, median

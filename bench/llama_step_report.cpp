@@ -62,10 +62,11 @@ std::string short_name(std::string name) {
 }  // namespace
 
 // Speedups are against the first configuration (plain TP, or DP blocking). The bound is max(compute-only
-// step, bytes sent / measured link rate); the phase-wise bound adds max(compute, wire) of the forward and of
-// the backward, and the optimizer's compute; the floor is the phase-wise bound with each phase's compute
-// lengthened by what its transfers cost the compute beside them (the link's compute lost per MB): what a
-// schedule that keeps each phase's transfers in that phase can at best expect on these cores.
+// step, bytes sent / measured link rate); the phase-wise bound adds max(compute, wire) of the forward, of
+// the backward and of the optimizer phase (its bytes: early gathers, the clipping's norm); the floor is the
+// phase-wise bound with each phase's compute lengthened by what its transfers cost the compute beside them
+// (the link's compute lost per MB): what a schedule that keeps each phase's transfers in that phase can at
+// best expect on these cores.
 void report(const Bench& b, const std::vector<Measured>& results, const std::string& preset,
             const std::string& rate, const bench::LinkCost& link, const Meshes& meshes) {
   const double rate_bytes = link.bytes_per_s, lost_per_byte = link.compute_lost_ms_per_mb / 1e9;
@@ -83,11 +84,14 @@ void report(const Bench& b, const std::vector<Measured>& results, const std::str
     const auto& m = results[c];
     const double t = m.step.median, bound = std::max(m.compute, m.bytes / rate_bytes);
     const double phases = std::max(m.compute_forward, m.forward_bytes / rate_bytes) +
-                          std::max(m.compute_backward, m.backward_bytes / rate_bytes) + m.compute_optimizer;
-    const double floor_bound =
-        std::max(m.compute_forward + m.forward_bytes * lost_per_byte, m.forward_bytes / rate_bytes) +
-        std::max(m.compute_backward + m.backward_bytes * lost_per_byte, m.backward_bytes / rate_bytes) +
-        m.compute_optimizer;
+                          std::max(m.compute_backward, m.backward_bytes / rate_bytes) +
+                          std::max(m.compute_optimizer, m.optimizer_bytes / rate_bytes);
+    const auto floor_phase = [&](double compute, int64_t bytes) {
+      return std::max(compute + bytes * lost_per_byte, bytes / rate_bytes);
+    };
+    const double floor_bound = floor_phase(m.compute_forward, m.forward_bytes) +
+                               floor_phase(m.compute_backward, m.backward_bytes) +
+                               floor_phase(m.compute_optimizer, m.optimizer_bytes);
     std::printf(
         "%-17s %9.1f %8.1f..%-8.1f %10.0f %9.1f %9.1f %9.2f %7.2fx %7.2fx %8.1f %7.2fx %8.1f %7.2fx %6.0f MB "
         "%9.2f\n",

@@ -1,8 +1,8 @@
 // fully_shard against the full-batch single-process reference at world sizes 1, 2, 3 and 4:
 // training (AdamW) with reshard_after_forward on and off, HSDP, gradient accumulation without
 // sync, mixed precision, uneven and empty shards; exact collective counts per phase; implicit
-// and explicit prefetch; the shards' sizes and the optimizer state's; every error a user can
-// cause.
+// and explicit prefetch; groups gathered right after their own optimizer step; the shards' sizes and the
+// optimizer state's; every error a user can cause.
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
@@ -259,6 +259,55 @@ TEST(FullyShard, AGatherStartedBeforeAnInPlaceChangeIsDoneAgain) {
   block1->unshard(/*async_op=*/true);
   block1->wait_for_unshard();
   EXPECT_TRUE(block1->group()->is_unsharded());
+}
+
+// One optimizer per group, stepped in the forward's order, with the first groups gathered for
+// the next step right after their own step (unshard(async_op) beside the other groups' steps):
+// the same training as one optimizer, bit for bit, and those gathers are the forward's, read
+// after the step (none done again, none added but the last step's).
+TEST(FullyShard, GroupsGatheredRightAfterTheirOwnStepTrainLikeOneOptimizer) {
+  const int64_t p = hp_test::world_size(), r = hp_test::rank();
+  constexpr int64_t kSteps = 3;
+  for (bool reshard : {true, false}) {
+    SCOPED_TRACE(reshard ? "reshard_after_forward" : "kept after forward");
+    const auto options = fs::FullyShardOptions().mesh(dp_mesh()).reshard_after_forward(reshard);
+    Net one, early;
+    shard(one, options);
+    shard(early, options);
+    const std::vector<fs::FSDPModule> order{*fs::FSDPModule::of(early), *fs::FSDPModule::of(*early.blocks[0]),
+                                            *fs::FSDPModule::of(*early.blocks[1])};
+    std::vector<std::unique_ptr<torch::optim::AdamW>> per_group;
+    for (const auto& m : order) {
+      per_group.push_back(
+          std::make_unique<torch::optim::AdamW>(m.group()->parameters(), torch::optim::AdamWOptions(1e-2)));
+    }
+    torch::optim::AdamW opt(one.parameters(), torch::optim::AdamWOptions(1e-2));
+    for (int64_t s = 0; s < kSteps; ++s) {
+      const auto x = batch(s, p).narrow(0, r * kRowsPerRank, kRowsPerRank);
+      opt.zero_grad();
+      for (auto& o : per_group) o->zero_grad();
+      const auto loss_one = loss_of(one.forward(x)), loss_early = loss_of(early.forward(x));
+      EXPECT_TRUE(loss_early.equal(loss_one)) << "step " << s;
+      loss_one.backward();
+      loss_early.backward();
+      opt.step();
+      for (size_t g = 0; g < order.size(); ++g) {
+        per_group[g]->step();
+        if (g < 2) order[g].unshard(/*async_op=*/true);  // the root and block 0: needed first
+      }
+    }
+    const auto params = full_parameters(early), ref = full_parameters(one);
+    for (size_t i = 0; i < params.size(); ++i) EXPECT_TRUE(params[i].equal(ref[i])) << "parameter " << i;
+    for (size_t g = 0; g < order.size(); ++g) {
+      const auto stats = order[g].group()->gather_stats();
+      const int64_t per_step = reshard ? 2 : 1, after_last = g < 2 ? 1 : 0;
+      EXPECT_EQ(stats.gathers, kSteps * per_step + after_last) << "group " << g;
+      EXPECT_EQ(stats.regathered, 0) << "group " << g;
+      if (g < 2 && p > 1) {  // a group of one rank has nothing in flight
+        EXPECT_GE(stats.prefetched, kSteps - 1) << "group " << g;
+      }
+    }
+  }
 }
 
 // A gradient hook on a shard (a user's, or a sequence-parallel weight's sum) sees the reduced
