@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # A user error in an example is one line "program: message" and exit status 1 on the rank that
 # hit it (no abort, no backtrace), and hp-run names the rank.
-#   one_line_errors.sh HP_RUN LLAMA3_TRAIN
+#   one_line_errors.sh HP_RUN LLAMA3_TRAIN [BENCH_LLAMA_STEP]
 set -uo pipefail
-hp_run=$1 train=$2
+hp_run=$1 train=$2 bench=${3:-}
 fail() { echo "FAIL: $*"; echo "--- output ---"; cat "$out"; exit 1; }
 out=$(mktemp)
 trap 'rm -f "$out"' EXIT
@@ -56,4 +56,13 @@ rm -rf "$dir"
 [[ $code -eq 1 ]] || fail "expected exit status 1 for a bad HP_CHECKPOINT_FAULT, got $code"
 grep -q "llama3_train: checkpoint::save: expected HP_CHECKPOINT_FAULT to be after_shard, async_write, before_rename or before_latest, got 'bogus'" "$out" \
   || fail "expected the fault points named"
+
+# bench_llama_step --configs with a name it does not measure: one line naming the known ones.
+if [[ -n $bench ]]; then
+  "$hp_run" --nproc-per-node 1 --timeout 60 -- "$bench" --dp 1 --configs "MC2 al" >"$out" 2>&1
+  code=$?
+  [[ $code -eq 1 ]] || fail "expected exit status 1 for an unknown --configs name, got $code"
+  grep -q "bench_llama_step: expected --configs among 'plain TP', 'MC2 ffn', 'MC2 all serial dW', 'MC2 all', got 'MC2 al'" \
+    "$out" || fail "expected the known configurations named"
+fi
 echo "PASS"
