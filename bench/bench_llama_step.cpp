@@ -65,8 +65,8 @@ void add_optimizers(Run& run, const Config& c) {
     run.optimizers.push_back({adamw(run.model->parameters()), std::nullopt});
     return;
   }
-  TORCH_CHECK(c.dp == GradientSync::kFullyShard && c.split_root,
-              "bench_llama_step: early_gather needs fully_shard with split_root");
+  TORCH_INTERNAL_ASSERT(c.dp == GradientSync::kFullyShard && c.split_root,
+                        "bench_llama_step: early_gather needs fully_shard with split_root");
   using hp::fully_shard::FSDPModule;
   std::vector<std::pair<FSDPModule, bool>> order{{*FSDPModule::of(*run.model), true},
                                                  {*FSDPModule::of(*run.model->tok_embeddings), true}};
