@@ -180,7 +180,7 @@ Result measure(Op op, const Shape& s, const hp::comm::Group& group, int iters,
   return res;
 }
 
-// The default of fixed counts, 2 chunks, against auto ("-" when 2 was not measured).
+// The run of a fixed count, or nullptr when that count was not measured.
 const bench::Stats* fixed_count(const Result& res, int64_t chunks) {
   for (const auto& f : res.fused) {
     if (f.first == chunks) return &f.second;
@@ -188,6 +188,7 @@ const bench::Stats* fixed_count(const Result& res, int64_t chunks) {
   return nullptr;
 }
 
+// The default of fixed counts, 2 chunks, against auto ("-" when 2 was not measured).
 std::string c2_over_auto(const Result& res) {
   const auto* two = fixed_count(res, 2);
   if (two == nullptr) return "-";
@@ -196,10 +197,13 @@ std::string c2_over_auto(const Result& res) {
   return text;
 }
 
-double best_fixed(const Result& res) {
-  double best = res.fused.front().second.median;
-  for (const auto& f : res.fused) best = std::min(best, f.second.median);
-  return best;
+// The fastest fixed count and its run (the first of equals).
+const std::pair<int64_t, bench::Stats>& best_fixed(const Result& res) {
+  const auto* best = &res.fused.front();
+  for (const auto& f : res.fused) {
+    if (f.second.median < best->second.median) best = &f;
+  }
+  return *best;
 }
 
 // Across rows: how close auto came to the best fixed count and to 2 chunks (the old default),
@@ -209,7 +213,7 @@ struct AutoSummary {
   int rows = 0, own_within_5 = 0, chosen_within_5 = 0, chosen_rows = 0, not_worse_than_c2 = 0, with_c2 = 0;
   double auto_total = 0, best_total = 0, c2_total = 0, auto_with_c2_total = 0;
   void add(const Result& res) {
-    const double best = best_fixed(res);
+    const double best = best_fixed(res).second.median;
     ++rows;
     own_within_5 += res.fused_auto.median <= 1.05 * best;
     auto_total += res.fused_auto.median;
@@ -248,10 +252,7 @@ void print_header(const std::vector<int64_t>& chunk_counts) {
 
 // A median with its spread, as "12.3" (the spread goes to the CSV).
 void print_line(Op op, const Shape& s, const Result& res) {
-  const auto* best = &res.fused.front();
-  for (const auto& f : res.fused) {
-    if (f.second.median < best->second.median) best = &f;
-  }
+  const auto* best = &best_fixed(res);
   const double bound = std::max(res.compute.median, res.stream.median);
   std::printf("%-22s %-7s %6.2f %5.2f %9.1f %9.1f %9.1f %9.1f", op_name(op), s.name.c_str(), res.rate_gbps,
               res.r, res.compute.median * 1e3, res.stream.median * 1e3, bound * 1e3,

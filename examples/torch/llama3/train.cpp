@@ -77,7 +77,9 @@ std::optional<llama3::TrainOptions> parse_flags(int argc, char** argv) {
   ShardingFlags sharding;
   std::string preset = o.preset(), dtype = o.dtype(), mc2_scope = o.mc2_scope();
   int64_t steps = o.steps(), batch_size = o.batch_size(), dp = o.dp();
-  std::string chunks = "auto";
+  using hyper_parallel::tensor_parallel::MC2Options;
+  std::string chunks =
+      o.mc2_chunks_per_rank() == MC2Options::kAutoChunks ? "auto" : std::to_string(o.mc2_chunks_per_rank());
   std::optional<int64_t> seq_len;
   double lr = o.lr();
   uint64_t seed = o.seed();
@@ -143,7 +145,7 @@ std::optional<llama3::TrainOptions> parse_flags(int argc, char** argv) {
   o.preset(preset).dtype(dtype).steps(steps).batch_size(batch_size).dp(dp).seq_len(seq_len).lr(lr).seed(seed);
   o.enable_sequence_parallel(!no_sp).enable_loss_parallel(loss_parallel);
   o.enable_mc2(mc2).mc2_scope(mc2_scope).relaxed_mc2_contract(relaxed).mc2_chunks_per_rank(
-      chunks == "auto" ? hyper_parallel::tensor_parallel::MC2Options::kAutoChunks : std::stoll(chunks));
+      chunks == "auto" ? MC2Options::kAutoChunks : std::stoll(chunks));
   o.checkpoint_dir(checkpoint_dir).checkpoint_every(checkpoint_every).resume(resume).async_checkpoint(async);
   sharding.apply(o);
   return o;
