@@ -13,10 +13,10 @@ here=$(cd "$(dirname "$0")" && pwd)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 for dtype in fp32 bf16; do
-  "$hp_run" --nproc-per-node 2 --timeout 300 -- "$train" --preset small --dtype "$dtype" --steps 3 --batch-size 2 \
+  "$hp_run" --nproc-per-node 2 --timeout 300 -- "$train" --preset tiny --dtype "$dtype" --steps 3 --batch-size 2 \
     --checkpoint-dir "$work/$dtype-a" --checkpoint-every 3 >/dev/null
-  "$hp_run" --nproc-per-node 4 --timeout 300 -- /usr/bin/python3 "$here/reshard.py" small "$dtype" "$work/$dtype-a" "$work/$dtype-b" | grep -v "^\[rank [1-3]\]"
-  "$hp_run" --nproc-per-node 2 --timeout 300 -- "$reshard" small "$dtype" "$work/$dtype-b" "$work/$dtype-c" | grep -v "^\[rank 1\]"
+  "$hp_run" --nproc-per-node 4 --timeout 300 -- /usr/bin/python3 "$here/reshard.py" tiny "$dtype" "$work/$dtype-a" "$work/$dtype-b" | grep -v "^\[rank [1-3]\]"
+  "$hp_run" --nproc-per-node 2 --timeout 300 -- "$reshard" tiny "$dtype" "$work/$dtype-b" "$work/$dtype-c" | grep -v "^\[rank 1\]"
   /usr/bin/python3 "$here/compare.py" "$work/$dtype-a" "$work/$dtype-b"
   /usr/bin/python3 "$here/compare.py" "$work/$dtype-a" "$work/$dtype-c"
 done

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Faults lose no work: a job under `hp-run --max-restarts` that loses a rank restarts by itself from
 # its latest checkpoint, and a stop request ends in a checkpoint and exit status 75. Every case
-# trains the same 12 fp32 steps (debug preset, --checkpoint-every 2) and must end with the last loss
+# trains the same 12 fp32 steps (tiny preset, --checkpoint-every 2) and must end with the last loss
 # and the final checkpoint of an uninterrupted run, bit for bit:
 #   kill_at_step   HP_FAULT_KILL_AT_STEP at a seeded rank and step, TP 2 (KILL_SEEDS seeds)
 #   kill_outside   kill -9 from outside of a seeded rank, parked at a seeded step, TP 4
@@ -30,7 +30,7 @@ out=$work/out
 trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$work"' EXIT
 fail() { echo "FAIL: $*"; echo "--- output ---"; tail -n 40 "$out"; exit 1; }
 
-common_args=(--preset debug --dtype fp32 --batch-size 2 --checkpoint-every 2)
+common_args=(--preset tiny --dtype fp32 --batch-size 2 --checkpoint-every 2)
 train_args=("${common_args[@]}" --steps 12)
 restart_args=(--max-restarts 2 --restart-backoff-s 0 --timeout 300)
 py_train=$repo/examples/torch/llama3/train.py

@@ -104,10 +104,7 @@ void MC2Linear::configure_mc2(MC2Mode mode, const comm::Group& group, int64_t se
               "MC2Linear::configure_mc2: expected a group this rank belongs to, "
               "got a non-member group");
   contract.check_world_size("MC2Linear::configure_mc2", group.size());
-  TORCH_CHECK_VALUE(options.chunks_per_rank() >= 0,
-                    "MC2Linear::configure_mc2: expected chunks_per_rank >= 1, or kAutoChunks (0: chosen per "
-                    "op), got ",
-                    options.chunks_per_rank());
+  MC2Options::check_chunks_per_rank("MC2Linear::configure_mc2", options.chunks_per_rank());
   kernel_->mode = mode;
   kernel_->group = group;
   kernel_->sequence_dim = sequence_dim;

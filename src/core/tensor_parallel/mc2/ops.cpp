@@ -23,6 +23,11 @@ at::Tensor local_matmul(const at::Tensor& a, const at::Tensor& b) {
 
 }  // namespace detail
 
+void MC2Options::check_chunks_per_rank(const char* fn, int64_t chunks) {
+  TORCH_CHECK_VALUE(chunks >= 1 || chunks == kAutoChunks, fn,
+                    ": expected chunks_per_rank >= 1, or kAutoChunks (0: chosen per op), got ", chunks);
+}
+
 namespace {
 
 using comm::CollectiveKind;
@@ -47,9 +52,8 @@ void check_operands(const char* fn, const at::Tensor& a, const at::Tensor& b) {
 // The chunk count the ranks agreed on, checked after the agreement: a bad count on one rank is
 // the agreement error on every rank, and the same bad count on all is this error on all.
 int64_t agreed_chunks(const comm::OpScope& op) {
-  TORCH_CHECK_VALUE(op.chunks() >= 1,
-                    "MC2Options: expected chunks_per_rank >= 1, or kAutoChunks (0: chosen per op), got ",
-                    op.chunks());
+  MC2Options::check_chunks_per_rank("MC2Options", op.chunks());
+  TORCH_INTERNAL_ASSERT(op.chunks() >= 1, "the agreement settled on kAutoChunks, not a count");
   return op.chunks();
 }
 

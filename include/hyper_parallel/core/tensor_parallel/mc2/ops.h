@@ -39,6 +39,8 @@ namespace hyper_parallel::tensor_parallel {
 struct MC2Options {
   /// chunks_per_rank: chosen per op by the cost model of chunk_cost.h.
   static constexpr int64_t kAutoChunks = 0;
+  /// Throws ValueError naming `fn` unless `chunks` is a valid chunks_per_rank (>= 1, or kAutoChunks).
+  static void check_chunks_per_rank(const char* fn, int64_t chunks);
   /// Each rank's block of rows travels and is multiplied as this many chunks (torch.chunk
   /// sizes): more chunks pipeline finer (the first matmul starts sooner, the last transfer
   /// hides behind more work) but run smaller GEMMs and send more messages. kAutoChunks (the
