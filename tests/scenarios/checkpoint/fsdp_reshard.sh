@@ -3,7 +3,8 @@
 #   A  llama3_train --fsdp 2 at world 4 (dp 2 x tp 2), 3 AdamW steps (model and AdamW state)
 #   B  A loaded at dp 4 x tp 1, saved again
 #   C  B loaded at dp 1 x tp 2, saved again
-# and every tensor of A, B and C is equal; then C resumes training at dp 2 x tp 2 (MC2 all).
+# and every tensor of A, B and C is equal; then C resumes training at dp 2 x tp 2 (MC2 all, under
+# the relaxed contract: the tiny preset's dims are below the strict one's k >= 256).
 #   fsdp_reshard.sh HP_RUN LLAMA3_TRAIN RESHARD_MAIN PYTHONPATH
 set -euo pipefail
 hp_run=$1 train=$2 reshard=$3

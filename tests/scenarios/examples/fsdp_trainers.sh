@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Both trainers (C++ llama3_train and Python train.py), tiny preset, fp32, 4 steps: --fsdp N trains like
-# replicated --dp N (step-4 loss within 1e-3, relative) and is bitwise equal run to run, at
+# Both trainers (C++ llama3_train and Python train.py), tiny preset, fp32, 4 steps: --fsdp N
+# trains like replicated --dp N (step-4 loss within 1e-3, relative) and is bitwise equal run to run, at
 #   dp 2 x tp 1                         (world 2; also --no-reshard-after-forward)
 #   dp 2 x tp 2, MC2 on every layer     (world 4)
 #   HSDP 2 replicas x 2 shards x tp 1   (world 4)
@@ -13,11 +13,11 @@ export PYTHONPATH=$4 OMP_NUM_THREADS=1
 last_loss() {
   local world=$1 trainer=$2 out
   shift 2
+  local common=(--preset tiny --dtype fp32 --steps 4)
   if [[ $trainer == cpp ]]; then
-    out=$("$hp_run" --nproc-per-node "$world" --timeout 300 -- "$train_cpp" --preset tiny --dtype fp32 --steps 4 "$@" 2>&1)
+    out=$("$hp_run" --nproc-per-node "$world" --timeout 300 -- "$train_cpp" "${common[@]}" "$@" 2>&1)
   else
-    out=$("$hp_run" --nproc-per-node "$world" --timeout 300 -- /usr/bin/python3 "$train_py" --preset tiny \
-      --dtype fp32 --steps 4 "$@" 2>&1)
+    out=$("$hp_run" --nproc-per-node "$world" --timeout 300 -- /usr/bin/python3 "$train_py" "${common[@]}" "$@" 2>&1)
   fi || { echo "$out" >&2; echo "FAIL: $trainer $* at world $world" >&2; return 1; }
   grep -q "step *4 |" <<<"$out" || { echo "$out" >&2; echo "FAIL: no step 4 ($trainer $*)" >&2; return 1; }
   sed -n 's/^\[rank 0\] loss fell: .*(last \([-0-9.e]*\))$/\1/p' <<<"$out"
