@@ -157,12 +157,15 @@ def test_layout_of_and_full_tensor_round_trip_every_parameter(mesh):
 def test_mc2_scope_all_trains_as_plain_tp(mesh, dtype, rtol):
     if WORLD not in (2, 4):
         pytest.skip("the small preset meets the contract at TP 2 and 4")
-    args = llama.ModelArgs.small()
+    # bf16 trains under the strict contract, which needs the small preset; fp32, which the contract
+    # does not cover, trains the debug preset under the relaxed one.
+    strict = dtype == torch.bfloat16
+    args = llama.ModelArgs.small() if strict else llama.ModelArgs.debug()
     losses = {}
     for scope in (None, "all"):
         torch.manual_seed(10)
         model = llama.Transformer(args).to(dtype)
-        contract = MC2Contract.relaxed() if dtype == torch.float32 else None
+        contract = None if strict else MC2Contract.relaxed()
         parallelize_llama3(model, mesh, enable_loss_parallel=True, enable_mc2=scope is not None,
                            mc2_scope=scope or "ffn", mc2_contract=contract)
         comm.reset_collective_counts()
