@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # An interrupted save never damages the last complete checkpoint. For each fault point of
-# HP_CHECKPOINT_FAULT, a TP-2 run that dies while saving step 3 leaves `latest` at step 2, with
-# step-2 intact; --resume then continues from step 2 to the end. Last, a checkpoint saved at TP 2
-# resumes at TP 1.
+# HP_CHECKPOINT_FAULT, a TP-2 run (tiny preset) that dies while saving step 3 leaves `latest` at
+# step 2, with step-2 intact; --resume then continues from step 2 to the end. Last, a checkpoint
+# saved at TP 2 resumes at TP 1.
 #   faults.sh HP_RUN LLAMA3_TRAIN
 set -uo pipefail
 hp_run=$1 train=$2
@@ -14,7 +14,7 @@ fail() { echo "FAIL: $*"; echo "--- output ---"; cat "$out"; exit 1; }
 run() {
   local n=$1
   shift
-  "$hp_run" --nproc-per-node "$n" --timeout 240 -- "$train" --batch-size 2 "$@" >"$out" 2>&1
+  "$hp_run" --nproc-per-node "$n" --timeout 240 -- "$train" --preset tiny --batch-size 2 "$@" >"$out" 2>&1
 }
 latest() { cat "$1/latest" 2>/dev/null; }
 
