@@ -10,10 +10,13 @@
 namespace hp_python {
 namespace {
 
+// comm's kinds and those of the layers above (MC2's fused ops).
 comm::CollectiveKind kind_from_string(const std::string& name) {
-  for (int k = 0; k < comm::kNumCollectiveKinds; ++k) {
-    const auto kind = static_cast<comm::CollectiveKind>(k);
-    if (name == comm::to_string(kind)) return kind;
+  for (const auto kind : comm::kCommCollectiveKinds) {
+    if (name == kind.name()) return kind;
+  }
+  for (const auto kind : {tp::kAllGatherMatmulKind, tp::kMatmulReduceScatterKind}) {
+    if (name == kind.name()) return kind;
   }
   TORCH_CHECK_VALUE(false,
                     "collective_count: expected a collective kind such as 'all_gather' or "

@@ -1,6 +1,5 @@
 #include <hyper_parallel/core/comm/counters.h>
 
-#include <array>
 #include <cstdlib>
 #include <iostream>
 #include <map>
@@ -13,7 +12,8 @@ namespace {
 
 struct Counters {
   std::mutex mutex;
-  std::map<std::string, std::array<int64_t, kNumCollectiveKinds>, std::less<>> by_region;
+  // region -> kind name -> count; a kind is known by its name, wherever it is defined.
+  std::map<std::string, std::map<std::string, int64_t, std::less<>>, std::less<>> by_region;
   std::map<std::string, int64_t, std::less<>> bytes_by_region;
   std::map<std::pair<std::string, std::string>, double> exposed;  // (region, op) -> seconds
   bool debug = std::getenv("HP_COMM_DEBUG") != nullptr;
@@ -44,10 +44,7 @@ void record_collective(CollectiveKind kind, std::string_view detail) {
   auto& c = counters();
   std::lock_guard<std::mutex> lock(c.mutex);
   const std::string& region = detail::current_region();
-  auto it = c.by_region.find(region);
-  if (it == c.by_region.end())
-    it = c.by_region.emplace(region, std::array<int64_t, kNumCollectiveKinds>{}).first;
-  it->second[static_cast<int>(kind)] += 1;
+  c.by_region[region][kind.name()] += 1;
   if (c.debug) std::cerr << "[hp comm] " << region << ": " << to_string(kind) << " " << detail << "\n";
 }
 
@@ -56,15 +53,20 @@ int64_t collective_count(CollectiveKind kind, std::string_view region) {
   std::lock_guard<std::mutex> lock(c.mutex);
   int64_t total = 0;
   for (const auto& [name, counts] : c.by_region) {
-    if (region.empty() || name == region) total += counts[static_cast<int>(kind)];
+    if (!region.empty() && name != region) continue;
+    const auto it = counts.find(std::string_view(kind.name()));
+    if (it != counts.end()) total += it->second;
   }
   return total;
 }
 
 int64_t total_collective_count(std::string_view region) {
+  auto& c = counters();
+  std::lock_guard<std::mutex> lock(c.mutex);
   int64_t total = 0;
-  for (int k = 0; k < kNumCollectiveKinds; ++k) {
-    total += collective_count(static_cast<CollectiveKind>(k), region);
+  for (const auto& [name, counts] : c.by_region) {
+    if (!region.empty() && name != region) continue;
+    for (const auto& [kind, count] : counts) total += count;
   }
   return total;
 }
@@ -122,9 +124,7 @@ std::string collective_counts_summary() {
   for (const auto& [name, counts] : c.by_region) {
     out << (first_region ? "" : "; ") << name << ":";
     first_region = false;
-    for (int k = 0; k < kNumCollectiveKinds; ++k) {
-      if (counts[k] != 0) out << " " << to_string(static_cast<CollectiveKind>(k)) << "=" << counts[k];
-    }
+    for (const auto& [kind, count] : counts) out << " " << kind << "=" << count;
   }
   return out.str();
 }

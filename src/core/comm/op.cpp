@@ -1,6 +1,7 @@
 #include <hyper_parallel/core/comm/op.h>
 
 #include <cstdlib>
+#include <cstring>
 #include <exception>
 #include <sstream>
 #include <vector>
@@ -20,11 +21,14 @@
 namespace hyper_parallel::comm {
 namespace {
 
-// The fixed-size signature every rank sends to every other rank of the group.
+// The fixed-size signature every rank sends to every other rank of the group. The op's kind is
+// its name, zero-padded, in kNameFields words.
+constexpr int kNameFields = CollectiveKind::kMaxNameLength / sizeof(int64_t);
+static_assert(CollectiveKind::kMaxNameLength % sizeof(int64_t) == 0);
 enum Field {
   kMagic,
-  kKind,
-  kSeq,
+  kName,
+  kSeq = kName + kNameFields,
   kDtype,
   kDim0,
   kDim1,
@@ -38,9 +42,10 @@ enum Field {
 constexpr int64_t kSignatureMagic = 0x48504f5053;  // "HPOPS"
 
 std::string describe(const std::array<int64_t, kFields>& f, const std::array<const char*, 4>& names) {
+  std::array<char, CollectiveKind::kMaxNameLength + 1> kind{};
+  std::memcpy(kind.data(), &f[kName], CollectiveKind::kMaxNameLength);
   std::ostringstream s;
-  s << to_string(static_cast<CollectiveKind>(f[kKind])) << " "
-    << c10::toString(static_cast<at::ScalarType>(f[kDtype]));
+  s << kind.data() << " " << c10::toString(static_cast<at::ScalarType>(f[kDtype]));
   for (int i = 0; i < 4; ++i) {
     if (names[i] != nullptr) {
       s << " " << names[i] << "=" << f[kDim0 + i];
@@ -53,17 +58,17 @@ std::string describe(const std::array<int64_t, kFields>& f, const std::array<con
 }
 
 std::array<int64_t, kFields> fields_of(const OpSignature& sig, int64_t seq, int64_t group_size) {
-  return {kSignatureMagic,
-          static_cast<int64_t>(sig.kind),
-          seq,
-          static_cast<int64_t>(sig.dtype),
-          sig.dims[0],
-          sig.dims[1],
-          sig.dims[2],
-          sig.dims[3],
-          sig.chunks,
-          sig.chunks_proposed ? 1 : 0,
-          group_size};
+  std::array<int64_t, kFields> f{};
+  f[kMagic] = kSignatureMagic;
+  const std::string_view name = sig.kind.name();
+  std::memcpy(&f[kName], name.data(), name.size());  // at most kMaxNameLength: CollectiveKind's rule
+  f[kSeq] = seq;
+  f[kDtype] = static_cast<int64_t>(sig.dtype);
+  for (int i = 0; i < 4; ++i) f[kDim0 + i] = sig.dims[i];
+  f[kChunks] = sig.chunks;
+  f[kProposed] = sig.chunks_proposed ? 1 : 0;
+  f[kGroupSize] = group_size;
+  return f;
 }
 
 // Every rank sends its signature to every other rank and receives theirs; all ranks then hold
@@ -120,30 +125,6 @@ int64_t agree(const Group& group, const OpSignature& sig, int64_t seq) {
 }
 
 }  // namespace
-
-const char* to_string(CollectiveKind kind) {
-  switch (kind) {
-    case CollectiveKind::kAllGather:
-      return "all_gather";
-    case CollectiveKind::kReduceScatter:
-      return "reduce_scatter";
-    case CollectiveKind::kAllReduce:
-      return "all_reduce";
-    case CollectiveKind::kAllToAll:
-      return "all_to_all";
-    case CollectiveKind::kBroadcast:
-      return "broadcast";
-    case CollectiveKind::kBarrier:
-      return "barrier";
-    case CollectiveKind::kAllGatherMatmul:
-      return "all_gather_matmul";
-    case CollectiveKind::kMatmulReduceScatter:
-      return "matmul_reduce_scatter";
-    case CollectiveKind::kLinkProbe:
-      return "link_probe";
-  }
-  return "unknown";
-}
 
 bool agreement_checks_enabled() {
   static const bool enabled = [] {

@@ -10,6 +10,8 @@
 #include <cstdlib>
 #include <functional>
 #include <random>
+#include <stdexcept>
+#include <string>
 
 #include <ATen/ATen.h>
 #include <torch/nn/modules/container/sequential.h>
@@ -74,6 +76,47 @@ TEST_F(Agreement, DifferentDtypes) {
   });
 }
 
+// A kind is its name: ranks that call different ops (one of them defined above comm) disagree,
+// and every rank's message names each rank's op.
+TEST_F(Agreement, DifferentKindsAreNamedForEveryRank) {
+  auto x = at::ones({4, 32}, at::kBFloat16), w = at::ones({16, 32}, at::kBFloat16);
+  expect_disagreement(r == 0 ? "all_gather_matmul" : "all_gather", [&] {
+    try {
+      if (r == 0) {
+        tp::all_gather_matmul(x, w, world, tp::MC2Options().chunks_per_rank(1));
+      } else {
+        hp::comm::all_gather(x, 0, world);
+      }
+    } catch (const c10::Error& e) {
+      const std::string message = e.what_without_backtrace();
+      EXPECT_NE(message.find("rank 0 (global 0): call"), std::string::npos) << message;
+      EXPECT_NE(message.find(", all_gather_matmul BFloat16"), std::string::npos) << message;
+      EXPECT_NE(message.find("rank 1 (global 1): call"), std::string::npos) << message;
+      EXPECT_NE(message.find(", all_gather BFloat16"), std::string::npos) << message;
+      throw;
+    }
+  });
+}
+
+// Names of up to CollectiveKind::kMaxNameLength characters travel whole; a longer one is refused
+// where the kind is made.
+TEST_F(Agreement, KindNamesOfTheLongestLengthTravelWhole) {
+  static constexpr hp::comm::CollectiveKind kLongest{"op_name_of_24_characters"};
+  static_assert(std::char_traits<char>::length(kLongest.name()) == hp::comm::CollectiveKind::kMaxNameLength);
+  hp::comm::OpSignature sig{kLongest, at::kFloat, {4 + r, 0, 0, 0}, {"rows"}};
+  try {
+    const hp::comm::OpScope op(world, sig, "longest name");
+    ADD_FAILURE() << "expected the ranks to disagree on rows";
+  } catch (const c10::Error& e) {
+    const std::string message = e.what_without_backtrace();
+    EXPECT_NE(message.find("rank 1 (global 1): call"), std::string::npos) << message;
+    EXPECT_NE(message.find(", op_name_of_24_characters Float rows=5"), std::string::npos) << message;
+  }
+  const std::string too_long(hp::comm::CollectiveKind::kMaxNameLength + 1, 'x');
+  EXPECT_THROW(hp::comm::CollectiveKind{too_long.c_str()}, std::invalid_argument);
+  EXPECT_THROW(hp::comm::CollectiveKind{""}, std::invalid_argument);
+}
+
 TEST_F(Agreement, FusedOpsWithDifferentShapesOrChunkCounts) {
   auto w = at::ones({16, 32}, at::kBFloat16);
   // m, k and chunks_per_rank differ by rank; n differs in the row-parallel op.
@@ -97,7 +140,7 @@ TEST_F(Agreement, FusedOpsWithDifferentShapesOrChunkCounts) {
 // kAutoChunks: each rank proposes its own count and all take rank 0's; every rank must propose.
 TEST_F(Agreement, ProposedChunkCountsSettleOnRankZeros) {
   for (int i = 0; i < 2; ++i) {
-    hp::comm::OpSignature sig{hp::comm::CollectiveKind::kAllGatherMatmul, at::kBFloat16, {4, 32, 0, 0}};
+    hp::comm::OpSignature sig{tp::kAllGatherMatmulKind, at::kBFloat16, {4, 32, 0, 0}};
     sig.chunks = 1 + r + i;  // the ranks' estimates differ
     sig.chunks_proposed = true;
     const hp::comm::OpScope op(world, sig, "proposals");

@@ -127,7 +127,7 @@ TEST_P(GradientLayout, SharedGatherHandsBackItsInputsLayout) {
   b_w.watch(b->weight);
   hp::comm::reset_collective_counts();
   auto y = at::silu(a(x)) * b(x);  // b reads the gather a made
-  EXPECT_EQ(hp::comm::collective_count(hp::comm::CollectiveKind::kAllGatherMatmul), 1);
+  EXPECT_EQ(hp::comm::collective_count(tp::kAllGatherMatmulKind), 1);
   y.backward(at::randn_like(y));
   expect_layout_of(x_probe.grad(), x, "shared gather's input gradient");
   expect_layout_of(b_w.grad(), b->weight, "shared layer's weight gradient");

@@ -362,13 +362,13 @@ TEST(Llama3MC2, TrainsLikeThePlainPath) {
     auto base = llama3::TrainOptions().dtype(c.dtype);
     hp::comm::reset_collective_counts();
     auto [plain, plain_grads] = train5(base, c.compare_grads);
-    EXPECT_EQ(hp::comm::collective_count(CollectiveKind::kAllGatherMatmul), 0);
+    EXPECT_EQ(hp::comm::collective_count(tp::kAllGatherMatmulKind), 0);
     hp::comm::reset_collective_counts();
     auto [fused, fused_grads] =
         train5(llama3::TrainOptions(base).enable_mc2(true).relaxed_mc2_contract(c.relaxed), c.compare_grads);
     // The fused path really ran: per step and layer one all-gather-matmul forward (w1, shared
     // with w3) and one backward (w2).
-    EXPECT_EQ(hp::comm::collective_count(CollectiveKind::kAllGatherMatmul),
+    EXPECT_EQ(hp::comm::collective_count(tp::kAllGatherMatmulKind),
               5 * 2 * llama3::ModelArgs::debug().n_layers);
     expect_same_training(plain, plain_grads, fused, fused_grads, c.loss_rtol, c.compare_grads, 1e-6);
   }
@@ -459,11 +459,11 @@ TEST(Llama3MC2, EnabledFusesOnlyTheFFN) {
   }
   const int64_t layers = args.n_layers;
   // w1 gathers the FFN input; w3 reads the same activation and reuses that gather.
-  EXPECT_EQ(hp::comm::collective_count(CollectiveKind::kAllGatherMatmul, "forward"), layers);
-  EXPECT_EQ(hp::comm::collective_count(CollectiveKind::kMatmulReduceScatter, "forward"), layers);
+  EXPECT_EQ(hp::comm::collective_count(tp::kAllGatherMatmulKind, "forward"), layers);
+  EXPECT_EQ(hp::comm::collective_count(tp::kMatmulReduceScatterKind, "forward"), layers);
   // w1 and w3's input gradients leave in one ring: reduce_scatter(dY1 W1 + dY3 W3).
-  EXPECT_EQ(hp::comm::collective_count(CollectiveKind::kMatmulReduceScatter, "backward"), layers);
-  EXPECT_EQ(hp::comm::collective_count(CollectiveKind::kAllGatherMatmul, "backward"), layers);
+  EXPECT_EQ(hp::comm::collective_count(tp::kMatmulReduceScatterKind, "backward"), layers);
+  EXPECT_EQ(hp::comm::collective_count(tp::kAllGatherMatmulKind, "backward"), layers);
   // Only attention (and embedding/output) keep plain collectives: one all-gather per block
   // before attention, plus the output's two.
   EXPECT_EQ(hp::comm::collective_count(CollectiveKind::kAllGather, "forward"), layers + 2)
@@ -488,14 +488,14 @@ TEST(Llama3MC2All, TrainsLikePlainTensorParallel) {
         llama3::TrainOptions().preset(c.preset).dtype(c.dtype).enable_loss_parallel(true).batch_size(2);
     hp::comm::reset_collective_counts();
     auto [plain, plain_grads] = train5(base, c.compare_grads);
-    EXPECT_EQ(hp::comm::collective_count(CollectiveKind::kAllGatherMatmul), 0);
+    EXPECT_EQ(hp::comm::collective_count(tp::kAllGatherMatmulKind), 0);
     hp::comm::reset_collective_counts();
     auto [fused, fused_grads] =
         train5(llama3::TrainOptions(base).enable_mc2(true).mc2_scope("all").relaxed_mc2_contract(c.relaxed),
                c.compare_grads);
     const int64_t layers = llama3::ModelArgs::from_preset(c.preset).n_layers;
     // Per step, forward: wq (shared by wk, wv), w1 (shared by w3), output; backward: wo, w2.
-    EXPECT_EQ(hp::comm::collective_count(CollectiveKind::kAllGatherMatmul), 5 * (4 * layers + 1));
+    EXPECT_EQ(hp::comm::collective_count(tp::kAllGatherMatmulKind), 5 * (4 * layers + 1));
     expect_same_training(plain, plain_grads, fused, fused_grads, c.loss_rtol, c.compare_grads, 1e-5);
   }
 }
@@ -592,15 +592,15 @@ TEST(Llama3MC2All, CollectiveCountsPerRegion) {
   // Forward: per block the attention input's gather (wq; wk, wv reuse it), wo's reduce-scatter,
   // the FFN's gather (w1; w3 reuses it) and w2's reduce-scatter; then the output projection's
   // gather. The embedding's reduce-scatter is the only plain collective left.
-  EXPECT_EQ(fwd(CollectiveKind::kAllGatherMatmul), 2 * layers + 1);
-  EXPECT_EQ(fwd(CollectiveKind::kMatmulReduceScatter), 2 * layers);
+  EXPECT_EQ(fwd(tp::kAllGatherMatmulKind), 2 * layers + 1);
+  EXPECT_EQ(fwd(tp::kMatmulReduceScatterKind), 2 * layers);
   EXPECT_EQ(fwd(CollectiveKind::kReduceScatter), 1);
   EXPECT_EQ(hp::comm::total_collective_count("forward"), 4 * layers + 2)
       << hp::comm::collective_counts_summary();
   // Backward: the duals, one per fused op (q, k, v's input gradients leave in one ring; so do
   // w1 and w3's), and the embedding's all-gather.
-  EXPECT_EQ(bwd(CollectiveKind::kMatmulReduceScatter), 2 * layers + 1);
-  EXPECT_EQ(bwd(CollectiveKind::kAllGatherMatmul), 2 * layers);
+  EXPECT_EQ(bwd(tp::kMatmulReduceScatterKind), 2 * layers + 1);
+  EXPECT_EQ(bwd(tp::kAllGatherMatmulKind), 2 * layers);
   EXPECT_EQ(bwd(CollectiveKind::kAllGather), 1);
   EXPECT_EQ(hp::comm::total_collective_count("backward"), 4 * layers + 2)
       << hp::comm::collective_counts_summary();

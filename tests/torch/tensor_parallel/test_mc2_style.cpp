@@ -14,7 +14,6 @@
 namespace hp = hyper_parallel;
 namespace tp = hp::tensor_parallel;
 using namespace hp::dtensor;
-using hp::comm::CollectiveKind;
 
 namespace {
 
@@ -145,9 +144,9 @@ TEST_F(MC2Style, ColumnPathRunsOneFusedOpEachWayAndNothingElse) {
     hp::comm::CommRegion r("backward");
     y.sum().backward();
   }
-  EXPECT_EQ(hp::comm::collective_count(CollectiveKind::kAllGatherMatmul, "forward"), 1);
+  EXPECT_EQ(hp::comm::collective_count(tp::kAllGatherMatmulKind, "forward"), 1);
   EXPECT_EQ(hp::comm::total_collective_count("forward"), 1);
-  EXPECT_EQ(hp::comm::collective_count(CollectiveKind::kMatmulReduceScatter, "backward"), 1);
+  EXPECT_EQ(hp::comm::collective_count(tp::kMatmulReduceScatterKind, "backward"), 1);
   EXPECT_EQ(hp::comm::total_collective_count("backward"), 1) << hp::comm::collective_counts_summary();
 }
 
@@ -166,9 +165,9 @@ TEST_F(MC2Style, RowPathRunsOneFusedOpEachWayAndNothingElse) {
     hp::comm::CommRegion r("backward");
     y.sum().backward();
   }
-  EXPECT_EQ(hp::comm::collective_count(CollectiveKind::kMatmulReduceScatter, "forward"), 1);
+  EXPECT_EQ(hp::comm::collective_count(tp::kMatmulReduceScatterKind, "forward"), 1);
   EXPECT_EQ(hp::comm::total_collective_count("forward"), 1);
-  EXPECT_EQ(hp::comm::collective_count(CollectiveKind::kAllGatherMatmul, "backward"), 1);
+  EXPECT_EQ(hp::comm::collective_count(tp::kAllGatherMatmulKind, "backward"), 1);
   EXPECT_EQ(hp::comm::total_collective_count("backward"), 1);
   EXPECT_EQ(hp::comm::total_collective_count(), 2) << "no gradient sync: the bias gradient is complete";
 }
@@ -190,7 +189,7 @@ TEST_F(MC2Style, ColumnLayersReadingOneActivationShareOneGather) {
     (y1 + y3).sum().backward();
   }
   // One fused ring for both layers' input gradient: reduce_scatter(dY1 W1 + dY3 W3).
-  EXPECT_EQ(hp::comm::collective_count(CollectiveKind::kMatmulReduceScatter, "backward"), 1);
+  EXPECT_EQ(hp::comm::collective_count(tp::kMatmulReduceScatterKind, "backward"), 1);
   EXPECT_EQ(hp::comm::total_collective_count("backward"), 1);
   // Same values and input gradient as gathering separately (a copy is another activation).
   auto x3 = x.detach().clone().requires_grad_(true);
@@ -207,7 +206,7 @@ TEST_F(MC2Style, ColumnLayersReadingOneActivationShareOneGather) {
   auto xa = at::randn({2, 4, 512}).to(at::kBFloat16).requires_grad_(true);
   auto first = w1(xa);
   auto second = w1(xa);
-  EXPECT_EQ(hp::comm::collective_count(CollectiveKind::kAllGatherMatmul), 2);
+  EXPECT_EQ(hp::comm::collective_count(tp::kAllGatherMatmulKind), 2);
   first.sum().backward();
   second.sum().backward();
   EXPECT_TRUE(first.equal(second));
@@ -220,7 +219,7 @@ TEST_F(MC2Style, ColumnLayersReadingOneActivationShareOneGather) {
     z.mul_(2);
   }
   lone(z);
-  EXPECT_EQ(hp::comm::collective_count(CollectiveKind::kAllGatherMatmul), 2);
+  EXPECT_EQ(hp::comm::collective_count(tp::kAllGatherMatmulKind), 2);
 }
 
 TEST_F(MC2Style, SequenceRowsRoundTripAndTheNaiveFlattenCounterexample) {
@@ -284,7 +283,7 @@ TEST_F(MC2Style, FailsClosedOnEveryContractLimit) {
       tp::MC2ColwiseParallel(tp::MC2ColwiseParallelOptions().contract(tp::MC2Contract::relaxed())));
   hp::comm::reset_collective_counts();
   EXPECT_EQ(relaxed(at::ones({1, 2, 16})).sizes(), (at::IntArrayRef{1, 4, 8}));
-  EXPECT_EQ(hp::comm::collective_count(CollectiveKind::kAllGatherMatmul), 1);
+  EXPECT_EQ(hp::comm::collective_count(tp::kAllGatherMatmulKind), 1);
 }
 
 // Each shape limit of the kernel contract, forward and backward, for both styles, at apply time

@@ -37,7 +37,8 @@ struct ExposedWait {
 std::vector<ExposedWait> exposed_waits();
 /// Resets the collective counts, the payload bytes and the exposed waits.
 void reset_collective_counts();
-/// "forward: all_gather=1 reduce_scatter=0 ...; backward: ..." for messages and logs.
+/// "forward: all_gather=2 reduce_scatter=1; backward: ..." for messages and logs: per region, the
+/// kinds that ran, by name.
 std::string collective_counts_summary();
 
 namespace detail {

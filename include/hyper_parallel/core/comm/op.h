@@ -15,7 +15,9 @@
 #include <array>
 #include <cstdint>
 #include <memory>
+#include <stdexcept>
 #include <string>
+#include <string_view>
 #include <thread>
 
 #include <c10/core/ScalarType.h>
@@ -25,26 +27,53 @@
 
 namespace hyper_parallel::comm {
 
-/// The ops of this library: every collective and fused op is one of these, counted
-/// (counters.h), traced (trace.h) and recorded (the flight recorder) under this name.
-enum class CollectiveKind {
-  kAllGather,
-  kReduceScatter,
-  kAllReduce,
-  kAllToAll,
-  kBroadcast,
-  kBarrier,
-  // MC2 fused ops (core/tensor_parallel/mc2) count as their own kinds: a fused op is one
-  // collective, not an all_gather plus a matmul.
-  kAllGatherMatmul,
-  kMatmulReduceScatter,
-  // The link measurement of link_probe.h: a ring of timed messages, not counted.
-  kLinkProbe,
+/// An op's kind: the name under which the ranks agree on it, and it is counted (counters.h),
+/// traced (trace.h) and recorded (the flight recorder). comm's collectives are the constants
+/// below; a layer above names its own fused ops the same way (MC2's are in
+/// tensor_parallel/mc2/ops.h: a fused op is one collective, not an all_gather plus a matmul),
+/// so comm lists no op of another layer. Kinds are equal when their names are.
+///
+/// Usage:
+///   inline constexpr comm::CollectiveKind kMyFusedOp{"my_fused_op"};
+class CollectiveKind {
+ public:
+  /// The longest name: the ranks' signatures carry it in a fixed-size field.
+  static constexpr size_t kMaxNameLength = 24;
+  /// `name` is a string literal of 1 to kMaxNameLength characters; a constant with a longer or
+  /// empty name does not compile.
+  explicit constexpr CollectiveKind(const char* name) : name_(name) {
+    const size_t n = std::char_traits<char>::length(name);
+    if (n == 0 || n > kMaxNameLength)
+      throw std::invalid_argument("CollectiveKind: expected 1 to 24 characters");
+  }
+  constexpr const char* name() const { return name_; }
+  friend constexpr bool operator==(CollectiveKind a, CollectiveKind b) {
+    return std::string_view(a.name_) == std::string_view(b.name_);
+  }
+
+  static const CollectiveKind kAllGather, kReduceScatter, kAllReduce, kAllToAll, kBroadcast, kBarrier;
+  /// The link measurement of link_probe.h: a ring of timed messages, not counted.
+  static const CollectiveKind kLinkProbe;
+
+ private:
+  const char* name_;
 };
-constexpr int kNumCollectiveKinds = 9;
+inline constexpr CollectiveKind CollectiveKind::kAllGather{"all_gather"};
+inline constexpr CollectiveKind CollectiveKind::kReduceScatter{"reduce_scatter"};
+inline constexpr CollectiveKind CollectiveKind::kAllReduce{"all_reduce"};
+inline constexpr CollectiveKind CollectiveKind::kAllToAll{"all_to_all"};
+inline constexpr CollectiveKind CollectiveKind::kBroadcast{"broadcast"};
+inline constexpr CollectiveKind CollectiveKind::kBarrier{"barrier"};
+inline constexpr CollectiveKind CollectiveKind::kLinkProbe{"link_probe"};
+
+/// comm's own kinds.
+inline constexpr std::array<CollectiveKind, 7> kCommCollectiveKinds = {
+    CollectiveKind::kAllGather, CollectiveKind::kReduceScatter, CollectiveKind::kAllReduce,
+    CollectiveKind::kAllToAll,  CollectiveKind::kBroadcast,     CollectiveKind::kBarrier,
+    CollectiveKind::kLinkProbe};
 
 /// "all_gather", "matmul_reduce_scatter", ...
-const char* to_string(CollectiveKind kind);
+inline const char* to_string(CollectiveKind kind) { return kind.name(); }
 
 namespace detail {
 struct OpRecord;

@@ -87,7 +87,7 @@ at::Tensor gather_rows(
 comm::OpSignature signature(CollectiveKind kind, const at::Tensor& a, const at::Tensor& b,
                             const comm::Group& group, const MC2Options& options) {
   comm::OpSignature sig{kind, a.scalar_type()};
-  if (kind == CollectiveKind::kAllGatherMatmul) {
+  if (kind == kAllGatherMatmulKind) {
     sig.dims = {a.size(0), a.size(1), 0, 0};
     sig.names = {"m", "k"};
     sig.chunks = detail::all_gather_mm_chunks(a, b, group, options);
@@ -112,7 +112,7 @@ std::pair<at::Tensor, at::Tensor> all_gather_mm(const at::Tensor& a_in, const at
                                                 const comm::InFlightFn& while_in_flight) {
   check_operands("all_gather_matmul", a_in, b);
   const auto a = a_in.contiguous();
-  comm::OpScope op(group, signature(CollectiveKind::kAllGatherMatmul, a, b, group, options), group.name());
+  comm::OpScope op(group, signature(kAllGatherMatmulKind, a, b, group, options), group.name());
   auto y = at::empty({group.size() * a.size(0), b.size(1)}, a.options());
   // The chunk's rows of Y are computed while the next chunks travel.
   auto gathered = gather_rows(
@@ -130,8 +130,7 @@ at::Tensor mm_reduce_scatter(const at::Tensor& a_in, const at::Tensor& b, const 
   check_operands("matmul_reduce_scatter", a_in, b);
   check_reduce_rows("matmul_reduce_scatter", a_in, group);
   const auto a = a_in.contiguous();
-  comm::OpScope op(group, signature(CollectiveKind::kMatmulReduceScatter, a, b, group, options),
-                   group.name());
+  comm::OpScope op(group, signature(kMatmulReduceScatterKind, a, b, group, options), group.name());
   const int64_t n = b.size(1);
   TORCH_INTERNAL_ASSERT(!addend.defined() || addend.sizes() == c10::IntArrayRef({a.size(0), n}),
                         "matmul_reduce_scatter: addend of shape ", addend.sizes());
@@ -200,7 +199,7 @@ void all_gather_matmul_transfers_only(const at::Tensor& x, const at::Tensor& w, 
                                       const MC2Options& options) {
   check_operands("all_gather_matmul", x, w.t());
   const auto a = x.contiguous(), b = w.t();
-  comm::OpScope op(group, signature(CollectiveKind::kAllGatherMatmul, a, b, group, options), "transfers only",
+  comm::OpScope op(group, signature(kAllGatherMatmulKind, a, b, group, options), "transfers only",
                    /*counted=*/false);
   gather_rows(a, group, agreed_chunks(op), {});
 }
@@ -210,8 +209,8 @@ void matmul_reduce_scatter_transfers_only(const at::Tensor& x, const at::Tensor&
   check_operands("matmul_reduce_scatter", x, w.t());
   check_reduce_rows("matmul_reduce_scatter", x, group);
   const auto a = x.contiguous(), b = w.t();
-  comm::OpScope op(group, signature(CollectiveKind::kMatmulReduceScatter, a, b, group, options),
-                   "transfers only", /*counted=*/false);
+  comm::OpScope op(group, signature(kMatmulReduceScatterKind, a, b, group, options), "transfers only",
+                   /*counted=*/false);
   const int64_t n = w.size(0);
   const auto layout = fused_layout(x.size(0) / group.size(), group, agreed_chunks(op));
   if (comm::reduces_directly(x.scalar_type())) {

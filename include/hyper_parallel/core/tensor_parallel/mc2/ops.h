@@ -30,10 +30,16 @@
 #include <ATen/core/Tensor.h>
 #include <torch/arg.h>
 
+#include <hyper_parallel/core/comm/op.h>
 #include <hyper_parallel/core/comm/process_group.h>
 #include <hyper_parallel/core/comm/schedule.h>
 
 namespace hyper_parallel::tensor_parallel {
+
+/// The fused ops' kinds, counted, traced and agreed on as one collective each (comm/op.h), e.g.
+/// comm::collective_count(kAllGatherMatmulKind, "forward").
+inline constexpr comm::CollectiveKind kAllGatherMatmulKind{"all_gather_matmul"};
+inline constexpr comm::CollectiveKind kMatmulReduceScatterKind{"matmul_reduce_scatter"};
 
 /// How the fused ops cut each rank's block of rows. Usage: MC2Options().chunks_per_rank(4)
 struct MC2Options {
