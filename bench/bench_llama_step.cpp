@@ -68,8 +68,9 @@ void add_optimizers(Run& run, const Config& c) {
   TORCH_INTERNAL_ASSERT(c.dp == GradientSync::kFullyShard && c.split_root,
                         "bench_llama_step: early_gather needs fully_shard with split_root");
   using hp::fully_shard::FSDPModule;
+  // A row-sparse embedding is not gathered whole ahead: its forward gathers the rows of its ids.
   std::vector<std::pair<FSDPModule, bool>> order{{*FSDPModule::of(*run.model), true},
-                                                 {*FSDPModule::of(*run.model->tok_embeddings), true}};
+                                                 {*FSDPModule::of(*run.model->tok_embeddings), c.ddp_layout}};
   for (size_t i = 0; i < run.model->layers->size(); ++i) {
     order.emplace_back(*FSDPModule::of(*run.model->layers[i]), i == 0);
   }
@@ -96,8 +97,10 @@ Run build(const Config& c, const llama3::ModelArgs& args, int64_t seq_len, const
                                  .mc2_options(tp::MC2Options().defer_weight_grads(c.defer_weight_grads))
                                  .seq_len(seq_len));
   if (c.dp == GradientSync::kFullyShard) {
-    const auto options =
-        hp::fully_shard::FullyShardOptions().mesh(*meshes.dp).reshard_after_forward(c.reshard_after_forward);
+    const auto options = hp::fully_shard::FullyShardOptions()
+                             .mesh(*meshes.dp)
+                             .reshard_after_forward(c.reshard_after_forward)
+                             .row_sparse_embeddings(!c.ddp_layout);
     // With split_root, the output layer's gradients reduce as soon as its backward ends (first), not
     // with the embedding's at the end of the backward.
     if (c.split_root) {
@@ -259,7 +262,10 @@ Meshes make_meshes(int64_t dp) {
 // with the gathered parameters freed after each block's forward ("FSDP") or kept ("FSDP keep"), and
 // kept with the embedding and the output layer in groups of their own ("FSDP keep split") (MC2 all
 // inside each replica when TP > 1), and that with the first groups gathered for the next step
-// right after their own optimizer step ("FSDP keep early").
+// right after their own optimizer step ("FSDP keep early"), and that with the embedding's gradient
+// gathered whole and reduce-scattered dense ("FSDP keep early dense emb"; with a group of its own,
+// the embedding's forward gathers only the rows of its tokens and its reduce-scatter sends only
+// the rows they touched).
 std::vector<Config> configs_for(const Meshes& meshes) {
   if (!meshes.dp) {
     return {{"plain TP", false, llama3::MC2Scope::kFfn},
@@ -269,13 +275,15 @@ std::vector<Config> configs_for(const Meshes& meshes) {
   }
   const bool mc2 = meshes.tp.size(0) > 1;
   const auto scope = mc2 ? llama3::MC2Scope::kAll : llama3::MC2Scope::kFfn;
-  return {{"DP blocking", mc2, scope, GradientSync::kBlocking},
-          {"DP overlap", mc2, scope, GradientSync::kOverlapped},
-          {"DP overlap DDP", mc2, scope, GradientSync::kOverlapped, true, true},
-          {"FSDP", mc2, scope, GradientSync::kFullyShard},
-          {"FSDP keep", mc2, scope, GradientSync::kFullyShard, true, false, false},
-          {"FSDP keep split", mc2, scope, GradientSync::kFullyShard, true, false, false, true},
-          {"FSDP keep early", mc2, scope, GradientSync::kFullyShard, true, false, false, true, true}};
+  return {
+      {"DP blocking", mc2, scope, GradientSync::kBlocking},
+      {"DP overlap", mc2, scope, GradientSync::kOverlapped},
+      {"DP overlap DDP", mc2, scope, GradientSync::kOverlapped, true, true},
+      {"FSDP", mc2, scope, GradientSync::kFullyShard},
+      {"FSDP keep", mc2, scope, GradientSync::kFullyShard, true, false, false},
+      {"FSDP keep split", mc2, scope, GradientSync::kFullyShard, true, false, false, true},
+      {"FSDP keep early", mc2, scope, GradientSync::kFullyShard, true, false, false, true, true},
+      {"FSDP keep early dense emb", mc2, scope, GradientSync::kFullyShard, true, true, false, true, true}};
 }
 
 // The configurations named in `only` (all if empty), in that order; a c10::ValueError names the

@@ -37,8 +37,13 @@ void bind_fully_shard(py::module& m) {
            }),
            py::arg("params"), py::arg("names"), py::arg("mesh"), py::arg("reshard_after_forward"),
            py::arg("param_dtype"), py::arg("reduce_dtype"), py::arg("offload_to_cpu"), py::arg("pin_memory"))
-      .def("pre_forward", &fs::ParamGroup::pre_forward,
-           "The gathered parameters (collective on the first call of a pass).")
+      .def(
+          "pre_forward",
+          [](fs::ParamGroup& group, const std::optional<at::Tensor>& rows) -> const std::vector<at::Tensor>& {
+            return group.pre_forward(rows.value_or(at::Tensor()));
+          },
+          py::arg("rows") = py::none(),
+          "The gathered parameters (collective on the first call of a pass); rows: an embedding's ids.")
       .def("post_forward", &fs::ParamGroup::post_forward)
       .def(
           "register_pre_backward",
@@ -73,6 +78,7 @@ void bind_fully_shard(py::module& m) {
       .def("set_users", &fs::ParamGroup::set_users, py::arg("users"))
       .def("set_requires_gradient_sync", &fs::ParamGroup::set_requires_gradient_sync, py::arg("sync"))
       .def("set_reshard_after_forward", &fs::ParamGroup::set_reshard_after_forward, py::arg("reshard"))
+      .def("set_row_sparse_gradients", &fs::ParamGroup::set_row_sparse_gradients, py::arg("row_sparse"))
       .def("set_gradient_scaling_factor", &fs::ParamGroup::set_gradient_scaling_factor, py::arg("factor"))
       .def("index_of", &fs::ParamGroup::index_of, py::arg("param"))
       .def_property_readonly("parameters", &fs::ParamGroup::parameters)

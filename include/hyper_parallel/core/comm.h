@@ -4,6 +4,7 @@
 #include <hyper_parallel/core/comm/chunks.h>
 #include <hyper_parallel/core/comm/collectives.h>
 #include <hyper_parallel/core/comm/counters.h>
+#include <hyper_parallel/core/comm/gather_rows.h>
 #include <hyper_parallel/core/comm/lifecycle.h>
 #include <hyper_parallel/core/comm/link_probe.h>
 #include <hyper_parallel/core/comm/op.h>
@@ -12,6 +13,7 @@
 #include <hyper_parallel/core/comm/pending_all_reduce.h>
 #include <hyper_parallel/core/comm/pending_reduce_scatter.h>
 #include <hyper_parallel/core/comm/row_sparse_all_reduce.h>
+#include <hyper_parallel/core/comm/row_sparse_reduce_scatter.h>
 #include <hyper_parallel/core/comm/process_group.h>
 #include <hyper_parallel/core/comm/schedule.h>
 #include <hyper_parallel/core/comm/trace.h>

@@ -10,6 +10,7 @@
 #include <c10/util/Exception.h>
 #include <torch/nn/module.h>
 
+#include <hyper_parallel/core/nn/embedding.h>
 #include <hyper_parallel/core/nn/hookable_module.h>
 
 namespace hyper_parallel::fully_shard {
@@ -118,9 +119,11 @@ void install_hooks(const Owner& owner, const std::shared_ptr<State>& state) {
     auto it = index.find(name);
     return it == index.end() ? registered : s->group->gathered()[it->second];
   });
-  hm.add_input_hook([s = state](std::vector<at::Tensor> inputs) {
+  // An embedding's forward reads the rows of its ids (a row-sparse group gathers only those).
+  const bool reads_rows_by_id = dynamic_cast<nn::EmbeddingImpl*>(owner.module) != nullptr;
+  hm.add_input_hook([s = state, reads_rows_by_id](std::vector<at::Tensor> inputs) {
     for (auto& t : inputs) t = cast_input(t, s->mp_policy);
-    s->group->pre_forward();
+    s->group->pre_forward(reads_rows_by_id && !inputs.empty() ? inputs[0] : at::Tensor());
     prefetch(s->forward_prefetch);
     return inputs;
   });
@@ -170,6 +173,10 @@ FSDPModule fully_shard(torch::nn::Module& module, const FullyShardOptions& optio
   if (!params.empty()) {
     state->group = std::make_shared<ParamGroup>(std::move(params), std::move(names), options);
     state->group->set_users(static_cast<int64_t>(owners.size()));
+    // An embedding's gradient is the rows of the tokens the step saw: those travel, not the rest.
+    const bool embedding_alone = owners.size() == 1 && owners[0].params.size() == 1 &&
+                                 dynamic_cast<nn::EmbeddingImpl*>(owners[0].module) != nullptr;
+    if (options.row_sparse_embeddings() && embedding_alone) state->group->set_row_sparse_gradients(true);
     for (const auto& owner : owners) install_hooks(owner, state);
   }
   {

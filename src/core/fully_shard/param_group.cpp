@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <deque>
+#include <limits>
 #include <optional>
 
 #include <ATen/ATen.h>
@@ -12,8 +13,10 @@
 
 #include <hyper_parallel/core/comm/chunks.h>
 #include <hyper_parallel/core/comm/collectives.h>
+#include <hyper_parallel/core/comm/gather_rows.h>
 #include <hyper_parallel/core/comm/pending_all_gather.h>
 #include <hyper_parallel/core/comm/pending_reduce_scatter.h>
+#include <hyper_parallel/core/comm/row_sparse_reduce_scatter.h>
 #include <hyper_parallel/core/nn/parameter_layout.h>
 #include <hyper_parallel/core/nn/pending_gradient.h>
 
@@ -112,6 +115,8 @@ struct ParamGroup::Impl {
   bool reshard_after_forward = true, sync = true, unsharded = false;
   bool backward_prefetched = false;  // this backward of the group has started the next gather
   double scale = 1.0;
+  int64_t row_sparse_cols = 0;  // > 0: the one parameter's gradient reduces row-sparse
+  bool rows_by_id = false;      // row-sparse, and a forward's ids index this rank's rows
   int64_t users = 1, forward_calls = 0;
   std::shared_ptr<detail::PassOrder> order = std::make_shared<detail::PassOrder>();
   std::optional<comm::PendingAllGather> gather_in_flight;  // started ahead of its use
@@ -121,6 +126,7 @@ struct ParamGroup::Impl {
   explicit Impl(dtensor::DeviceMesh m) : mesh(std::move(m)) {}
   void start_gather();
   void finish_gather();
+  void gather_rows(const at::Tensor& ids);
   std::vector<at::Tensor> reduce(std::vector<at::Tensor> grads);
   at::Tensor reduce_input(const std::vector<at::Tensor>& grads);
   void free_buffers();
@@ -236,6 +242,20 @@ void ParamGroup::Impl::finish_gather() {
   unsharded = true;
 }
 
+// A row-sparse group's forward with no gather of it under way: only the rows of `ids` (an
+// embedding's tokens) travel, into the buffer; the rows not asked for read NaN. It leaves the
+// group not unsharded: an unshard() still gathers the whole parameter.
+void ParamGroup::Impl::gather_rows(const at::Tensor& ids) {
+  const auto unique = std::get<0>(at::_unique(ids.reshape({-1}).to(at::kLong), /*sorted=*/true));
+  const auto shard = params[0].detach().reshape({-1, row_sparse_cols}).to(gather_dtype);
+  const auto rows = comm::gather_rows(shard, buffers[0].size(0), unique, shard_group);
+  ++stats.gathers;
+  set_storage(buffers[0], true);
+  auto full = buffers[0].variable_data().view({-1, row_sparse_cols});
+  full.fill_(std::numeric_limits<double>::quiet_NaN());
+  full.index_copy_(0, unique, rows);
+}
+
 bool ParamGroup::Impl::shards_changed() const {
   for (size_t i = 0; i < params.size(); ++i) {
     if (static_cast<int64_t>(params[i]._version()) != versions_at_gather[i]) return true;
@@ -285,6 +305,9 @@ std::vector<at::Tensor> ParamGroup::Impl::reduce(std::vector<at::Tensor> grads) 
   auto flat = reduce_input(grads);
   if (shard_group.size() == 1) {
     in_flight->unreduced = std::move(flat);
+  } else if (row_sparse_cols > 0) {
+    in_flight->pending =
+        comm::start_row_sparse_reduce_scatter(flat, row_sparse_cols, comm::ReduceOp::kAvg, shard_group);
   } else {
     in_flight->pending = comm::start_reduce_scatter(flat, comm::ReduceOp::kAvg, shard_group);
   }
@@ -314,7 +337,7 @@ std::vector<at::Tensor> ParamGroup::Impl::reduce(std::vector<at::Tensor> grads) 
   return out;
 }
 
-const std::vector<at::Tensor>& ParamGroup::pre_forward() {
+const std::vector<at::Tensor>& ParamGroup::pre_forward(const at::Tensor& rows) {
   auto& s = *impl_;
   if (s.forward_calls > 0) return s.gathered;
   s.order->first_use.record(impl_);
@@ -322,8 +345,13 @@ const std::vector<at::Tensor>& ParamGroup::pre_forward() {
     ++s.stats.regathered;
     s.free_buffers();
   }
-  s.finish_gather();
-  if (auto next = s.order->next_forward(impl_)) next->start_gather();
+  if (s.rows_by_id && rows.defined() && !s.unsharded && !s.gather_in_flight) {
+    s.gather_rows(rows);
+  } else {
+    s.finish_gather();
+  }
+  // A row-sparse group is not prefetched: its forward gathers only the rows it reads.
+  if (auto next = s.order->next_forward(impl_); next && next->row_sparse_cols == 0) next->start_gather();
   std::vector<at::Tensor> views;
   for (const auto& b : s.buffers) views.push_back(b.detach());
   std::weak_ptr<Impl> weak = impl_;
@@ -365,12 +393,14 @@ std::vector<at::Tensor> ParamGroup::register_pre_backward(std::vector<at::Tensor
           // Before the module's own backward reads its parameters: gather them if resharded,
           // and start the gather of the group whose backward comes next.
           if (auto self = weak.lock()) {
-            self->finish_gather();
+            // An embedding's backward reads no weight: a row-sparse group is not gathered again.
+            if (self->row_sparse_cols == 0) self->finish_gather();
             // Once per backward of the group: a module of it that runs its backward late (the
             // root's embedding, last) must not gather a group whose backward is over.
             if (!self->backward_prefetched) {
               self->backward_prefetched = true;
-              if (auto next = self->order->next_backward(self)) next->start_gather();
+              auto next = self->order->next_backward(self);
+              if (next && next->row_sparse_cols == 0) next->start_gather();
             }
           }
           if (then) then();
@@ -405,6 +435,29 @@ void ParamGroup::set_users(int64_t users) {
 void ParamGroup::set_requires_gradient_sync(bool sync) { impl_->sync = sync; }
 void ParamGroup::set_reshard_after_forward(bool reshard) { impl_->reshard_after_forward = reshard; }
 void ParamGroup::set_gradient_scaling_factor(double factor) { impl_->scale = factor; }
+void ParamGroup::set_row_sparse_gradients(bool row_sparse) {
+  auto& s = *impl_;
+  if (!row_sparse) {
+    s.row_sparse_cols = 0;
+    s.rows_by_id = false;
+    return;
+  }
+  TORCH_CHECK_VALUE(s.params.size() == 1 && s.buffers[0].dim() >= 2,
+                    "ParamGroup::set_row_sparse_gradients: expected a group of one parameter of at least 2 "
+                    "dims (an embedding's weight), got ",
+                    s.params.size(), " parameters", s.params.empty() ? "" : ", the first of shape ",
+                    s.params.empty() ? at::IntArrayRef() : s.buffers[0].sizes());
+  // The flat buffer of a one-parameter group is its padded row blocks: whole rows per rank.
+  s.row_sparse_cols = s.buffers[0].numel() / std::max<int64_t>(s.buffers[0].size(0), 1);
+  // Ids index the table's rows unless a tensor-parallel style cut its rows (the vocabulary) over
+  // more than one rank: that style's forward maps them to its own rows.
+  const auto layout = nn::recorded_layout(s.params[0]);
+  const int64_t tp_dims = layout ? layout->mesh.ndim() - s.mesh.ndim() : 0;
+  s.rows_by_id = true;
+  for (int64_t d = 0; d < tp_dims; ++d) {
+    if (layout->placements[d].is_shard(0) && layout->mesh.size(d) > 1) s.rows_by_id = false;
+  }
+}
 const std::vector<at::Tensor>& ParamGroup::parameters() const { return impl_->params; }
 const std::vector<at::Tensor>& ParamGroup::gathered() const { return impl_->gathered; }
 const dtensor::DeviceMesh& ParamGroup::mesh() const { return impl_->mesh; }

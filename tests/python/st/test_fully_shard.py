@@ -1,7 +1,7 @@
 """fully_shard on torch.nn modules at 2 and 4 ranks, against the full-batch single-process
 reference: training with reshard_after_forward on and off (bitwise run to run), HSDP, gradient
 accumulation without sync, tensor parallelism on a 2 x 2 mesh; implicit prefetch and
-unshard(async_op); the module's new methods; every
+unshard(async_op); an embedding's row-sparse gradient reduce-scatter; the module's new methods; every
 option that cannot apply is a clear error; the original's import paths."""
 
 import copy
@@ -170,10 +170,60 @@ def test_mixed_precision_gathers_in_bf16_and_keeps_float32_shards():
     (dict(replicate_params=[nn.Parameter(torch.zeros(2))]), NotImplementedError, "replicate_params"),
     (dict(shard_placement_fn=lambda p: Shard(1)), NotImplementedError, "only Shard\\(0\\)"),
     (dict(comm_fusion=1), ValueError, "comm_fusion: expected a bool"),
+    (dict(row_sparse_embeddings=None), ValueError, "row_sparse_embeddings: expected a bool"),
 ])
 def test_options_that_cannot_apply_are_clear_errors(kwargs, error, message):
     with pytest.raises(error, match=message):
         fully_shard(Net(), mesh=dp_mesh(), **kwargs)
+
+
+class Lm(nn.Module):
+    VOCAB = 96
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(11)
+        self.embed, self.block, self.head = nn.Embedding(self.VOCAB, DIM), Block(), nn.Linear(DIM, self.VOCAB)
+
+    def forward(self, ids):
+        return self.head(self.block(self.embed(ids)))
+
+
+def train_lm(row_sparse_embeddings):
+    """3 AdamW steps; each rank's 10 tokens touch at most 10 of the 96 embedding rows."""
+    lm = Lm()
+    for m in (lm.embed, lm.block, lm):
+        fully_shard(m, mesh=dp_mesh(), row_sparse_embeddings=row_sparse_embeddings)
+    opt = torch.optim.AdamW(lm.parameters(), lr=1e-2)
+    losses, forward_sent, sent = [], 0, 0
+    for s in range(3):
+        torch.manual_seed(200 + 16 * s + dist.get_rank())
+        ids = torch.randint(0, 8, (2, 5)) * 11 % Lm.VOCAB + dist.get_rank()
+        opt.zero_grad()
+        before = comm.payload_bytes_sent()
+        loss = lm(ids).pow(2).mean()
+        forward_sent += comm.payload_bytes_sent() - before
+        loss.backward()
+        sent += comm.payload_bytes_sent() - before
+        opt.step()
+        losses.append(loss.detach())
+    return torch.stack(losses), [full_tensor(p) for p in lm.parameters()], forward_sent, sent - forward_sent
+
+
+def test_an_embedding_alone_gathers_and_reduces_row_sparse_bitwise_as_dense():
+    ws = dist.get_world_size()
+    dense_losses, dense_params, dense_forward_sent, dense_sent = train_lm(row_sparse_embeddings=False)
+    losses, params, forward_sent, sent = train_lm(row_sparse_embeddings=True)
+    assert torch.equal(losses, dense_losses)
+    assert all(torch.equal(p, q) for p, q in zip(params, dense_params))
+    # Per step: the dense reduce-scatter sends ws - 1 blocks of ceil(96 / ws) rows of DIM fp32;
+    # the sparse one ws counts to each peer and at most 10 rows, each with its index.
+    row_bytes, block_rows = DIM * 4, -(-Lm.VOCAB // ws)
+    saved = (ws - 1) * block_rows * row_bytes - ((ws - 1) * 8 * ws + 10 * (8 + row_bytes))
+    assert sent <= dense_sent - 3 * saved
+    # The forward gathers the rows of this rank's 10 tokens, not the embedding's 96.
+    gather_saved = (ws - 1) * block_rows * row_bytes - ((ws - 1) * 8 + 10 * 8 + (ws - 1) * 10 * row_bytes)
+    assert forward_sent <= dense_forward_sent - 3 * gather_saved
 
 
 def test_module_methods_and_their_errors():

@@ -2,7 +2,8 @@
 // training (AdamW) with reshard_after_forward on and off, HSDP, gradient accumulation without
 // sync, mixed precision, uneven and empty shards; exact collective counts per phase; implicit
 // and explicit prefetch; groups gathered right after their own optimizer step; the shards' sizes and the
-// optimizer state's; every error a user can cause.
+// optimizer state's; an embedding's row-sparse reduce-scatter, bitwise the dense one; every
+// error a user can cause.
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
@@ -385,6 +386,107 @@ TEST(FullyShard, MixedPrecisionGathersInParamDtypeAndReducesInReduceDtype) {
   }
 }
 
+// A language model's embedding in a group of its own: the step's tokens touch few of its rows.
+struct Lm : torch::nn::Module {
+  static constexpr int64_t kVocab = 96;
+  Lm() {
+    at::manual_seed(11);
+    embed = register_module("embed", hp::nn::Embedding(kVocab, kIn));
+    block = register_module("block", std::make_shared<Block>());
+    head = register_module("head", hp::nn::Linear(kIn, kVocab));
+  }
+  at::Tensor forward(const at::Tensor& ids) { return head(block->forward(embed(ids))); }
+  hp::nn::Embedding embed{nullptr};
+  std::shared_ptr<Block> block;
+  hp::nn::Linear head{nullptr};
+};
+
+// Rank r's ids of step `step`: 2 x 5 tokens among 8 of the vocabulary, a set that moves with the
+// rank and the step (rows some ranks share, rows only one rank has).
+at::Tensor token_ids(int64_t step, int64_t rank) {
+  at::manual_seed(200 + step * 16 + rank);
+  return at::randint(0, 8, {2, 5}, at::kLong) * 11 % Lm::kVocab + rank;
+}
+
+struct LmRun {
+  std::vector<double> losses;
+  std::vector<at::Tensor> params;
+  int64_t forward_bytes = 0, backward_bytes = 0, reduce_scatters = 0;
+  fs::GatherStats embedding_gathers;
+};
+
+LmRun train_lm(const fs::FullyShardOptions& options, int64_t steps) {
+  const int64_t r = hp_test::rank();
+  Lm lm;
+  fs::fully_shard(*lm.embed, options);
+  fs::fully_shard(*lm.block, options);
+  fs::fully_shard(lm, options);
+  torch::optim::AdamW opt(lm.parameters(), torch::optim::AdamWOptions(1e-2));
+  LmRun run;
+  hp::comm::reset_collective_counts();
+  for (int64_t s = 0; s < steps; ++s) {
+    opt.zero_grad();
+    const int64_t at_start = hp::comm::payload_bytes_sent();
+    auto loss = lm.forward(token_ids(s, r)).pow(2).mean();
+    run.forward_bytes += hp::comm::payload_bytes_sent() - at_start;
+    {
+      hp::comm::CommRegion region("backward");
+      const int64_t before = hp::comm::payload_bytes_sent();
+      loss.backward();
+      run.backward_bytes += hp::comm::payload_bytes_sent() - before;
+    }
+    opt.step();
+    run.losses.push_back(loss.item<double>());
+  }
+  run.reduce_scatters = hp::comm::collective_count(CollectiveKind::kReduceScatter, "backward");
+  run.embedding_gathers = fs::FSDPModule::of(*lm.embed)->group()->gather_stats();
+  for (const auto& p : lm.parameters()) run.params.push_back(hp::tensor_parallel::full_tensor(p));
+  return run;
+}
+
+// The embedding's forward gathers only the rows of its tokens, its backward gathers nothing, and
+// its reduce-scatter sends only the rows of the tokens some rank saw; training gives the dense
+// run's bits: losses and every parameter, kept or resharded after the forward, fp32 and with
+// bf16 parameters reduced in fp32.
+TEST(FullyShard, AnEmbeddingAloneGathersAndReducesRowSparseBitwiseAsDense) {
+  const int64_t p = hp_test::world_size();
+  for (bool reshard : {true, false}) {
+    for (bool mixed : {false, true}) {
+      SCOPED_TRACE(std::string(reshard ? "resharded" : "kept") + (mixed ? ", bf16 params" : ", fp32"));
+      auto options = fs::FullyShardOptions().mesh(dp_mesh()).reshard_after_forward(reshard);
+      if (mixed)
+        options.mp_policy(fs::MixedPrecisionPolicy().param_dtype(at::kBFloat16).reduce_dtype(at::kFloat));
+      const auto dense = train_lm(fs::FullyShardOptions(options).row_sparse_embeddings(false), 3);
+      const auto sparse = train_lm(options, 3);
+      EXPECT_EQ(sparse.losses, dense.losses);
+      ASSERT_EQ(sparse.params.size(), dense.params.size());
+      for (size_t i = 0; i < dense.params.size(); ++i)
+        EXPECT_TRUE(sparse.params[i].equal(dense.params[i])) << "parameter " << i;
+      EXPECT_EQ(sparse.reduce_scatters, dense.reduce_scatters);
+      if (p > 1) {
+        // Per step, the embedding's dense reduce-scatter sends (P - 1) of its P blocks of
+        // ceil(96 / P) fp32 rows of 12; the sparse one its P counts to each peer and at most the
+        // 10 rows this rank's tokens touched (an index and a row each).
+        const int64_t row_bytes = kIn * 4, block_rows = (Lm::kVocab + p - 1) / p;
+        const int64_t dense_embedding = (p - 1) * block_rows * row_bytes;
+        const int64_t sparse_embedding = (p - 1) * 8 * p + 10 * (8 + row_bytes);
+        EXPECT_LE(sparse.backward_bytes, dense.backward_bytes - 3 * (dense_embedding - sparse_embedding));
+        // The forward: the dense gather sends this rank's block of ceil(96 / P) rows to each
+        // peer; the sparse one a count to each peer, at most 10 offsets, and at most the 10 rows
+        // each peer asks for.
+        const int64_t gathered_row = kIn * (mixed ? 2 : 4);
+        const int64_t dense_gather = (p - 1) * block_rows * gathered_row;
+        const int64_t sparse_gather = (p - 1) * 8 + 10 * 8 + (p - 1) * 10 * gathered_row;
+        EXPECT_LE(sparse.forward_bytes, dense.forward_bytes - 3 * (dense_gather - sparse_gather));
+      }
+      // One gather per forward; the dense run's resharded embedding is gathered again in each
+      // backward, the sparse one's is not (its backward reads no weight).
+      EXPECT_EQ(sparse.embedding_gathers.gathers, 3);
+      EXPECT_EQ(dense.embedding_gathers.gathers, reshard ? 6 : 3);
+    }
+  }
+}
+
 TEST(FullyShard, ErrorsNameWhatWasExpected) {
   HP_EXPECT_THROW_MSG(fs::ParamGroup({at::zeros({})}, {"scalar"}, {}),
                       "fully_shard: expected parameters of at least one dim (sharded on dim 0), got scalar");
@@ -420,6 +522,14 @@ TEST(FullyShard, ErrorsNameWhatWasExpected) {
   HP_EXPECT_THROW_MSG(
       hp::tensor_parallel::parallelize_module(*lin, tp_mesh, hp::tensor_parallel::ColwiseParallel()),
       "parameter 'weight' is already laid out (by another style, or by fully_shard: apply styles first)");
+  fs::ParamGroup two({at::zeros({4, 2}), at::zeros({4, 2})}, {"a", "b"},
+                     fs::FullyShardOptions().mesh(dp_mesh()));
+  HP_EXPECT_THROW_MSG(
+      two.set_row_sparse_gradients(true),
+      "ParamGroup::set_row_sparse_gradients: expected a group of one parameter of at least 2 dims "
+      "(an embedding's weight), got 2 parameters, the first of shape [4, 2]");
+  fs::ParamGroup vector({at::zeros({4})}, {"v"}, fs::FullyShardOptions().mesh(dp_mesh()));
+  HP_EXPECT_THROW_MSG(vector.set_row_sparse_gradients(true), "got 1 parameters, the first of shape [4]");
 }
 
 }  // namespace

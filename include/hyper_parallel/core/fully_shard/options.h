@@ -48,6 +48,10 @@ struct FullyShardOptions {
   TORCH_ARG(bool, reshard_after_forward) = true;
   TORCH_ARG(MixedPrecisionPolicy, mp_policy) = {};
   TORCH_ARG(OffloadPolicy, offload_policy) = {};
+  /// A group whose one parameter is an Embedding's weight reduce-scatters only the gradient rows
+  /// of the tokens some rank saw (bitwise the dense result, fewer bytes; the dense exchange when
+  /// it would send less). false: always dense.
+  TORCH_ARG(bool, row_sparse_embeddings) = true;
 };
 
 }  // namespace hyper_parallel::fully_shard

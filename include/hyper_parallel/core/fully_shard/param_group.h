@@ -61,8 +61,10 @@ class ParamGroup {
 
   /// A managed module's forward begins (`users` modules share the group; the first of a pass
   /// gathers): the gathered parameters, differentiable (their gradient is reduce-scattered into
-  /// the shards), in the managed order. Collective.
-  const std::vector<at::Tensor>& pre_forward();
+  /// the shards), in the managed order. `rows`: for a row-sparse group, the rows of its one
+  /// parameter this forward reads (an embedding's ids): unless a gather of it is under way, only
+  /// those travel (comm/gather_rows.h), and the other rows read NaN. Collective.
+  const std::vector<at::Tensor>& pre_forward(const at::Tensor& rows = {});
   /// A managed module's forward ended: once all `users` have, the group reshards (if
   /// reshard_after_forward) and the next pre_forward starts a new pass.
   void post_forward();
@@ -94,6 +96,13 @@ class ParamGroup {
   void set_reshard_after_forward(bool reshard);
   /// Multiplies the reduced gradients (after the average over the data-parallel ranks).
   void set_gradient_scaling_factor(double factor);
+  /// true: the group's one parameter is an embedding's table, read by one module's forward at the
+  /// rows of its ids and not at all by its backward. Its forward gathers only those rows (see
+  /// pre_forward), it is not prefetched or gathered again for the backward, and its gradient's
+  /// reduce-scatter sends only the rows with bits (comm/row_sparse_reduce_scatter.h): the
+  /// dense results' bits. A c10::ValueError for a group of more than one parameter or of a
+  /// parameter of fewer than 2 dims.
+  void set_row_sparse_gradients(bool row_sparse);
 
   /// The managed parameters (their data is this rank's shard).
   const std::vector<at::Tensor>& parameters() const;

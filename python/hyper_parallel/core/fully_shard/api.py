@@ -184,7 +184,9 @@ def _install_hooks(group, owners, mp_policy: MixedPrecisionPolicy, fsdp_module):
     forward; put the shards back, register the pre-backward and count the module after it."""
     for sub, names in owners.items():
         def pre_hook(mod, args, names=names):
-            gathered = group.pre_forward()
+            # An embedding's forward reads the rows of its ids (a row-sparse group gathers those).
+            ids = args[0] if isinstance(mod, nn.Embedding) and args and isinstance(args[0], torch.Tensor) else None
+            gathered = group.pre_forward(ids)
             for name, index in names:
                 mod._parameters[name] = gathered[index]
             for other in getattr(fsdp_module, "_fsdp_forward_prefetch", []):
@@ -217,14 +219,19 @@ def _install_hooks(group, owners, mp_policy: MixedPrecisionPolicy, fsdp_module):
 def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: Optional[Union[bool, int]] = True,
                 shard_placement_fn=None, mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
                 offload_policy: OffloadPolicy = OffloadPolicy(), ignored_params: Optional[Iterable] = None,
-                replicate_params: Optional[Iterable] = None, comm_fusion: bool = False) -> nn.Module:
+                replicate_params: Optional[Iterable] = None, comm_fusion: bool = False,
+                row_sparse_embeddings: bool = True) -> nn.Module:
     """Shards ``module``'s parameters that no earlier call took on dim 0 over ``mesh`` (1-d, or
     2-d (replicate, shard) for HSDP; default: 1-d over the world) and returns it, now an
     FSDPModule. ``reshard_after_forward`` True frees the gathered parameters after the forward
     (gathered again for the backward), False keeps them to the end of the backward.
-    ``comm_fusion``: the group always travels in one message. Collective over the mesh."""
+    ``comm_fusion``: the group always travels in one message. A group whose one parameter is an
+    ``nn.Embedding``'s weight gathers in its forward only the rows of its ids and reduce-scatters
+    only the gradient rows of the tokens some rank saw (bitwise the dense run);
+    ``row_sparse_embeddings=False`` keeps it dense. Collective over the mesh."""
     _check_options(module, reshard_after_forward, shard_placement_fn, mp_policy, offload_policy, replicate_params,
                    comm_fusion)
+    _bool(row_sparse_embeddings, "fully_shard row_sparse_embeddings")
     if mesh is None:
         import torch.distributed as dist  # pylint: disable=import-outside-toplevel
 
@@ -247,6 +254,9 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: Optional
     for sub, name, param, _ in owned:
         owners.setdefault(sub, []).append((name, order.index(id(param))))
     group.set_users(len(owners))
+    only_owner = next(iter(owners)) if len(owners) == 1 else None
+    if row_sparse_embeddings and isinstance(only_owner, nn.Embedding) and len(order) == 1:
+        group.set_row_sparse_gradients(True)
     module._fsdp_group = group
     _install_hooks(group, owners, mp_policy, module)
     _share_pass_order(module)
