@@ -113,7 +113,13 @@ TEST_F(Agreement, KindNamesOfTheLongestLengthTravelWhole) {
     EXPECT_NE(message.find(", op_name_of_24_characters Float rows=5"), std::string::npos) << message;
   }
   const std::string too_long(hp::comm::CollectiveKind::kMaxNameLength + 1, 'x');
-  EXPECT_THROW(hp::comm::CollectiveKind{too_long.c_str()}, std::invalid_argument);
+  try {
+    hp::comm::CollectiveKind{too_long.c_str()};
+    ADD_FAILURE() << "expected std::invalid_argument for a name of " << too_long.size() << " characters";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "CollectiveKind: expected a name of 1 to 24 characters, got '" + too_long + "' (25)");
+  }
   EXPECT_THROW(hp::comm::CollectiveKind{""}, std::invalid_argument);
 }
 

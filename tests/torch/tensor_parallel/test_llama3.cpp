@@ -3,7 +3,6 @@
 // gathered loss, exact collective counts, and the plan's validation errors.
 #include <gtest/gtest.h>
 
-#include <array>
 #include <map>
 #include <sstream>
 #include <string>
@@ -12,6 +11,7 @@
 
 #include <hyper_parallel/hyper_parallel.h>
 
+#include "common/llama3_grads.h"
 #include "common/test_util.h"
 #include "llama3/model.h"
 #include "llama3/parallelize.h"
@@ -29,19 +29,11 @@ namespace {
 constexpr double kLossRtol = 1e-4;
 constexpr double kGradRtol = 1e-3, kGradAtol = 1e-5;
 
-using Grads = std::vector<std::vector<std::pair<std::string, at::Tensor>>>;
-
-// The steps whose full gradients are compared (gathering them at every step took a fifth of this
-// test's time). A wrong gradient at steps 2 to 4 shows in those steps' gradient norms, and in step
-// 5's gradients, which come from the parameters those steps updated.
-constexpr std::array<int64_t, 2> kGradSteps = {1, 5};
+using hp_test::Grads;
 
 std::pair<std::vector<llama3::StepResult>, Grads> run(llama3::TrainOptions options) {
   Grads grads;
-  auto results = llama3::train(options.steps(5).log(false), [&](int64_t step, llama3::TransformerImpl& m) {
-    if (step == kGradSteps[0] || step == kGradSteps[1])
-      grads.push_back(tp::full_named_parameters(m, /*gradients=*/true));
-  });
+  auto results = llama3::train(options.steps(5).log(false), hp_test::gather_grads_at_checked_steps(grads));
   return {results, grads};
 }
 
@@ -79,18 +71,7 @@ void expect_same_training(const llama3::TrainOptions& options) {
     EXPECT_NEAR(par[i].grad_norm, ref[i].grad_norm, kGradRtol * ref[i].grad_norm) << "step " << i + 1;
   }
   EXPECT_LT(par.back().loss, par.front().loss) << "the loss falls";
-  ASSERT_EQ(ref_grads.size(), kGradSteps.size());
-  ASSERT_EQ(par_grads.size(), kGradSteps.size());
-  for (size_t step = 0; step < ref_grads.size(); ++step) {
-    ASSERT_EQ(ref_grads[step].size(), par_grads[step].size());
-    for (size_t i = 0; i < ref_grads[step].size(); ++i) {
-      const auto& [name, g] = par_grads[step][i];
-      EXPECT_EQ(name, ref_grads[step][i].first);
-      EXPECT_TRUE(at::allclose(g, ref_grads[step][i].second, kGradRtol, kGradAtol))
-          << "step " << kGradSteps[step] << " " << name << ": max abs diff "
-          << (g - ref_grads[step][i].second).abs().max().item<double>();
-    }
-  }
+  hp_test::expect_close_grads(par_grads, ref_grads, kGradRtol, kGradAtol);
 }
 
 TEST(Llama3, SequenceParallelTrainingEqualsSingleProcess) { expect_same_training(llama3::TrainOptions()); }

@@ -9,6 +9,7 @@
 
 #include <hyper_parallel/hyper_parallel.h>
 
+#include "common/llama3_grads.h"
 #include "common/test_util.h"
 #include "llama3/model.h"
 #include "llama3/parallelize.h"
@@ -304,29 +305,22 @@ TEST_F(MC2Layers, SequenceFirstColwise) {
 
 // ---- Llama 3 with enable_mc2 -------------------------------------------------------------------
 
-using Grads = std::vector<std::vector<std::pair<std::string, at::Tensor>>>;
+using hp_test::Grads;
 
-// The steps whose full gradients are compared. A wrong gradient at steps 2 to 4 shows in the
-// losses after it and in step 5's gradients, which come from the parameters those steps updated.
-constexpr std::array<int64_t, 2> kGradSteps = {1, 5};
-
-// Losses of 5 steps and, with `gather_grads`, the full gradients after the backward of kGradSteps.
+// Losses of 5 steps and, with `gather_grads`, the full gradients after the backward of
+// hp_test::kGradSteps.
 std::pair<std::vector<double>, Grads> train5(const llama3::TrainOptions& options, bool gather_grads) {
   Grads grads;
   std::vector<double> out;
   for (const auto& r : llama3::train(llama3::TrainOptions(options).steps(5).log(false),
-                                     [&](int64_t step, llama3::TransformerImpl&m) {
-                                       if (gather_grads && (step == kGradSteps[0] || step == kGradSteps[1])) {
-                                         grads.push_back(tp::full_named_parameters(m, true));
-                                       }
-                                     })) {
+                                     hp_test::gather_grads_at_checked_steps(grads, gather_grads))) {
     out.push_back(r.loss);
   }
   return {out, grads};
 }
 
 // Losses step by step within loss_rtol (and falling); with compare_grads, every gradient of
-// kGradSteps within rtol 1e-3 / `grad_atol`.
+// hp_test::kGradSteps within rtol 1e-3 / `grad_atol`.
 void expect_same_training(const std::vector<double>& plain, const Grads& plain_grads,
                           const std::vector<double>& fused, const Grads& fused_grads, double loss_rtol,
                           bool compare_grads, double grad_atol) {
@@ -335,16 +329,7 @@ void expect_same_training(const std::vector<double>& plain, const Grads& plain_g
   }
   EXPECT_LT(fused.back(), fused.front());
   if (!compare_grads) return;
-  ASSERT_EQ(plain_grads.size(), kGradSteps.size());
-  ASSERT_EQ(fused_grads.size(), kGradSteps.size());
-  for (size_t step = 0; step < plain_grads.size(); ++step) {
-    for (size_t k = 0; k < plain_grads[step].size(); ++k) {
-      const auto& [name, g] = fused_grads[step][k];
-      EXPECT_TRUE(at::allclose(g, plain_grads[step][k].second, 1e-3, grad_atol))
-          << "step " << kGradSteps[step] << " " << name << ": max abs diff "
-          << (g - plain_grads[step][k].second).abs().max().item<double>();
-    }
-  }
+  hp_test::expect_close_grads(fused_grads, plain_grads, 1e-3, grad_atol);
 }
 
 TEST(Llama3MC2, TrainsLikeThePlainPath) {

@@ -40,11 +40,14 @@ class CollectiveKind {
   /// The longest name: the ranks' signatures carry it in a fixed-size field.
   static constexpr size_t kMaxNameLength = 24;
   /// `name` is a string literal of 1 to kMaxNameLength characters; a constant with a longer or
-  /// empty name does not compile.
+  /// empty name does not compile, and a kind made at run time with one throws.
   explicit constexpr CollectiveKind(const char* name) : name_(name) {
     const size_t n = std::char_traits<char>::length(name);
+    // Evaluated only when thrown, so never in a constant expression.
     if (n == 0 || n > kMaxNameLength)
-      throw std::invalid_argument("CollectiveKind: expected 1 to 24 characters");
+      throw std::invalid_argument("CollectiveKind: expected a name of 1 to " +
+                                  std::to_string(kMaxNameLength) + " characters, got '" + name + "' (" +
+                                  std::to_string(n) + ")");
   }
   constexpr const char* name() const { return name_; }
   friend constexpr bool operator==(CollectiveKind a, CollectiveKind b) {
