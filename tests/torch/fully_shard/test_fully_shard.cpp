@@ -1,10 +1,12 @@
 // fully_shard against the full-batch single-process reference at world sizes 1, 2, 3 and 4:
 // training (AdamW) with reshard_after_forward on and off, HSDP, gradient accumulation without
 // sync, mixed precision, uneven and empty shards; exact collective counts per phase; implicit
-// and explicit prefetch; groups gathered right after their own optimizer step; the shards' sizes and the
-// optimizer state's; an embedding's row-sparse reduce-scatter, bitwise the dense one; every
-// error a user can cause.
+// and explicit prefetch; groups gathered right after their own optimizer step; the shards' sizes
+// and the optimizer state's; an embedding's row-sparse gather and reduce-scatter, bitwise the
+// dense ones, also under a TP style that cuts its vocabulary; every error a user can cause.
 #include <gtest/gtest.h>
+
+#include <optional>
 
 #include <ATen/ATen.h>
 #include <torch/nn/modules/linear.h>
@@ -415,9 +417,18 @@ struct LmRun {
   fs::GatherStats embedding_gathers;
 };
 
-LmRun train_lm(const fs::FullyShardOptions& options, int64_t steps) {
-  const int64_t r = hp_test::rank();
+// With `tp`, the embedding is first cut by vocabulary rows over it (RowwiseParallel), and
+// `replica` is this rank's data-parallel index (the ranks of one replica read the same ids).
+LmRun train_lm(const fs::FullyShardOptions& options, int64_t steps,
+               const std::optional<DeviceMesh>& tp = std::nullopt, int64_t replica = hp_test::rank()) {
+  const int64_t r = replica;
   Lm lm;
+  if (tp) {
+    hp::tensor_parallel::parallelize_module(
+        *lm.embed, *tp,
+        hp::tensor_parallel::RowwiseParallel(
+            hp::tensor_parallel::RowwiseParallelOptions().input_layouts(hp::dtensor::Replicate())));
+  }
   fs::fully_shard(*lm.embed, options);
   fs::fully_shard(*lm.block, options);
   fs::fully_shard(lm, options);
@@ -485,6 +496,24 @@ TEST(FullyShard, AnEmbeddingAloneGathersAndReducesRowSparseBitwiseAsDense) {
       EXPECT_EQ(dense.embedding_gathers.gathers, reshard ? 6 : 3);
     }
   }
+}
+
+// An embedding whose vocabulary rows a TP style cut over tp 2 maps its ids to its own rows, so
+// fully_shard over dp 2 gathers its table whole (asking for rows by id would ask for rows past
+// its half) and still reduces its gradient row-sparse: the dense run's bits.
+TEST(FullyShard, AnEmbeddingCutByVocabularyUnderTPGathersWholeAndTrainsAsDense) {
+  if (hp_test::world_size() != 4) GTEST_SKIP() << "a 2 x 2 (dp, tp) mesh needs 4 ranks";
+  auto mesh = hp::dtensor::init_device_mesh("cpu", {2, 2}, {"dp", "tp"});
+  const auto options = fs::FullyShardOptions().mesh(mesh["dp"]);
+  const int64_t replica = mesh.get_local_rank(0);
+  const auto dense =
+      train_lm(fs::FullyShardOptions(options).row_sparse_embeddings(false), 3, mesh["tp"], replica);
+  const auto sparse = train_lm(options, 3, mesh["tp"], replica);
+  EXPECT_EQ(sparse.losses, dense.losses);
+  for (size_t i = 0; i < dense.params.size(); ++i)
+    EXPECT_TRUE(sparse.params[i].equal(dense.params[i])) << "parameter " << i;
+  EXPECT_LT(sparse.backward_bytes, dense.backward_bytes);
+  EXPECT_EQ(sparse.forward_bytes, dense.forward_bytes) << "the whole table is gathered in both";
 }
 
 TEST(FullyShard, ErrorsNameWhatWasExpected) {
