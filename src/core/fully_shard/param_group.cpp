@@ -1,7 +1,6 @@
 #include <hyper_parallel/core/fully_shard/param_group.h>
 
 #include <algorithm>
-#include <deque>
 #include <limits>
 #include <optional>
 
@@ -24,6 +23,7 @@
 #include "../util/weak_tensor_map.h"
 #include "flat_layout.h"
 #include "pass_order.h"
+#include "reduce_in_flight.h"
 
 namespace hyper_parallel::fully_shard {
 namespace {
@@ -57,45 +57,6 @@ nn::ParameterLayout composed_layout(const at::Tensor& param, const std::string& 
   auto placements = prior->placements;
   placements.insert(placements.end(), dp.begin(), dp.end());
   return {*mesh, placements, prior->global_shape};
-}
-
-// A group's reduce-scatter in flight, then its all-reduce over the replicate dim (HSDP) and its
-// scaling: done once, by the first of its parameters' deferred gradients to be finished.
-struct ReduceInFlight {
-  comm::PendingReduceScatter pending;
-  at::Tensor unreduced;  // a shard dim of one rank: its flat gradients, reduced as they are
-  std::optional<comm::Group> replicate;
-  double scale = 1.0;
-  at::Tensor result;
-
-  const at::Tensor& wait() {
-    if (result.defined()) return result;
-    auto reduced = unreduced.defined() ? unreduced : pending.wait();
-    if (replicate && replicate->size() > 1)
-      reduced = comm::all_reduce(reduced, comm::ReduceOp::kAvg, *replicate);
-    result = scale == 1.0 ? reduced : reduced * scale;
-    return result;
-  }
-};
-
-// At most this many groups' reduce-scatters travel at once (every group's, process-wide); a
-// group whose backward ends with that many in flight first finishes the oldest. Each holds its
-// flat gradients and the partials it receives.
-constexpr size_t kMaxReducesInFlight = 2;
-
-std::deque<std::weak_ptr<ReduceInFlight>>& reduces_in_flight() {
-  static std::deque<std::weak_ptr<ReduceInFlight>> in_flight;  // the backward's thread only
-  return in_flight;
-}
-
-void bound_reduces_in_flight() {
-  auto& q = reduces_in_flight();
-  while (!q.empty()) {
-    auto oldest = q.front().lock();
-    if (oldest && !oldest->result.defined() && q.size() < kMaxReducesInFlight) return;
-    q.pop_front();
-    if (oldest) oldest->wait();
-  }
 }
 
 }  // namespace
@@ -299,8 +260,8 @@ std::vector<at::Tensor> ParamGroup::Impl::reduce(std::vector<at::Tensor> grads) 
     }
     return out;
   }
-  bound_reduces_in_flight();
-  auto in_flight = std::make_shared<ReduceInFlight>();
+  detail::bound_reduces_in_flight();
+  auto in_flight = std::make_shared<detail::ReduceInFlight>();
   // The average over every data-parallel rank: over the shard dim, then the replicate dim.
   auto flat = reduce_input(grads);
   if (shard_group.size() == 1) {
@@ -313,7 +274,7 @@ std::vector<at::Tensor> ParamGroup::Impl::reduce(std::vector<at::Tensor> grads) 
   }
   in_flight->replicate = replicate_group;
   in_flight->scale = scale;
-  reduces_in_flight().push_back(in_flight);
+  detail::track_reduce_in_flight(in_flight);
   auto shard_gradient = [in_flight, layout = layout](const at::Tensor& param, size_t i) {
     return layout.local(in_flight->wait(), static_cast<int64_t>(i))
         .view(param.sizes())
@@ -350,8 +311,8 @@ const std::vector<at::Tensor>& ParamGroup::pre_forward(const at::Tensor& rows) {
   } else {
     s.finish_gather();
   }
-  // A row-sparse group is not prefetched: its forward gathers only the rows it reads.
-  if (auto next = s.order->next_forward(impl_); next && next->row_sparse_cols == 0) next->start_gather();
+  // A group that gathers rows by id is not prefetched: its forward gathers only the rows it reads.
+  if (auto next = s.order->next_forward(impl_); next && !next->rows_by_id) next->start_gather();
   std::vector<at::Tensor> views;
   for (const auto& b : s.buffers) views.push_back(b.detach());
   std::weak_ptr<Impl> weak = impl_;

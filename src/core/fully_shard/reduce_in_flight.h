@@ -1,0 +1,39 @@
+#pragma once
+// Internal: fully_shard's reduce-scatters in flight. A group's backward starts one and goes on;
+// its parameters' deferred gradients (nn/pending_gradient.h) wait for it. At most
+// kMaxReducesInFlight travel at once, process-wide: each holds its flat gradients and the
+// partials it receives.
+
+#include <cstddef>
+#include <memory>
+#include <optional>
+
+#include <ATen/core/Tensor.h>
+
+#include <hyper_parallel/core/comm/pending_reduce_scatter.h>
+#include <hyper_parallel/core/comm/process_group.h>
+
+namespace hyper_parallel::fully_shard::detail {
+
+/// A group's reduce-scatter in flight, then its all-reduce over the replicate dim (HSDP) and its
+/// scaling: done once, by the first of its parameters' deferred gradients to be finished.
+struct ReduceInFlight {
+  comm::PendingReduceScatter pending;
+  at::Tensor unreduced;  // a shard dim of one rank: its flat gradients, reduced as they are
+  std::optional<comm::Group> replicate;
+  double scale = 1.0;
+  at::Tensor result;
+
+  /// This rank's reduced flat gradients (waits for them the first time).
+  const at::Tensor& wait();
+};
+
+constexpr size_t kMaxReducesInFlight = 2;
+
+/// Before a group starts its reduce-scatter: finishes the oldest ones in flight until fewer than
+/// kMaxReducesInFlight are. The backward's thread only.
+void bound_reduces_in_flight();
+/// Counts `reduce` among those in flight.
+void track_reduce_in_flight(const std::shared_ptr<ReduceInFlight>& reduce);
+
+}  // namespace hyper_parallel::fully_shard::detail
