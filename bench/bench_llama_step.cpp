@@ -97,10 +97,13 @@ Run build(const Config& c, const llama3::ModelArgs& args, int64_t seq_len, const
                                  .mc2_options(tp::MC2Options().defer_weight_grads(c.defer_weight_grads))
                                  .seq_len(seq_len));
   if (c.dp == GradientSync::kFullyShard) {
-    const auto options = hp::fully_shard::FullyShardOptions()
-                             .mesh(*meshes.dp)
-                             .reshard_after_forward(c.reshard_after_forward)
-                             .row_sparse_embeddings(!c.ddp_layout);
+    const auto options =
+        hp::fully_shard::FullyShardOptions()
+            .mesh(*meshes.dp)
+            .reshard_after_forward(c.reshard_after_forward)
+            .row_sparse_embeddings(!c.ddp_layout)
+            .reduce_bucket_cap_bytes(
+                c.fused_reduce ? 0 : hp::fully_shard::FullyShardOptions().reduce_bucket_cap_bytes());
     // With split_root, the output layer's gradients reduce as soon as its backward ends (first), not
     // with the embedding's at the end of the backward.
     if (c.split_root) {
@@ -265,7 +268,8 @@ Meshes make_meshes(int64_t dp) {
 // right after their own optimizer step ("FSDP keep early"), and that with the embedding's gradient
 // gathered whole and reduce-scattered dense ("FSDP keep early dense emb"; with a group of its own,
 // the embedding's forward gathers only the rows of its tokens and its reduce-scatter sends only
-// the rows they touched).
+// the rows they touched), and that with each group's gradients in one reduce-scatter after its
+// whole backward ("FSDP keep early fused RS"; by default they leave in buckets as they come).
 std::vector<Config> configs_for(const Meshes& meshes) {
   if (!meshes.dp) {
     return {{"plain TP", false, llama3::MC2Scope::kFfn},
@@ -275,15 +279,16 @@ std::vector<Config> configs_for(const Meshes& meshes) {
   }
   const bool mc2 = meshes.tp.size(0) > 1;
   const auto scope = mc2 ? llama3::MC2Scope::kAll : llama3::MC2Scope::kFfn;
-  return {
-      {"DP blocking", mc2, scope, GradientSync::kBlocking},
-      {"DP overlap", mc2, scope, GradientSync::kOverlapped},
-      {"DP overlap DDP", mc2, scope, GradientSync::kOverlapped, true, true},
-      {"FSDP", mc2, scope, GradientSync::kFullyShard},
-      {"FSDP keep", mc2, scope, GradientSync::kFullyShard, true, false, false},
-      {"FSDP keep split", mc2, scope, GradientSync::kFullyShard, true, false, false, true},
-      {"FSDP keep early", mc2, scope, GradientSync::kFullyShard, true, false, false, true, true},
-      {"FSDP keep early dense emb", mc2, scope, GradientSync::kFullyShard, true, true, false, true, true}};
+  return {{"DP blocking", mc2, scope, GradientSync::kBlocking},
+          {"DP overlap", mc2, scope, GradientSync::kOverlapped},
+          {"DP overlap DDP", mc2, scope, GradientSync::kOverlapped, true, true},
+          {"FSDP", mc2, scope, GradientSync::kFullyShard},
+          {"FSDP keep", mc2, scope, GradientSync::kFullyShard, true, false, false},
+          {"FSDP keep split", mc2, scope, GradientSync::kFullyShard, true, false, false, true},
+          {"FSDP keep early", mc2, scope, GradientSync::kFullyShard, true, false, false, true, true},
+          {"FSDP keep early dense emb", mc2, scope, GradientSync::kFullyShard, true, true, false, true, true},
+          {"FSDP keep early fused RS", mc2, scope, GradientSync::kFullyShard, true, false, false, true, true,
+           true}};
 }
 
 // The configurations named in `only` (all if empty), in that order; a c10::ValueError names the

@@ -35,6 +35,9 @@ struct Config {
   // groups that the forward needs before its first block has computed (the root, the embedding and
   // block 0) gather for the next step as soon as their own step is done, beside the others' steps.
   bool early_gather = false;
+  // kFullyShard: one reduce-scatter per group once its whole backward is over, not buckets that
+  // leave as its gradients come (reduce_bucket_cap_bytes 0).
+  bool fused_reduce = false;
 };
 
 // The meshes: TP over the world, or {dp, tp}.

@@ -76,9 +76,11 @@ void report(const Bench& b, const std::vector<Measured>& results, const std::str
       preset.c_str(), static_cast<long long>(meshes.replicas()), static_cast<long long>(meshes.tp.size(0)),
       static_cast<long long>(b.batch_size), static_cast<long long>(b.seq_len), b.steps, b.warmup,
       bench::link_name().c_str(), rate.empty() ? "" : (", rate " + rate).c_str(), rate_bytes * 8 / 1e9);
-  std::printf("%-17s %9s %17s %10s %9s %9s %9s %8s %8s %8s %8s %8s %8s %9s %9s\n", "config", "ms/step",
-              "(min..max)", "tokens/s", "compute", "exposed", "MB sent", "speedup", "÷bound", "phases",
-              "÷phases", "floor", "÷floor", "peak RSS", "CPU ms/MB");
+  int name_width = 17;  // the longest configuration's name, so that the columns line up
+  for (const auto& c : b.configs) name_width = std::max(name_width, static_cast<int>(c.name.size()));
+  std::printf("%-*s %9s %17s %10s %9s %9s %9s %8s %8s %8s %8s %8s %8s %9s %9s\n", name_width, "config",
+              "ms/step", "(min..max)", "tokens/s", "compute", "exposed", "MB sent", "speedup", "÷bound",
+              "phases", "÷phases", "floor", "÷floor", "peak RSS", "CPU ms/MB");
   const double t_plain = results[0].step.median;
   for (size_t c = 0; c < results.size(); ++c) {
     const auto& m = results[c];
@@ -93,11 +95,12 @@ void report(const Bench& b, const std::vector<Measured>& results, const std::str
                                floor_phase(m.compute_backward, m.backward_bytes) +
                                floor_phase(m.compute_optimizer, m.optimizer_bytes);
     std::printf(
-        "%-17s %9.1f %8.1f..%-8.1f %10.0f %9.1f %9.1f %9.2f %7.2fx %7.2fx %8.1f %7.2fx %8.1f %7.2fx %6.0f MB "
+        "%-*s %9.1f %8.1f..%-8.1f %10.0f %9.1f %9.1f %9.2f %7.2fx %7.2fx %8.1f %7.2fx %8.1f %7.2fx %6.0f MB "
         "%9.2f\n",
-        b.configs[c].name.c_str(), t * 1e3, m.step.min * 1e3, m.step.max * 1e3, b.batch_size * b.seq_len / t,
-        m.compute * 1e3, (t - m.compute) * 1e3, m.bytes / 1e6, t_plain / t, t / bound, phases * 1e3,
-        t / phases, floor_bound * 1e3, t / floor_bound, m.peak_rss_mb, m.transport_cpu_ms_per_mb);
+        name_width, b.configs[c].name.c_str(), t * 1e3, m.step.min * 1e3, m.step.max * 1e3,
+        b.batch_size * b.seq_len / t, m.compute * 1e3, (t - m.compute) * 1e3, m.bytes / 1e6, t_plain / t,
+        t / bound, phases * 1e3, t / phases, floor_bound * 1e3, t / floor_bound, m.peak_rss_mb,
+        m.transport_cpu_ms_per_mb);
   }
   std::printf("model state (this rank's parameters, gradients and AdamW state, from their storages), MB:");
   for (size_t c = 0; c < results.size(); ++c) {

@@ -20,23 +20,26 @@ std::optional<at::ScalarType> optional_dtype(const py::object& dtype) {
 
 void bind_fully_shard(py::module& m) {
   py::class_<fs::ParamGroup, std::shared_ptr<fs::ParamGroup>>(m, "FullyShardParamGroup")
-      .def(py::init([](std::vector<at::Tensor> params, std::vector<std::string> names,
-                       const dtensor::DeviceMesh& mesh, bool reshard_after_forward,
-                       const py::object& param_dtype, const py::object& reduce_dtype, bool offload_to_cpu,
-                       bool pin_memory) {
-             const auto options =
-                 fs::FullyShardOptions()
-                     .mesh(mesh)
-                     .reshard_after_forward(reshard_after_forward)
-                     .mp_policy(fs::MixedPrecisionPolicy()
-                                    .param_dtype(optional_dtype(param_dtype))
-                                    .reduce_dtype(optional_dtype(reduce_dtype)))
-                     .offload_policy(
-                         fs::OffloadPolicy().offload_to_cpu(offload_to_cpu).pin_memory(pin_memory));
-             return std::make_shared<fs::ParamGroup>(std::move(params), std::move(names), options);
-           }),
-           py::arg("params"), py::arg("names"), py::arg("mesh"), py::arg("reshard_after_forward"),
-           py::arg("param_dtype"), py::arg("reduce_dtype"), py::arg("offload_to_cpu"), py::arg("pin_memory"))
+      .def(
+          py::init([](std::vector<at::Tensor> params, std::vector<std::string> names,
+                      const dtensor::DeviceMesh& mesh, bool reshard_after_forward,
+                      const py::object& param_dtype, const py::object& reduce_dtype, bool offload_to_cpu,
+                      bool pin_memory, std::optional<int64_t> reduce_bucket_cap_bytes) {
+            const auto options =
+                fs::FullyShardOptions()
+                    .mesh(mesh)
+                    .reshard_after_forward(reshard_after_forward)
+                    .mp_policy(fs::MixedPrecisionPolicy()
+                                   .param_dtype(optional_dtype(param_dtype))
+                                   .reduce_dtype(optional_dtype(reduce_dtype)))
+                    .offload_policy(fs::OffloadPolicy().offload_to_cpu(offload_to_cpu).pin_memory(pin_memory))
+                    .reduce_bucket_cap_bytes(
+                        reduce_bucket_cap_bytes.value_or(fs::FullyShardOptions().reduce_bucket_cap_bytes()));
+            return std::make_shared<fs::ParamGroup>(std::move(params), std::move(names), options);
+          }),
+          py::arg("params"), py::arg("names"), py::arg("mesh"), py::arg("reshard_after_forward"),
+          py::arg("param_dtype"), py::arg("reduce_dtype"), py::arg("offload_to_cpu"), py::arg("pin_memory"),
+          py::arg("reduce_bucket_cap_bytes") = py::none())
       .def(
           "pre_forward",
           [](fs::ParamGroup& group, const std::optional<at::Tensor>& rows) -> const std::vector<at::Tensor>& {

@@ -26,8 +26,12 @@ at::Tensor FlatLayout::shard_of(const at::Tensor& full, int64_t i) const {
       .clone();
 }
 
+int64_t FlatLayout::local_elements(int64_t i) const {
+  return comm::chunk_size(rows_[i], ranks_, rank_) * row_elements_[i];
+}
+
 at::Tensor FlatLayout::local(const at::Tensor& flat, int64_t i) const {
-  return flat.narrow(0, offsets_[i], comm::chunk_size(rows_[i], ranks_, rank_) * row_elements_[i]);
+  return flat.narrow(0, offsets_[i], local_elements(i));
 }
 
 at::Tensor FlatLayout::full(const at::Tensor& gathered, int64_t i) const {
@@ -36,10 +40,6 @@ at::Tensor FlatLayout::full(const at::Tensor& gathered, int64_t i) const {
       .reshape({ranks_ * padded_rows_[i], row_elements_[i]})
       .narrow(0, 0, rows_[i])
       .view(shapes_[i]);
-}
-
-at::Tensor FlatLayout::scatter_input(const at::Tensor& all, int64_t i) const {
-  return all.view({ranks_, flat_elements_}).narrow(1, offsets_[i], padded_rows_[i] * row_elements_[i]);
 }
 
 at::Tensor FlatLayout::padded_blocks(const at::Tensor& whole, int64_t i) const {

@@ -14,16 +14,11 @@
 #include <hyper_parallel/core/comm/collectives.h>
 #include <hyper_parallel/core/comm/gather_rows.h>
 #include <hyper_parallel/core/comm/pending_all_gather.h>
-#include <hyper_parallel/core/comm/pending_reduce_scatter.h>
-#include <hyper_parallel/core/comm/row_sparse_reduce_scatter.h>
 #include <hyper_parallel/core/nn/parameter_layout.h>
-#include <hyper_parallel/core/nn/pending_gradient.h>
 
 #include "../autograd/attach_backward.h"
 #include "../util/weak_tensor_map.h"
-#include "flat_layout.h"
-#include "pass_order.h"
-#include "reduce_in_flight.h"
+#include "param_group_impl.h"
 
 namespace hyper_parallel::fully_shard {
 namespace {
@@ -61,40 +56,6 @@ nn::ParameterLayout composed_layout(const at::Tensor& param, const std::string& 
 
 }  // namespace
 
-struct ParamGroup::Impl {
-  std::vector<at::Tensor> params;
-  std::vector<std::string> names;
-  detail::FlatLayout layout;
-  std::vector<at::Tensor> buffers;   // the gathered parameters' storage, freed when resharded
-  std::vector<at::Tensor> gathered;  // this pass's differentiable views of the buffers
-  std::vector<at::Tensor> pending;   // gradients added up while sync is off
-  dtensor::DeviceMesh mesh;
-  comm::Group shard_group;
-  std::optional<comm::Group> replicate_group;
-  at::ScalarType gather_dtype = at::kFloat;
-  std::optional<at::ScalarType> reduce_dtype;
-  bool reshard_after_forward = true, sync = true, unsharded = false;
-  bool backward_prefetched = false;  // this backward of the group has started the next gather
-  double scale = 1.0;
-  int64_t row_sparse_cols = 0;  // > 0: the one parameter's gradient reduces row-sparse
-  bool rows_by_id = false;      // row-sparse, and a forward's ids index this rank's rows
-  int64_t users = 1, forward_calls = 0;
-  std::shared_ptr<detail::PassOrder> order = std::make_shared<detail::PassOrder>();
-  std::optional<comm::PendingAllGather> gather_in_flight;  // started ahead of its use
-  std::vector<int64_t> versions_at_gather;                 // the shards' versions it read
-  GatherStats stats;
-
-  explicit Impl(dtensor::DeviceMesh m) : mesh(std::move(m)) {}
-  void start_gather();
-  void finish_gather();
-  void gather_rows(const at::Tensor& ids);
-  std::vector<at::Tensor> reduce(std::vector<at::Tensor> grads);
-  at::Tensor reduce_input(const std::vector<at::Tensor>& grads);
-  void free_buffers();
-  // Whether a shard changed in place since the last gather read it.
-  bool shards_changed() const;
-};
-
 ParamGroup::ParamGroup(std::vector<at::Tensor> params, std::vector<std::string> names,
                        const FullyShardOptions& options) {
   auto mesh = options.mesh().value_or(dtensor::DeviceMesh::from_group(comm::world(), /*dim_name=*/"dp"));
@@ -106,6 +67,10 @@ ParamGroup::ParamGroup(std::vector<at::Tensor> params, std::vector<std::string> 
       !options.offload_policy().pin_memory(),
       "fully_shard: expected OffloadPolicy pin_memory false: pinned host memory needs an "
       "accelerator, and this build runs on the CPU (its parameters are in host memory already)");
+  TORCH_CHECK_VALUE(
+      options.reduce_bucket_cap_bytes() >= 0,
+      "fully_shard: expected reduce_bucket_cap_bytes >= 0 (0: one reduce-scatter per group), got ",
+      options.reduce_bucket_cap_bytes());
   TORCH_CHECK_VALUE(params.size() == names.size(), "fully_shard: expected one name per parameter (",
                     params.size(), "), got ", names.size());
   impl_ = std::make_shared<Impl>(mesh);
@@ -114,6 +79,7 @@ ParamGroup::ParamGroup(std::vector<at::Tensor> params, std::vector<std::string> 
   if (mesh.ndim() == 2) s.replicate_group = mesh.get_group(0);
   s.reshard_after_forward = options.reshard_after_forward();
   s.reduce_dtype = options.mp_policy().reduce_dtype();
+  s.bucket_cap_bytes = options.reduce_bucket_cap_bytes();
   // Everything is checked before any parameter changes.
   std::vector<std::vector<int64_t>> shapes;
   std::vector<nn::ParameterLayout> layouts;
@@ -233,71 +199,6 @@ void ParamGroup::Impl::free_buffers() {
   unsharded = false;
 }
 
-// Every rank's blocks of the gradients (plus the sum kept while sync was off), in the reduce
-// dtype: the reduce-scatter's input.
-at::Tensor ParamGroup::Impl::reduce_input(const std::vector<at::Tensor>& grads) {
-  const auto dtype = reduce_dtype.value_or(grads.empty() ? at::kFloat : grads[0].scalar_type());
-  auto flat = at::zeros({shard_group.size() * layout.flat_elements()}, grads[0].options().dtype(dtype));
-  for (size_t i = 0; i < grads.size(); ++i) {
-    auto total = grads[i].to(dtype);
-    if (pending[i].defined()) total = total + pending[i].to(dtype);
-    layout.scatter_input(flat, static_cast<int64_t>(i))
-        .copy_(layout.padded_blocks(total, static_cast<int64_t>(i)));
-  }
-  pending.assign(params.size(), at::Tensor());
-  return flat;
-}
-
-// Starts the group's reduce-scatter and hands each shard's gradient to nn::defer_gradient: the
-// backward goes on while it travels, and .grad is complete when backward() returns.
-std::vector<at::Tensor> ParamGroup::Impl::reduce(std::vector<at::Tensor> grads) {
-  std::vector<at::Tensor> out(params.size());
-  if (pending.size() != params.size()) pending.assign(params.size(), at::Tensor());
-  if (!sync) {
-    for (size_t i = 0; i < grads.size(); ++i) {
-      const auto g = grads[i].to(reduce_dtype.value_or(grads[i].scalar_type()));
-      pending[i] = pending[i].defined() ? pending[i] + g : g;
-    }
-    return out;
-  }
-  detail::bound_reduces_in_flight();
-  auto in_flight = std::make_shared<detail::ReduceInFlight>();
-  // The average over every data-parallel rank: over the shard dim, then the replicate dim.
-  auto flat = reduce_input(grads);
-  if (shard_group.size() == 1) {
-    in_flight->unreduced = std::move(flat);
-  } else if (row_sparse_cols > 0) {
-    in_flight->pending =
-        comm::start_row_sparse_reduce_scatter(flat, row_sparse_cols, comm::ReduceOp::kAvg, shard_group);
-  } else {
-    in_flight->pending = comm::start_reduce_scatter(flat, comm::ReduceOp::kAvg, shard_group);
-  }
-  in_flight->replicate = replicate_group;
-  in_flight->scale = scale;
-  detail::track_reduce_in_flight(in_flight);
-  auto shard_gradient = [in_flight, layout = layout](const at::Tensor& param, size_t i) {
-    return layout.local(in_flight->wait(), static_cast<int64_t>(i))
-        .view(param.sizes())
-        .to(param.scalar_type())
-        .clone();
-  };
-  // A parameter with gradient hooks (a sequence-parallel norm weight's sum over tensor-parallel
-  // ranks, a user's hook) must see its gradient through autograd: such a group waits here.
-  const bool hooked = std::any_of(params.begin(), params.end(), [](const at::Tensor& p) {
-    return !torch::autograd::impl::hooks(p).empty();
-  });
-  for (size_t i = 0; i < params.size(); ++i) {
-    if (!params[i].requires_grad()) continue;
-    if (hooked) {
-      out[i] = shard_gradient(params[i], i);
-    } else {
-      nn::defer_gradient(params[i],
-                         [shard_gradient, param = params[i], i] { return shard_gradient(param, i); });
-    }
-  }
-  return out;
-}
-
 const std::vector<at::Tensor>& ParamGroup::pre_forward(const at::Tensor& rows) {
   auto& s = *impl_;
   if (s.forward_calls > 0) return s.gathered;
@@ -315,22 +216,7 @@ const std::vector<at::Tensor>& ParamGroup::pre_forward(const at::Tensor& rows) {
   if (auto next = s.order->next_forward(impl_); next && !next->rows_by_id) next->start_gather();
   std::vector<at::Tensor> views;
   for (const auto& b : s.buffers) views.push_back(b.detach());
-  std::weak_ptr<Impl> weak = impl_;
-  s.gathered = hyper_parallel::detail::attach_backward(
-      s.params, std::move(views),
-      [weak](std::vector<at::Tensor> grads) {
-        auto self = weak.lock();
-        TORCH_CHECK(self != nullptr,
-                    "fully_shard: expected the group of these parameters to be alive in "
-                    "backward, got it destroyed");
-        auto out = self->reduce(std::move(grads));
-        // The group's last backward use is over: free its gathered parameters.
-        self->forward_calls = 0;
-        self->backward_prefetched = false;
-        self->free_buffers();
-        return out;
-      },
-      "FullyShardReduceScatterBackward");
+  s.gathered = Impl::attach_reduction(impl_, std::move(views));
   return s.gathered;
 }
 

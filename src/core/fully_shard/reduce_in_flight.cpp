@@ -1,6 +1,8 @@
 #include "reduce_in_flight.h"
 
+#include <algorithm>
 #include <deque>
+#include <vector>
 
 #include <ATen/ATen.h>
 
@@ -9,9 +11,27 @@
 namespace hyper_parallel::fully_shard::detail {
 namespace {
 
-std::deque<std::weak_ptr<ReduceInFlight>>& reduces_in_flight() {
-  static std::deque<std::weak_ptr<ReduceInFlight>> in_flight;  // the backward's thread only
+struct InFlight {
+  const void* group;
+  std::weak_ptr<ReduceInFlight> reduce;
+  bool pending() const {
+    auto r = reduce.lock();
+    return r && !r->result.defined();
+  }
+};
+
+std::deque<InFlight>& reduces_in_flight() {
+  static std::deque<InFlight> in_flight;  // the backward's thread only, oldest first
   return in_flight;
+}
+
+size_t groups_in_flight(const std::deque<InFlight>& q) {
+  std::vector<const void*> groups;
+  for (const auto& e : q) {
+    if (e.pending() && std::find(groups.begin(), groups.end(), e.group) == groups.end())
+      groups.push_back(e.group);
+  }
+  return groups.size();
 }
 
 }  // namespace
@@ -25,18 +45,25 @@ const at::Tensor& ReduceInFlight::wait() {
   return result;
 }
 
-void bound_reduces_in_flight() {
+void bound_reduces_in_flight(const void* group) {
   auto& q = reduces_in_flight();
-  while (!q.empty()) {
-    auto oldest = q.front().lock();
-    if (oldest && !oldest->result.defined() && q.size() < kMaxReducesInFlight) return;
+  auto drop_finished = [&q] {
+    while (!q.empty() && !q.front().pending()) q.pop_front();
+  };
+  drop_finished();
+  for (const auto& e : q) {
+    if (e.group == group && e.pending()) return;
+  }
+  while (groups_in_flight(q) >= kMaxReducesInFlight) {
+    auto oldest = q.front().reduce.lock();
     q.pop_front();
     if (oldest) oldest->wait();
+    drop_finished();
   }
 }
 
-void track_reduce_in_flight(const std::shared_ptr<ReduceInFlight>& reduce) {
-  reduces_in_flight().push_back(reduce);
+void track_reduce_in_flight(const void* group, const std::shared_ptr<ReduceInFlight>& reduce) {
+  reduces_in_flight().push_back({group, reduce});
 }
 
 }  // namespace hyper_parallel::fully_shard::detail

@@ -1,8 +1,8 @@
 #pragma once
-// Internal: fully_shard's reduce-scatters in flight. A group's backward starts one and goes on;
-// its parameters' deferred gradients (nn/pending_gradient.h) wait for it. At most
-// kMaxReducesInFlight travel at once, process-wide: each holds its flat gradients and the
-// partials it receives.
+// Internal: fully_shard's reduce-scatters in flight. A group's backward starts one (or one per
+// bucket) and goes on; its parameters' deferred gradients (nn/pending_gradient.h) wait for it.
+// The reductions of at most kMaxReducesInFlight groups travel at once, process-wide: each holds
+// its flat gradients and the partials it receives.
 
 #include <cstddef>
 #include <memory>
@@ -30,10 +30,11 @@ struct ReduceInFlight {
 
 constexpr size_t kMaxReducesInFlight = 2;
 
-/// Before a group starts its reduce-scatter: finishes the oldest ones in flight until fewer than
-/// kMaxReducesInFlight are. The backward's thread only.
-void bound_reduces_in_flight();
-/// Counts `reduce` among those in flight.
-void track_reduce_in_flight(const std::shared_ptr<ReduceInFlight>& reduce);
+/// Before `group` starts a reduce-scatter: unless one of its own is in flight, finishes the oldest
+/// ones in flight until fewer than kMaxReducesInFlight groups have any. The backward's thread
+/// only.
+void bound_reduces_in_flight(const void* group);
+/// Counts `reduce`, started by `group`, among those in flight.
+void track_reduce_in_flight(const void* group, const std::shared_ptr<ReduceInFlight>& reduce);
 
 }  // namespace hyper_parallel::fully_shard::detail

@@ -1,7 +1,8 @@
 """fully_shard on torch.nn modules at 2 and 4 ranks, against the full-batch single-process
 reference: training with reshard_after_forward on and off (bitwise run to run), HSDP, gradient
 accumulation without sync, tensor parallelism on a 2 x 2 mesh; implicit prefetch and
-unshard(async_op); an embedding's row-sparse gradient reduce-scatter; the module's new methods; every
+unshard(async_op); an embedding's row-sparse gradient reduce-scatter; comm_fusion's one message
+against buckets; the module's new methods; every
 option that cannot apply is a clear error; the original's import paths."""
 
 import copy
@@ -224,6 +225,34 @@ def test_an_embedding_alone_gathers_and_reduces_row_sparse_bitwise_as_dense():
     # The forward gathers the rows of this rank's 10 tokens, not the embedding's 96.
     gather_saved = (ws - 1) * block_rows * row_bytes - ((ws - 1) * 8 + 10 * 8 + (ws - 1) * 10 * row_bytes)
     assert forward_sent <= dense_forward_sent - 3 * gather_saved
+
+
+def train_wide(comm_fusion):
+    """2 AdamW steps of a block of two 1024 x 1024 fp32 layers (4 MiB of gradient each); the
+    reduce-scatters of each backward."""
+    torch.manual_seed(5)
+    block = nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1024))
+    fully_shard(block, mesh=dp_mesh(), comm_fusion=comm_fusion)
+    opt = torch.optim.AdamW(block.parameters(), lr=1e-2)
+    counts = []
+    for s in range(2):
+        torch.manual_seed(300 + s + dist.get_rank())
+        opt.zero_grad()
+        loss = block(torch.randn(4, 1024)).pow(2).mean()
+        comm.reset_collective_counts()
+        loss.backward()
+        counts.append(comm.collective_count("reduce_scatter"))
+        opt.step()
+    return counts, [full_tensor(p) for p in block.parameters()]
+
+
+def test_comm_fusion_reduces_a_group_in_one_message_and_buckets_otherwise_bitwise():
+    fused_counts, fused = train_wide(comm_fusion=True)
+    counts, params = train_wide(comm_fusion=False)
+    assert fused_counts == [1, 1]
+    # The second layer's weight fills a bucket; its bias, the first layer's weight and bias the last.
+    assert counts == [2, 2]
+    assert all(torch.equal(p, q) for p, q in zip(params, fused))
 
 
 def test_module_methods_and_their_errors():

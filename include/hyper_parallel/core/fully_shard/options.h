@@ -2,6 +2,7 @@
 // fully_shard's options: the data-parallel mesh, when parameters are resharded, mixed precision
 // and offloading, as PyTorch FSDP2 and HyperParallel's fully_shard name them.
 
+#include <cstdint>
 #include <optional>
 
 #include <c10/core/ScalarType.h>
@@ -52,6 +53,12 @@ struct FullyShardOptions {
   /// of the tokens some rank saw (bitwise the dense result, fewer bytes; the dense exchange when
   /// it would send less). false: always dense.
   TORCH_ARG(bool, row_sparse_embeddings) = true;
+  /// A group's gradients reduce-scatter in buckets as autograd produces them: a bucket starts
+  /// once the gradients ready and not yet sent reach this many bytes (as the reduce-scatter's
+  /// input), and the last one when the group's backward is over, so most of a group's gradients
+  /// travel while its own backward goes on. 0: one reduce-scatter per group, after its whole
+  /// backward (what Python's comm_fusion=True asks for). Bitwise the same gradients either way.
+  TORCH_ARG(int64_t, reduce_bucket_cap_bytes) = int64_t{4} << 20;
 };
 
 }  // namespace hyper_parallel::fully_shard

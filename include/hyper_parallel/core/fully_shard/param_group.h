@@ -16,14 +16,16 @@
 //     the group that came next in the last pass (implicit prefetch), which travels while this
 //     group computes;
 //   - backward: a group's pre-backward waits for its gather (if it was resharded) and starts the
-//     gather of the group whose backward comes next; when autograd has every gathered
-//     parameter's gradient, the group's reduce-scatter starts and the backward goes on; at most
-//     two travel at once (a third start waits for the oldest); the end of the backward waits
-//     for the rest and writes the shards' .grad (nn/pending_gradient.h). HSDP's all-reduce over
-//     the replicate dim runs when the reduce-scatter is waited for. A group with a parameter
-//     that has gradient hooks (a sequence-parallel norm weight's sum over the tensor-parallel
-//     ranks) waits for its reduce-scatter at once and hands the gradients to autograd, which
-//     runs the hooks.
+//     gather of the group whose backward comes next; as autograd produces the gathered
+//     parameters' gradients, they leave in reduce-scatters of about reduce_bucket_cap_bytes
+//     (FullyShardOptions), the last when the group's backward is over (with a cap of 0, one
+//     reduce-scatter when autograd has them all), and the backward goes on; the reductions of
+//     at most two groups travel at once (a third group's start waits for the oldest); the end
+//     of the backward waits for the rest and writes the shards' .grad (nn/pending_gradient.h).
+//     HSDP's all-reduce over the replicate dim runs when a reduce-scatter is waited for. A group
+//     with a parameter that has gradient hooks when its forward runs (a sequence-parallel norm
+//     weight's sum over the tensor-parallel ranks) reduces in one reduce-scatter, waits for it
+//     at once and hands the gradients to autograd, which runs the hooks.
 // A gather (prefetched, or unshard()) whose shards changed in place before the forward used it
 // is done again.
 //

@@ -8,8 +8,9 @@ by the first of its modules in a pass) and its gathered parameters stand in for 
 the module's ``_parameters``; after it the shards are put back, the outputs pass through a C++
 node that gathers the group again for the backward (if it was resharded), and once every module
 of the group has run the group is resharded (``reshard_after_forward``). The gradients reach the
-shards' ``.grad`` through one reduce-scatter per group, averaged over the data-parallel ranks
-(then all-reduced over the replicate dim of an HSDP mesh). The module's class becomes a subclass
+shards' ``.grad`` through reduce-scatters of buckets that leave as autograd produces them (one
+per group with ``comm_fusion=True``), averaged over the data-parallel ranks (then all-reduced
+over the replicate dim of an HSDP mesh). The module's class becomes a subclass
 of FSDPModule (HSDPModule) with the original's methods.
 """
 
@@ -225,7 +226,10 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: Optional
     2-d (replicate, shard) for HSDP; default: 1-d over the world) and returns it, now an
     FSDPModule. ``reshard_after_forward`` True frees the gathered parameters after the forward
     (gathered again for the backward), False keeps them to the end of the backward.
-    ``comm_fusion``: the group always travels in one message. A group whose one parameter is an
+    ``comm_fusion``: False (the default) reduce-scatters the gradients in buckets as autograd
+    produces them (most of them travel during the group's own backward); True in one message per
+    group, when its backward is over. Either way the group gathers in one message and the
+    gradients are bitwise the same. A group whose one parameter is an
     ``nn.Embedding``'s weight gathers in its forward only the rows of its ids and reduce-scatters
     only the gradient rows of the tokens some rank saw (bitwise the dense run);
     ``row_sparse_embeddings=False`` keeps it dense. Collective over the mesh."""
@@ -249,7 +253,7 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: Optional
         [params[k] for k in order], [names[k] for k in order], _core_mesh(mesh),
         True if reshard_after_forward is None else reshard_after_forward, mp_policy.param_dtype,
         mp_policy.reduce_dtype, isinstance(offload_policy, CPUOffloadPolicy),
-        getattr(offload_policy, "pin_memory", False))
+        getattr(offload_policy, "pin_memory", False), reduce_bucket_cap_bytes=0 if comm_fusion else None)
     owners = {}
     for sub, name, param, _ in owned:
         owners.setdefault(sub, []).append((name, order.index(id(param))))

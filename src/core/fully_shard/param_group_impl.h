@@ -1,0 +1,109 @@
+#pragma once
+// Internal: a fully_shard group's state, shared by its gathers (param_group.cpp) and its
+// gradient reductions (param_group_reduce.cpp).
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include <hyper_parallel/core/comm/op.h>
+#include <hyper_parallel/core/comm/pending_all_gather.h>
+#include <hyper_parallel/core/comm/process_group.h>
+#include <hyper_parallel/core/dtensor/device_mesh.h>
+#include <hyper_parallel/core/fully_shard/param_group.h>
+
+#include "flat_layout.h"
+#include "pass_order.h"
+
+namespace hyper_parallel::fully_shard {
+
+namespace detail {
+struct ReduceInFlight;
+}  // namespace detail
+
+struct ParamGroup::Impl {
+  std::vector<at::Tensor> params;
+  std::vector<std::string> names;
+  detail::FlatLayout layout;
+  std::vector<at::Tensor> buffers;   // the gathered parameters' storage, freed when resharded
+  std::vector<at::Tensor> gathered;  // this pass's differentiable views of the buffers
+  std::vector<at::Tensor> pending;   // gradients added up while sync is off
+  dtensor::DeviceMesh mesh;
+  comm::Group shard_group;
+  std::optional<comm::Group> replicate_group;
+  at::ScalarType gather_dtype = at::kFloat;
+  std::optional<at::ScalarType> reduce_dtype;
+  bool reshard_after_forward = true, sync = true, unsharded = false;
+  bool backward_prefetched = false;  // this backward of the group has started the next gather
+  double scale = 1.0;
+  int64_t row_sparse_cols = 0;  // > 0: the one parameter's gradient reduces row-sparse
+  bool rows_by_id = false;      // row-sparse, and a forward's ids index this rank's rows
+  int64_t users = 1, forward_calls = 0;
+  std::shared_ptr<detail::PassOrder> order = std::make_shared<detail::PassOrder>();
+  std::optional<comm::PendingAllGather> gather_in_flight;  // started ahead of its use
+  std::vector<int64_t> versions_at_gather;                 // the shards' versions it read
+  GatherStats stats;
+
+  // Reduction in buckets (param_group_reduce.cpp): this backward's gradients, by parameter, as
+  // autograd produced them; those not yet in a started bucket, in arrival order, and their bytes.
+  int64_t bucket_cap_bytes = 0;
+  std::vector<at::Tensor> arrived_grads;
+  std::vector<bool> arrived;
+  std::vector<size_t> unsent;
+  int64_t unsent_bytes = 0;
+  size_t arrivals = 0, expected_arrivals = 0;
+  int64_t expected_bytes = 0;  // of the gradients this backward produces
+  // The buckets of the first synced backward, in the order they started (each in parameter
+  // order), and those of this one while it records them; the plan's next bucket to start.
+  std::vector<std::vector<size_t>> bucket_plan, recorded_plan;
+  std::vector<bool> planned_grads;  // which parameters wanted gradients when it was made
+  bool reduced_whole = false;       // a whole-group reduce-scatter has been agreed with the peers
+  size_t next_bucket = 0;
+
+  explicit Impl(dtensor::DeviceMesh m) : mesh(std::move(m)) {}
+  void start_gather();
+  void finish_gather();
+  void gather_rows(const at::Tensor& ids);
+  void free_buffers();
+  // Whether a shard changed in place since the last gather read it.
+  bool shards_changed() const;
+
+  // The gathered views of this pass, each parameter's gradient reduced when autograd has every
+  // one of them (one reduce-scatter), or as they come, in buckets.
+  static std::vector<at::Tensor> attach_reduction(const std::shared_ptr<Impl>& group,
+                                                  std::vector<at::Tensor> views);
+  // Whether this pass reduces in buckets: several parameters, dense, none with gradient hooks.
+  bool reduces_in_buckets() const;
+  // The whole group's gradients (autograd has them all): reduced in one reduce-scatter.
+  std::vector<at::Tensor> reduce(std::vector<at::Tensor> grads);
+  // Parameter i's gradient, in the bucketed reduction.
+  void arrive(size_t i, at::Tensor grad);
+  // Bytes of parameter i's gradient in the reduce-scatter's input, and of those arrived.
+  int64_t reduce_bytes(size_t i) const;
+  int64_t arrived_bytes() const;
+  // Adds parameter i's gradient to those kept while sync is off.
+  void accumulate(size_t i, const at::Tensor& grad);
+  // Starts the reduce-scatter of the gradients not yet sent (the first synced backward).
+  void send_unsent();
+  // Starts the planned buckets whose gradients have all arrived (the later backwards).
+  void send_planned();
+  // Starts the reduce-scatter of bucket `indices` and defers its parameters' gradients to it.
+  void send(const std::vector<size_t>& indices, comm::Agreement agreement);
+  // At the end of the backward: the parameters that got no gradient reduce zeros.
+  void arrive_missing();
+  // The group's backward is over: the last bucket leaves and the gathered parameters are freed.
+  void end_backward();
+  // Starts the reduce-scatter of parameters `indices` (gradients by parameter index).
+  std::shared_ptr<detail::ReduceInFlight> start_reduce(const std::vector<size_t>& indices,
+                                                       std::vector<at::Tensor>& grads,
+                                                       comm::Agreement agreement);
+  // Parameter i's reduced shard gradient from `reduce`, which reduced it at element `offset`.
+  static at::Tensor shard_gradient(const std::shared_ptr<detail::ReduceInFlight>& reduce,
+                                   const at::Tensor& param, int64_t offset, int64_t elements);
+};
+
+}  // namespace hyper_parallel::fully_shard

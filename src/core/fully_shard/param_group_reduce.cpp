@@ -1,0 +1,294 @@
+// A fully_shard group's gradient reduction: one reduce-scatter once autograd has every gradient
+// of the group, or buckets that leave as the gradients come (FullyShardOptions's
+// reduce_bucket_cap_bytes).
+//
+// Unfused meaning, either way:  grad(shard_i) = reduce_scatter(dW_i, dim 0) / dp   for every i
+// Who waits on whom (buckets): each parameter's gradient reaches its own autograd node, which
+// runs as soon as the gradient is complete (the highest priority among ready nodes, as
+// AccumulateGrad's). In the first synced backward the gradients not yet sent leave in one
+// reduce-scatter once they reach the cap (unless what is still to come is under a quarter of
+// it), and the rest with the group's last gradient; each start agrees with the peers (kind,
+// dtype, size: ranks whose buckets differ in size get an error). Those buckets, each
+// laid out in parameter order, are the plan: a later backward starts a planned bucket once all
+// its gradients are in and the ones before it have started, without a round trip, so every rank
+// issues the same reduce-scatters in the same order whatever order its gradients come in. A
+// parameter that gets no gradient in a backward reduces zeros at its end (the engine's final
+// callback), as the one-node reduction does. The shards' .grad wait for their bucket at the end
+// of the backward (nn/pending_gradient.h). A whole-group reduction agrees with the peers once:
+// the later ones have its shape.
+#include <algorithm>
+#include <limits>
+#include <numeric>
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/grad_mode.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <hyper_parallel/core/comm/pending_reduce_scatter.h>
+#include <hyper_parallel/core/comm/row_sparse_reduce_scatter.h>
+#include <hyper_parallel/core/nn/pending_gradient.h>
+
+#include "../autograd/attach_backward.h"
+#include "param_group_impl.h"
+#include "reduce_in_flight.h"
+
+namespace hyper_parallel::fully_shard {
+namespace {
+
+std::shared_ptr<ParamGroup::Impl> alive(const std::weak_ptr<ParamGroup::Impl>& weak) {
+  auto self = weak.lock();
+  TORCH_CHECK(self != nullptr,
+              "fully_shard: expected the group of these parameters to be alive in backward, got it "
+              "destroyed");
+  return self;
+}
+
+bool has_hooks(const at::Tensor& param) { return !torch::autograd::impl::hooks(param).empty(); }
+
+}  // namespace
+
+bool ParamGroup::Impl::reduces_in_buckets() const {
+  // A parameter with gradient hooks (a sequence-parallel norm weight's sum over tensor-parallel
+  // ranks, a user's hook) must see its gradient through autograd: its group reduces in one node.
+  return bucket_cap_bytes > 0 && params.size() > 1 && row_sparse_cols == 0 &&
+         std::none_of(params.begin(), params.end(), has_hooks);
+}
+
+std::vector<at::Tensor> ParamGroup::Impl::attach_reduction(const std::shared_ptr<Impl>& group,
+                                                           std::vector<at::Tensor> views) {
+  std::weak_ptr<Impl> weak = group;
+  auto& s = *group;
+  if (s.pending.size() != s.params.size()) s.pending.assign(s.params.size(), at::Tensor());
+  if (!s.reduces_in_buckets()) {
+    return hyper_parallel::detail::attach_backward(
+        s.params, std::move(views),
+        [weak](std::vector<at::Tensor> grads) {
+          auto self = alive(weak);
+          auto out = self->reduce(std::move(grads));
+          self->end_backward();
+          return out;
+        },
+        "FullyShardReduceScatterBackward");
+  }
+  if (!torch::autograd::GradMode::is_enabled()) return views;
+  s.arrived.assign(s.params.size(), false);
+  s.arrived_grads.assign(s.params.size(), at::Tensor());
+  s.unsent.clear();
+  s.unsent_bytes = 0;
+  s.arrivals = 0;
+  s.expected_arrivals = 0;
+  s.expected_bytes = 0;
+  std::vector<bool> wants_grad;
+  for (size_t i = 0; i < s.params.size(); ++i) {
+    wants_grad.push_back(s.params[i].requires_grad());
+    if (!wants_grad.back()) continue;
+    ++s.expected_arrivals;
+    s.expected_bytes += s.reduce_bytes(i);
+  }
+  // A parameter frozen or unfrozen since the plan was made: the next synced backward makes another.
+  if (wants_grad != s.planned_grads) s.bucket_plan.clear();
+  s.planned_grads = std::move(wants_grad);
+  std::vector<at::Tensor> out;
+  for (size_t i = 0; i < s.params.size(); ++i) {
+    out.push_back(hyper_parallel::detail::attach_backward(
+        {s.params[i]}, {std::move(views[i])},
+        [weak, i](std::vector<at::Tensor> grads) {
+          auto self = alive(weak);
+          if (self->arrivals == 0) {
+            torch::autograd::Engine::get_default_engine().queue_callback([weak] {
+              if (auto group = weak.lock()) group->arrive_missing();
+            });
+          }
+          self->arrive(i, std::move(grads[0]));
+          return std::vector<at::Tensor>(1);
+        },
+        "FullyShardReduceScatterBackward", /*materialize_grads=*/true,
+        /*sequence_nr=*/std::numeric_limits<uint64_t>::max())[0]);
+  }
+  return out;
+}
+
+void ParamGroup::Impl::accumulate(size_t i, const at::Tensor& grad) {
+  const auto g = grad.to(reduce_dtype.value_or(grad.scalar_type()));
+  pending[i] = pending[i].defined() ? pending[i] + g : g;
+}
+
+void ParamGroup::Impl::arrive(size_t i, at::Tensor grad) {
+  TORCH_INTERNAL_ASSERT(!arrived[i], "fully_shard: a parameter's gradient arrived twice in one backward");
+  arrived[i] = true;
+  ++arrivals;
+  if (!sync) {
+    accumulate(i, grad);
+  } else {
+    arrived_grads[i] = std::move(grad);
+    if (!bucket_plan.empty()) {
+      send_planned();
+    } else {
+      unsent_bytes += reduce_bytes(i);
+      unsent.push_back(i);
+      // A full bucket leaves, unless what is still to come is small: it would leave alone and
+      // wait for its start behind this one on the link.
+      if (unsent_bytes >= bucket_cap_bytes && expected_bytes - arrived_bytes() >= bucket_cap_bytes / 4)
+        send_unsent();
+    }
+  }
+  if (arrivals == expected_arrivals) end_backward();
+}
+
+// The planned buckets whose gradients have all arrived, in the plan's order.
+void ParamGroup::Impl::send_planned() {
+  while (next_bucket < bucket_plan.size()) {
+    const auto& bucket = bucket_plan[next_bucket];
+    if (!std::all_of(bucket.begin(), bucket.end(),
+                     [this](size_t i) { return static_cast<bool>(arrived[i]); }))
+      return;
+    ++next_bucket;
+    send(bucket, comm::Agreement::kAgreedInAdvance);
+  }
+}
+
+int64_t ParamGroup::Impl::reduce_bytes(size_t i) const {
+  return buffers[i].numel() *
+         static_cast<int64_t>(c10::elementSize(reduce_dtype.value_or(buffers[i].scalar_type())));
+}
+
+int64_t ParamGroup::Impl::arrived_bytes() const {
+  int64_t bytes = 0;
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (arrived[i]) bytes += reduce_bytes(i);
+  }
+  return bytes;
+}
+
+void ParamGroup::Impl::send_unsent() {
+  if (unsent.empty()) return;
+  // In parameter order: the bucket's layout does not depend on the order of arrival.
+  auto indices = std::move(unsent);
+  std::sort(indices.begin(), indices.end());
+  unsent.clear();
+  unsent_bytes = 0;
+  recorded_plan.push_back(indices);
+  send(indices, comm::Agreement::kPerOp);
+}
+
+void ParamGroup::Impl::send(const std::vector<size_t>& indices, comm::Agreement agreement) {
+  const auto reduced = start_reduce(indices, arrived_grads, agreement);
+  int64_t offset = 0;
+  for (const auto i : indices) {
+    const auto elements = layout.local_elements(static_cast<int64_t>(i));
+    if (params[i].requires_grad()) {
+      nn::defer_gradient(params[i], [reduced, param = params[i], offset, elements] {
+        return shard_gradient(reduced, param, offset, elements);
+      });
+    }
+    offset += layout.padded_elements(static_cast<int64_t>(i));
+  }
+}
+
+void ParamGroup::Impl::arrive_missing() {
+  std::vector<size_t> missing;
+  for (size_t i = 0; arrivals > 0 && i < params.size(); ++i) {
+    if (params[i].requires_grad() && !arrived[i]) missing.push_back(i);
+  }
+  for (const auto i : missing) arrive(i, at::zeros(buffers[i].sizes(), buffers[i].options()));
+}
+
+void ParamGroup::Impl::end_backward() {
+  if (sync && reduces_in_buckets() && bucket_plan.empty()) {
+    send_unsent();
+    // The first synced backward's buckets, each agreed with the peers as it started, are the
+    // plan from now on: the later ones start without a round trip, in the same order on every
+    // rank whatever order their gradients come in.
+    bucket_plan = std::move(recorded_plan);
+  } else if (sync && reduces_in_buckets()) {
+    TORCH_INTERNAL_ASSERT(next_bucket == bucket_plan.size(),
+                          "fully_shard: a planned bucket did not start by the end of its group's backward");
+  }
+  recorded_plan.clear();
+  next_bucket = 0;
+  arrivals = 0;
+  arrived.assign(params.size(), false);
+  forward_calls = 0;
+  backward_prefetched = false;
+  free_buffers();  // the group's last backward use is over
+}
+
+// Every rank's blocks of parameters `indices`' gradients (plus the sums kept while sync was off),
+// in the reduce dtype, one parameter after the other: the reduce-scatter's input.
+std::shared_ptr<detail::ReduceInFlight> ParamGroup::Impl::start_reduce(const std::vector<size_t>& indices,
+                                                                       std::vector<at::Tensor>& grads,
+                                                                       comm::Agreement agreement) {
+  detail::bound_reduces_in_flight(this);
+  const auto& first = grads[indices[0]];
+  const auto dtype = reduce_dtype.value_or(first.scalar_type());
+  int64_t elements = 0;
+  for (const auto i : indices) elements += layout.padded_elements(static_cast<int64_t>(i));
+  auto input = at::zeros({shard_group.size(), elements}, first.options().dtype(dtype));
+  int64_t offset = 0;
+  for (const auto i : indices) {
+    const auto padded = layout.padded_elements(static_cast<int64_t>(i));
+    auto total = grads[i].to(dtype);
+    if (pending[i].defined()) total = total + pending[i].to(dtype);
+    input.narrow(1, offset, padded).copy_(layout.padded_blocks(total, static_cast<int64_t>(i)));
+    pending[i] = at::Tensor();
+    grads[i] = at::Tensor();
+    offset += padded;
+  }
+  auto flat = input.view({-1});
+  auto in_flight = std::make_shared<detail::ReduceInFlight>();
+  // The average over every data-parallel rank: over the shard dim, then the replicate dim.
+  if (shard_group.size() == 1) {
+    in_flight->unreduced = std::move(flat);
+  } else if (row_sparse_cols > 0) {
+    in_flight->pending = comm::start_row_sparse_reduce_scatter(flat, row_sparse_cols, comm::ReduceOp::kAvg,
+                                                               shard_group, agreement);
+  } else {
+    in_flight->pending = comm::start_reduce_scatter(flat, comm::ReduceOp::kAvg, shard_group, agreement);
+  }
+  in_flight->replicate = replicate_group;
+  in_flight->scale = scale;
+  detail::track_reduce_in_flight(this, in_flight);
+  return in_flight;
+}
+
+at::Tensor ParamGroup::Impl::shard_gradient(const std::shared_ptr<detail::ReduceInFlight>& reduce,
+                                            const at::Tensor& param, int64_t offset, int64_t elements) {
+  return reduce->wait().narrow(0, offset, elements).view(param.sizes()).to(param.scalar_type()).clone();
+}
+
+// The whole group's gradients in one reduce-scatter; each shard's gradient is handed to
+// nn::defer_gradient (the backward goes on while it travels), or, in a group with gradient
+// hooks, waited for here and returned to autograd.
+std::vector<at::Tensor> ParamGroup::Impl::reduce(std::vector<at::Tensor> grads) {
+  std::vector<at::Tensor> out(params.size());
+  if (!sync) {
+    for (size_t i = 0; i < grads.size(); ++i) accumulate(i, grads[i]);
+    return out;
+  }
+  std::vector<size_t> all(params.size());
+  std::iota(all.begin(), all.end(), size_t{0});
+  // The group's first reduce-scatter is agreed with the peers; the later ones have its shape.
+  const auto reduced =
+      start_reduce(all, grads, reduced_whole ? comm::Agreement::kAgreedInAdvance : comm::Agreement::kPerOp);
+  reduced_whole = true;
+  const bool hooked = std::any_of(params.begin(), params.end(), has_hooks);
+  int64_t offset = 0;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const auto elements = layout.local_elements(static_cast<int64_t>(i));
+    if (params[i].requires_grad()) {
+      if (hooked) {
+        out[i] = shard_gradient(reduced, params[i], offset, elements);
+      } else {
+        nn::defer_gradient(params[i], [reduced, param = params[i], offset, elements] {
+          return shard_gradient(reduced, param, offset, elements);
+        });
+      }
+    }
+    offset += layout.padded_elements(static_cast<int64_t>(i));
+  }
+  return out;
+}
+
+}  // namespace hyper_parallel::fully_shard

@@ -1,0 +1,252 @@
+// fully_shard's gradient reduce-scatters in buckets (FullyShardOptions::reduce_bucket_cap_bytes)
+// at world sizes 1, 2, 3 and 4: bitwise the one-reduce-scatter-per-group training for caps that
+// cut every group into one bucket per parameter, a few, or one; the first backward's buckets
+// agreed per op and the later ones following its plan; a bucket leaves while its group's
+// backward still runs; exact reduce-scatter counts; a parameter the forward does not use, one
+// frozen and unfrozen between steps, gradient accumulation without sync and HSDP.
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+#include <torch/optim/adamw.h>
+
+#include <hyper_parallel/hyper_parallel.h>
+
+#include "common/test_util.h"
+
+namespace hp = hyper_parallel;
+namespace fs = hp::fully_shard;
+using hp::comm::CollectiveKind;
+
+namespace {
+
+// Sizes no world size of the test divides: uneven and empty pieces.
+constexpr int64_t kIn = 12, kHidden = 20, kRowsPerRank = 3;
+
+// A block whose `spare` the forward uses only when asked: its gradient is absent from some
+// backwards, as a layer skipped in a step.
+struct Block : torch::nn::Module {
+  Block() {
+    up = register_module("up", hp::nn::Linear(kIn, kHidden));
+    down = register_module("down", hp::nn::Linear(kHidden, kIn));
+    spare = register_module("spare", hp::nn::Linear(kIn, kIn));
+  }
+  at::Tensor forward(const at::Tensor& x, bool use_spare) {
+    auto y = x + down(at::relu(up(x)));
+    return use_spare ? spare(y) : y;
+  }
+  hp::nn::Linear up{nullptr}, down{nullptr}, spare{nullptr};
+};
+
+struct Net : torch::nn::Module {
+  Net() {
+    at::manual_seed(11);
+    first = register_module("first", std::make_shared<Block>());
+    second = register_module("second", std::make_shared<Block>());
+    head = register_module("head", hp::nn::Linear(kIn, 2));
+  }
+  at::Tensor forward(const at::Tensor& x, bool use_spare = true) {
+    return head(second->forward(first->forward(x, use_spare), use_spare));
+  }
+  std::shared_ptr<Block> first, second;
+  hp::nn::Linear head{nullptr};
+};
+
+constexpr int64_t kGroups = 3, kParamsPerBlock = 6, kParams = 2 * kParamsPerBlock + 2;
+
+// This rank's rows of step `step`'s global batch.
+at::Tensor batch(int64_t step) {
+  at::manual_seed(200 + step);
+  const int64_t p = hp_test::world_size(), r = hp_test::rank();
+  return at::randn({p * kRowsPerRank, kIn}).narrow(0, r * kRowsPerRank, kRowsPerRank);
+}
+
+void shard(Net& net, const fs::FullyShardOptions& options) {
+  fs::fully_shard(*net.first, options);
+  fs::fully_shard(*net.second, options);
+  fs::fully_shard(net, options);
+}
+
+fs::FullyShardOptions with_cap(int64_t cap) {
+  return fs::FullyShardOptions()
+      .mesh(hp::dtensor::init_device_mesh("cpu", {hp_test::world_size()}, {"dp"}))
+      .reduce_bucket_cap_bytes(cap);
+}
+
+// What a run leaves: every parameter whole and every shard's gradient of the last step.
+struct Trained {
+  std::vector<at::Tensor> params, grads;
+};
+
+// AdamW steps; step 1 skips the spare layers, step 2 freezes first.up's bias, step 3 unfreezes it.
+Trained train(int64_t cap, int64_t steps) {
+  Net net;
+  shard(net, with_cap(cap));
+  torch::optim::AdamW opt(net.parameters(), torch::optim::AdamWOptions(1e-2));
+  for (int64_t s = 0; s < steps; ++s) {
+    net.first->up->bias.requires_grad_(s != 2);
+    opt.zero_grad();
+    net.forward(batch(s), /*use_spare=*/s != 1).pow(2).mean().backward();
+    opt.step();
+  }
+  Trained out;
+  for (const auto& p : net.parameters()) {
+    out.params.push_back(hp::tensor_parallel::full_tensor(p));
+    out.grads.push_back(p.grad().defined() ? p.grad().clone() : at::Tensor());
+  }
+  return out;
+}
+
+void expect_bitwise(const Trained& a, const Trained& b) {
+  ASSERT_EQ(a.params.size(), b.params.size());
+  for (size_t i = 0; i < a.params.size(); ++i) {
+    EXPECT_TRUE(a.params[i].equal(b.params[i])) << "parameter " << i;
+    ASSERT_EQ(a.grads[i].defined(), b.grads[i].defined()) << "gradient " << i;
+    if (a.grads[i].defined()) {
+      EXPECT_TRUE(a.grads[i].equal(b.grads[i])) << "gradient " << i;
+    }
+  }
+}
+
+// Reduce-scatters of one backward (the forward's gathers are not counted).
+int64_t reduce_scatters_of_one_step(Net& net, bool use_spare) {
+  auto loss = net.forward(batch(0), use_spare).pow(2).mean();
+  hp::comm::reset_collective_counts();
+  loss.backward();
+  return hp::comm::collective_count(CollectiveKind::kReduceScatter);
+}
+
+}  // namespace
+
+// A cap of 1 byte: each parameter its own bucket; 600 bytes: a few parameters each; 0 and a cap
+// larger than any group: one per group. Six steps cover the first (agreed per op) backward, the
+// planned ones, a step without the spare layers (their gradients zeros, at the end of the
+// backward) and a frozen then unfrozen bias (a new plan each time).
+TEST(ReduceBuckets, TrainBitwiseAsOneReduceScatterPerGroup) {
+  const auto fused = train(/*cap=*/0, 6);
+  for (int64_t cap : {int64_t{1}, int64_t{600}, int64_t{1} << 30}) {
+    SCOPED_TRACE("reduce_bucket_cap_bytes " + std::to_string(cap));
+    expect_bitwise(train(cap, 6), fused);
+  }
+}
+
+TEST(ReduceBuckets, ReferenceTrainingMatchesTheFullBatch) {
+  // The fused run itself against one process's full batch (the bitwise test above rests on it).
+  const int64_t p = hp_test::world_size();
+  Net reference;
+  torch::optim::AdamW opt(reference.parameters(), torch::optim::AdamWOptions(1e-2));
+  for (int64_t s = 0; s < 4; ++s) {
+    reference.first->up->bias.requires_grad_(s != 2);
+    opt.zero_grad();
+    at::manual_seed(200 + s);
+    reference.forward(at::randn({p * kRowsPerRank, kIn}), s != 1).pow(2).mean().backward();
+    opt.step();
+  }
+  const auto trained = train(/*cap=*/1, 4);
+  const auto ref = reference.parameters();
+  for (size_t i = 0; i < ref.size(); ++i)
+    hp_test::expect_close(trained.params[i], ref[i].detach(), "parameter " + std::to_string(i));
+}
+
+// Exact counts: one reduce-scatter per parameter with a 1-byte cap, one per group with 0, in the
+// first backward and in the planned ones; nothing moves on one rank.
+TEST(ReduceBuckets, OneReduceScatterPerBucket) {
+  const int64_t moves = hp_test::world_size() > 1 ? 1 : 0;
+  for (int64_t cap : {int64_t{0}, int64_t{1}}) {
+    SCOPED_TRACE("reduce_bucket_cap_bytes " + std::to_string(cap));
+    Net net;
+    shard(net, with_cap(cap));
+    const int64_t expected = moves * (cap == 0 ? kGroups : kParams);
+    for (int pass = 0; pass < 3; ++pass)
+      EXPECT_EQ(reduce_scatters_of_one_step(net, /*use_spare=*/pass != 1), expected) << "pass " << pass;
+  }
+}
+
+// The first bucket of the second block leaves before the first block's backward begins, and,
+// with the cap at 1 byte, before the second block's own `up` has its gradient; with a cap of 0
+// the group's one reduce-scatter waits for the whole group.
+TEST(ReduceBuckets, ABucketLeavesWhileItsGroupsBackwardRuns) {
+  if (hp_test::world_size() == 1) GTEST_SKIP() << "one rank reduces nothing";
+  for (int64_t cap : {int64_t{0}, int64_t{1}}) {
+    SCOPED_TRACE("reduce_bucket_cap_bytes " + std::to_string(cap));
+    Net net;
+    shard(net, with_cap(cap));
+    for (int pass = 0; pass < 2; ++pass) {
+      int64_t started_before_up = -1;
+      auto x = net.first->forward(batch(pass), false);
+      auto hidden = net.second->up(x);
+      // The gradient of `up`'s output is ready after down's and spare's gradients, before up's.
+      hidden.register_hook([&](const at::Tensor& g) {
+        started_before_up = hp::comm::collective_count(CollectiveKind::kReduceScatter);
+        return g;
+      });
+      auto y = x + net.second->down(at::relu(hidden));
+      auto loss = net.head(net.second->spare(y)).pow(2).mean();
+      hp::comm::reset_collective_counts();
+      loss.backward();
+      // The root group (head) is done by then; the second block has sent down's and spare's
+      // weights and biases in buckets of their own, or nothing yet.
+      EXPECT_EQ(started_before_up, cap == 0 ? 1 : 2 + 4) << "pass " << pass;
+    }
+  }
+}
+
+// No sync: nothing moves; the synced backward after two unsynced ones reduces the sum in buckets,
+// bitwise as in one reduce-scatter per group.
+TEST(ReduceBuckets, GradientAccumulationWithoutSync) {
+  std::vector<std::vector<at::Tensor>> grads;
+  for (int64_t cap : {int64_t{0}, int64_t{1}}) {
+    Net net;
+    shard(net, with_cap(cap));
+    auto root = fs::FSDPModule::of(net);
+    for (int64_t m = 0; m < 3; ++m) {
+      root->set_requires_gradient_sync(m == 2);
+      hp::comm::reset_collective_counts();
+      net.forward(batch(m)).pow(2).mean().backward();
+      if (m < 2) {
+        EXPECT_EQ(hp::comm::collective_count(CollectiveKind::kReduceScatter), 0);
+      }
+    }
+    grads.emplace_back();
+    for (const auto& p : net.parameters()) grads.back().push_back(p.grad().clone());
+  }
+  for (size_t i = 0; i < grads[0].size(); ++i)
+    EXPECT_TRUE(grads[0][i].equal(grads[1][i])) << "gradient " << i;
+}
+
+// HSDP: each bucket's reduce-scatter over the shard dim, then its all-reduce over replicate.
+TEST(ReduceBuckets, HybridShardingBitwiseAsOneReduceScatterPerGroup) {
+  if (hp_test::world_size() != 4) GTEST_SKIP() << "a 2 x 2 (replicate, shard) mesh needs 4 ranks";
+  auto mesh = hp::dtensor::init_device_mesh("cpu", {2, 2}, {"replicate", "shard"});
+  std::vector<std::vector<at::Tensor>> params;
+  for (int64_t cap : {int64_t{0}, int64_t{1}}) {
+    Net net;
+    shard(net, fs::FullyShardOptions().mesh(mesh).reduce_bucket_cap_bytes(cap));
+    torch::optim::AdamW opt(net.parameters(), torch::optim::AdamWOptions(1e-2));
+    hp::comm::reset_collective_counts();
+    for (int64_t s = 0; s < 3; ++s) {
+      opt.zero_grad();
+      net.forward(batch(s)).pow(2).mean().backward();
+      opt.step();
+    }
+    const int64_t buckets = cap == 0 ? kGroups : kParams;
+    EXPECT_EQ(hp::comm::collective_count(CollectiveKind::kReduceScatter), 3 * buckets);
+    EXPECT_EQ(hp::comm::collective_count(CollectiveKind::kAllReduce), 3 * buckets);
+    params.emplace_back();
+    for (const auto& p : net.parameters()) params.back().push_back(hp::tensor_parallel::full_tensor(p));
+  }
+  for (size_t i = 0; i < params[0].size(); ++i)
+    EXPECT_TRUE(params[0][i].equal(params[1][i])) << "parameter " << i;
+}
+
+TEST(ReduceBuckets, ANegativeCapIsAValueError) {
+  Net net;
+  try {
+    fs::fully_shard(*net.first, with_cap(-1));
+    FAIL() << "expected a c10::ValueError";
+  } catch (const c10::ValueError& e) {
+    EXPECT_NE(std::string(e.what()).find("expected reduce_bucket_cap_bytes >= 0 (0: one reduce-scatter per "
+                                         "group), got -1"),
+              std::string::npos)
+        << e.what();
+  }
+}
