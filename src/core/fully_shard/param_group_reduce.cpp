@@ -75,9 +75,12 @@ std::vector<at::Tensor> ParamGroup::Impl::attach_reduction(const std::shared_ptr
   if (!torch::autograd::GradMode::is_enabled()) return views;
   s.arrived.assign(s.params.size(), false);
   s.arrived_grads.assign(s.params.size(), at::Tensor());
+  // A backward that failed part-way leaves no arrivals and no half-recorded plan behind.
   s.unsent.clear();
   s.unsent_bytes = 0;
   s.arrivals = 0;
+  s.recorded_plan.clear();
+  s.next_bucket = 0;
   s.expected_arrivals = 0;
   s.expected_bytes = 0;
   std::vector<bool> wants_grad;

@@ -3,7 +3,8 @@
 // cut every group into one bucket per parameter, a few, or one; the first backward's buckets
 // agreed per op and the later ones following its plan; a bucket leaves while its group's
 // backward still runs; exact reduce-scatter counts; a parameter the forward does not use, one
-// frozen and unfrozen between steps, gradient accumulation without sync and HSDP.
+// frozen and unfrozen between steps, a backward that fails part-way, gradient accumulation
+// without sync and HSDP.
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
@@ -188,6 +189,35 @@ TEST(ReduceBuckets, ABucketLeavesWhileItsGroupsBackwardRuns) {
       EXPECT_EQ(started_before_up, cap == 0 ? 1 : 2 + 4) << "pass " << pass;
     }
   }
+}
+
+// A first backward that fails part-way, after the second block's first buckets started: their
+// transfers finish and are dropped, and the next backwards train bitwise as one reduce-scatter per
+// group does after the same failure (no half-recorded plan is left behind).
+TEST(ReduceBuckets, ABackwardThatFailsPartWayLeavesNoHalfPlan) {
+  std::vector<std::vector<at::Tensor>> params;
+  for (int64_t cap : {int64_t{0}, int64_t{1}}) {
+    SCOPED_TRACE("reduce_bucket_cap_bytes " + std::to_string(cap));
+    Net net;
+    shard(net, with_cap(cap));
+    {
+      auto x = net.first->forward(batch(9), true);
+      auto hidden = net.second->up(x);
+      hidden.register_hook([](const at::Tensor&) -> at::Tensor { throw std::runtime_error("stop here"); });
+      auto loss = net.head(net.second->spare(x + net.second->down(at::relu(hidden)))).pow(2).mean();
+      EXPECT_THROW(loss.backward(), std::exception);
+    }
+    torch::optim::AdamW opt(net.parameters(), torch::optim::AdamWOptions(1e-2));
+    for (int64_t s = 0; s < 3; ++s) {
+      opt.zero_grad();
+      net.forward(batch(s)).pow(2).mean().backward();
+      opt.step();
+    }
+    params.emplace_back();
+    for (const auto& p : net.parameters()) params.back().push_back(hp::tensor_parallel::full_tensor(p));
+  }
+  for (size_t i = 0; i < params[0].size(); ++i)
+    EXPECT_TRUE(params[0][i].equal(params[1][i])) << "parameter " << i;
 }
 
 // No sync: nothing moves; the synced backward after two unsynced ones reduces the sum in buckets,
