@@ -60,8 +60,11 @@ struct ParamGroup::Impl {
   // The buckets of the first synced backward, in the order they started (each in parameter
   // order), and those of this one while it records them; the plan's next bucket to start.
   std::vector<std::vector<size_t>> bucket_plan, recorded_plan;
-  std::vector<bool> planned_grads;  // which parameters wanted gradients when it was made
-  bool reduced_whole = false;       // a whole-group reduce-scatter has been agreed with the peers
+  std::vector<int> planned_wants;  // per parameter when it was made: no gradient, one, hooked
+  // This backward's started bucket of each parameter, and the parameter's place in it.
+  std::vector<std::shared_ptr<detail::ReduceInFlight>> reduce_of;
+  std::vector<int64_t> offset_of;
+  bool reduced_whole = false;  // a whole-group reduce-scatter has been agreed with the peers
   size_t next_bucket = 0;
 
   explicit Impl(dtensor::DeviceMesh m) : mesh(std::move(m)) {}
@@ -76,12 +79,17 @@ struct ParamGroup::Impl {
   // one of them (one reduce-scatter), or as they come, in buckets.
   static std::vector<at::Tensor> attach_reduction(const std::shared_ptr<Impl>& group,
                                                   std::vector<at::Tensor> views);
-  // Whether this pass reduces in buckets: several parameters, dense, none with gradient hooks.
+  // Whether this pass reduces in buckets: a cap, several parameters, dense.
   bool reduces_in_buckets() const;
+  // The bucketed reduction's state for a backward (the forward sets it up).
+  void begin_backward_pass();
   // The whole group's gradients (autograd has them all): reduced in one reduce-scatter.
   std::vector<at::Tensor> reduce(std::vector<at::Tensor> grads);
-  // Parameter i's gradient, in the bucketed reduction.
-  void arrive(size_t i, at::Tensor grad);
+  // Parameter i's gradient, in the bucketed reduction; returns its reduced shard gradient for
+  // autograd if it has gradient hooks (undefined otherwise: deferred).
+  at::Tensor arrive(size_t i, at::Tensor grad);
+  // Waits for hooked parameter i's bucket and returns its shard gradient.
+  at::Tensor hooked_gradient(size_t i);
   // Bytes of parameter i's gradient in the reduce-scatter's input, and of those arrived.
   int64_t reduce_bytes(size_t i) const;
   int64_t arrived_bytes() const;

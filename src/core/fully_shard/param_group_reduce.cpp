@@ -14,8 +14,9 @@
 // issues the same reduce-scatters in the same order whatever order its gradients come in. A
 // parameter that gets no gradient in a backward reduces zeros at its end (the engine's final
 // callback), as the one-node reduction does. The shards' .grad wait for their bucket at the end
-// of the backward (nn/pending_gradient.h). A whole-group reduction agrees with the peers once:
-// the later ones have its shape.
+// of the backward (nn/pending_gradient.h). A parameter with gradient hooks ends its bucket; its
+// node waits for the bucket and returns the reduced gradient, so autograd runs the hooks on it.
+// A whole-group reduction agrees with the peers once: the later ones have its shape.
 #include <algorithm>
 #include <limits>
 #include <numeric>
@@ -50,10 +51,7 @@ bool has_hooks(const at::Tensor& param) { return !torch::autograd::impl::hooks(p
 }  // namespace
 
 bool ParamGroup::Impl::reduces_in_buckets() const {
-  // A parameter with gradient hooks (a sequence-parallel norm weight's sum over tensor-parallel
-  // ranks, a user's hook) must see its gradient through autograd: its group reduces in one node.
-  return bucket_cap_bytes > 0 && params.size() > 1 && row_sparse_cols == 0 &&
-         std::none_of(params.begin(), params.end(), has_hooks);
+  return bucket_cap_bytes > 0 && params.size() > 1 && row_sparse_cols == 0;
 }
 
 std::vector<at::Tensor> ParamGroup::Impl::attach_reduction(const std::shared_ptr<Impl>& group,
@@ -73,26 +71,7 @@ std::vector<at::Tensor> ParamGroup::Impl::attach_reduction(const std::shared_ptr
         "FullyShardReduceScatterBackward");
   }
   if (!torch::autograd::GradMode::is_enabled()) return views;
-  s.arrived.assign(s.params.size(), false);
-  s.arrived_grads.assign(s.params.size(), at::Tensor());
-  // A backward that failed part-way leaves no arrivals and no half-recorded plan behind.
-  s.unsent.clear();
-  s.unsent_bytes = 0;
-  s.arrivals = 0;
-  s.recorded_plan.clear();
-  s.next_bucket = 0;
-  s.expected_arrivals = 0;
-  s.expected_bytes = 0;
-  std::vector<bool> wants_grad;
-  for (size_t i = 0; i < s.params.size(); ++i) {
-    wants_grad.push_back(s.params[i].requires_grad());
-    if (!wants_grad.back()) continue;
-    ++s.expected_arrivals;
-    s.expected_bytes += s.reduce_bytes(i);
-  }
-  // A parameter frozen or unfrozen since the plan was made: the next synced backward makes another.
-  if (wants_grad != s.planned_grads) s.bucket_plan.clear();
-  s.planned_grads = std::move(wants_grad);
+  s.begin_backward_pass();
   std::vector<at::Tensor> out;
   for (size_t i = 0; i < s.params.size(); ++i) {
     out.push_back(hyper_parallel::detail::attach_backward(
@@ -104,8 +83,7 @@ std::vector<at::Tensor> ParamGroup::Impl::attach_reduction(const std::shared_ptr
               if (auto group = weak.lock()) group->arrive_missing();
             });
           }
-          self->arrive(i, std::move(grads[0]));
-          return std::vector<at::Tensor>(1);
+          return std::vector<at::Tensor>{self->arrive(i, std::move(grads[0]))};
         },
         "FullyShardReduceScatterBackward", /*materialize_grads=*/true,
         /*sequence_nr=*/std::numeric_limits<uint64_t>::max())[0]);
@@ -113,15 +91,48 @@ std::vector<at::Tensor> ParamGroup::Impl::attach_reduction(const std::shared_ptr
   return out;
 }
 
+void ParamGroup::Impl::begin_backward_pass() {
+  const auto n = params.size();
+  arrived.assign(n, false);
+  arrived_grads.assign(n, at::Tensor());
+  reduce_of.assign(n, nullptr);
+  offset_of.assign(n, 0);
+  // A backward that failed part-way leaves no arrivals and no half-recorded plan behind.
+  unsent.clear();
+  unsent_bytes = 0;
+  arrivals = 0;
+  recorded_plan.clear();
+  next_bucket = 0;
+  expected_arrivals = 0;
+  expected_bytes = 0;
+  std::vector<int> wants;  // 0: no gradient, 1: a gradient, 2: one its hooks must see
+  for (size_t i = 0; i < n; ++i) {
+    wants.push_back(!params[i].requires_grad() ? 0 : has_hooks(params[i]) ? 2 : 1);
+    if (wants.back() == 0) continue;
+    ++expected_arrivals;
+    expected_bytes += reduce_bytes(i);
+  }
+  // A parameter frozen, unfrozen or hooked since the plan was made: the next synced backward
+  // makes another.
+  if (wants != planned_wants) bucket_plan.clear();
+  planned_wants = std::move(wants);
+}
+
 void ParamGroup::Impl::accumulate(size_t i, const at::Tensor& grad) {
   const auto g = grad.to(reduce_dtype.value_or(grad.scalar_type()));
   pending[i] = pending[i].defined() ? pending[i] + g : g;
 }
 
-void ParamGroup::Impl::arrive(size_t i, at::Tensor grad) {
+at::Tensor ParamGroup::Impl::arrive(size_t i, at::Tensor grad) {
   TORCH_INTERNAL_ASSERT(!arrived[i], "fully_shard: a parameter's gradient arrived twice in one backward");
   arrived[i] = true;
   ++arrivals;
+  const bool hooked = planned_wants[i] == 2;
+  TORCH_CHECK_VALUE(hooked || !has_hooks(params[i]), "fully_shard: expected the gradient hooks of ", names[i],
+                    " to be registered before the forward (its group reduces in buckets that the forward "
+                    "plans), got one registered after it; register it earlier, or set "
+                    "reduce_bucket_cap_bytes to 0");
+  at::Tensor out;
   if (!sync) {
     accumulate(i, grad);
   } else {
@@ -132,12 +143,16 @@ void ParamGroup::Impl::arrive(size_t i, at::Tensor grad) {
       unsent_bytes += reduce_bytes(i);
       unsent.push_back(i);
       // A full bucket leaves, unless what is still to come is small: it would leave alone and
-      // wait for its start behind this one on the link.
-      if (unsent_bytes >= bucket_cap_bytes && expected_bytes - arrived_bytes() >= bucket_cap_bytes / 4)
+      // wait for its start behind this one on the link. A parameter with hooks ends its bucket.
+      if (hooked ||
+          (unsent_bytes >= bucket_cap_bytes && expected_bytes - arrived_bytes() >= bucket_cap_bytes / 4))
         send_unsent();
     }
+    // Its hooks see the reduced gradient: autograd gets it here, and runs them.
+    if (hooked) out = hooked_gradient(i);
   }
   if (arrivals == expected_arrivals) end_backward();
+  return out;
 }
 
 // The planned buckets whose gradients have all arrived, in the plan's order.
@@ -150,6 +165,15 @@ void ParamGroup::Impl::send_planned() {
     ++next_bucket;
     send(bucket, comm::Agreement::kAgreedInAdvance);
   }
+}
+
+at::Tensor ParamGroup::Impl::hooked_gradient(size_t i) {
+  TORCH_CHECK(reduce_of[i] != nullptr, "fully_shard: expected the bucket of ", names[i],
+              " (a parameter with gradient hooks) to have started when its gradient arrived, got it "
+              "waiting for gradients that came before it in the first backward; set "
+              "reduce_bucket_cap_bytes to 0 for a backward whose order changes");
+  return shard_gradient(reduce_of[i], params[i], offset_of[i],
+                        layout.local_elements(static_cast<int64_t>(i)));
 }
 
 int64_t ParamGroup::Impl::reduce_bytes(size_t i) const {
@@ -181,7 +205,9 @@ void ParamGroup::Impl::send(const std::vector<size_t>& indices, comm::Agreement 
   int64_t offset = 0;
   for (const auto i : indices) {
     const auto elements = layout.local_elements(static_cast<int64_t>(i));
-    if (params[i].requires_grad()) {
+    reduce_of[i] = reduced;
+    offset_of[i] = offset;
+    if (planned_wants[i] == 1) {
       nn::defer_gradient(params[i], [reduced, param = params[i], offset, elements] {
         return shard_gradient(reduced, param, offset, elements);
       });
@@ -195,7 +221,11 @@ void ParamGroup::Impl::arrive_missing() {
   for (size_t i = 0; arrivals > 0 && i < params.size(); ++i) {
     if (params[i].requires_grad() && !arrived[i]) missing.push_back(i);
   }
-  for (const auto i : missing) arrive(i, at::zeros(buffers[i].sizes(), buffers[i].options()));
+  for (const auto i : missing) {
+    // Autograd is done: a hooked parameter's reduced gradient goes to .grad without its hooks.
+    auto out = arrive(i, at::zeros(buffers[i].sizes(), buffers[i].options()));
+    if (out.defined()) nn::defer_gradient(params[i], [out] { return out; });
+  }
 }
 
 void ParamGroup::Impl::end_backward() {
@@ -213,6 +243,7 @@ void ParamGroup::Impl::end_backward() {
   next_bucket = 0;
   arrivals = 0;
   arrived.assign(params.size(), false);
+  reduce_of.assign(params.size(), nullptr);
   forward_calls = 0;
   backward_prefetched = false;
   free_buffers();  // the group's last backward use is over

@@ -3,8 +3,8 @@
 // cut every group into one bucket per parameter, a few, or one; the first backward's buckets
 // agreed per op and the later ones following its plan; a bucket leaves while its group's
 // backward still runs; exact reduce-scatter counts; a parameter the forward does not use, one
-// frozen and unfrozen between steps, a backward that fails part-way, gradient accumulation
-// without sync and HSDP.
+// frozen and unfrozen between steps, gradient hooks, a backward that fails part-way, gradient
+// accumulation without sync and HSDP.
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
@@ -218,6 +218,49 @@ TEST(ReduceBuckets, ABackwardThatFailsPartWayLeavesNoHalfPlan) {
   }
   for (size_t i = 0; i < params[0].size(); ++i)
     EXPECT_TRUE(params[0][i].equal(params[1][i])) << "parameter " << i;
+}
+
+// A parameter with gradient hooks ends its bucket and gets its reduced gradient through autograd,
+// which runs the hooks: bitwise the one-node reduction, over planned backwards too. A hook
+// registered after the forward is an error naming the parameter.
+TEST(ReduceBuckets, HooksSeeTheReducedGradient) {
+  std::vector<std::vector<at::Tensor>> runs;
+  for (int64_t cap : {int64_t{0}, int64_t{1}, int64_t{1} << 30}) {
+    SCOPED_TRACE("reduce_bucket_cap_bytes " + std::to_string(cap));
+    Net net;
+    shard(net, with_cap(cap));
+    net.second->down->weight.register_hook([](const at::Tensor& g) { return g * 2; });
+    std::vector<at::Tensor> seen;
+    net.second->spare->bias.register_hook([&seen](const at::Tensor& g) {
+      seen.push_back(g.clone());
+      return at::Tensor();
+    });
+    for (int64_t s = 0; s < 3; ++s) {
+      for (auto& p : net.parameters()) p.mutable_grad() = at::Tensor();
+      net.forward(batch(s)).pow(2).mean().backward();
+    }
+    ASSERT_EQ(seen.size(), 3u);
+    runs.push_back(seen);
+    for (const auto& p : net.parameters()) runs.back().push_back(p.grad().clone());
+  }
+  for (size_t r = 1; r < runs.size(); ++r) {
+    for (size_t i = 0; i < runs[0].size(); ++i)
+      EXPECT_TRUE(runs[0][i].equal(runs[r][i])) << "run " << r << ", " << i;
+  }
+  Net net;
+  shard(net, with_cap(1));
+  auto loss = net.forward(batch(0)).pow(2).mean();
+  net.first->up->weight.register_hook([](const at::Tensor& g) { return g; });
+  try {
+    loss.backward();
+    FAIL() << "expected an error for a hook registered after the forward";
+  } catch (const std::exception& e) {
+    EXPECT_NE(
+        std::string(e.what()).find("fully_shard: expected the gradient hooks of up.weight to be registered "
+                                   "before the forward"),
+        std::string::npos)
+        << e.what();
+  }
 }
 
 // No sync: nothing moves; the synced backward after two unsynced ones reduces the sum in buckets,

@@ -22,10 +22,10 @@
 //     reduce-scatter when autograd has them all), and the backward goes on; the reductions of
 //     at most two groups travel at once (a third group's start waits for the oldest); the end
 //     of the backward waits for the rest and writes the shards' .grad (nn/pending_gradient.h).
-//     HSDP's all-reduce over the replicate dim runs when a reduce-scatter is waited for. A group
-//     with a parameter that has gradient hooks when its forward runs (a sequence-parallel norm
-//     weight's sum over the tensor-parallel ranks) reduces in one reduce-scatter, waits for it
-//     at once and hands the gradients to autograd, which runs the hooks.
+//     HSDP's all-reduce over the replicate dim runs when a reduce-scatter is waited for. A
+//     parameter with gradient hooks (a sequence-parallel norm weight's sum over the
+//     tensor-parallel ranks; registered before the forward) ends its bucket, waits for it at
+//     once and hands its gradient to autograd, which runs the hooks.
 // A gather (prefetched, or unshard()) whose shards changed in place before the forward used it
 // is done again.
 //
