@@ -19,6 +19,10 @@
 #include "flat_layout.h"
 #include "pass_order.h"
 
+namespace torch::autograd {
+struct Node;
+}  // namespace torch::autograd
+
 namespace hyper_parallel::fully_shard {
 
 namespace detail {
@@ -64,7 +68,12 @@ struct ParamGroup::Impl {
   // This backward's started bucket of each parameter, and the parameter's place in it.
   std::vector<std::shared_ptr<detail::ReduceInFlight>> reduce_of;
   std::vector<int64_t> offset_of;
-  bool reduced_whole = false;  // a whole-group reduce-scatter has been agreed with the peers
+  // This pass's autograd node of each parameter, and whether this backward reaches it (one it
+  // does not reach arrives with zeros, at the latest at the end of the backward).
+  std::vector<torch::autograd::Node*> reduce_nodes;
+  std::vector<bool> reached;
+  bool arriving_unreached = false;  // arrive_unreached is running: its caller ends the backward
+  bool reduced_whole = false;       // a whole-group reduce-scatter has been agreed with the peers
   size_t next_bucket = 0;
 
   explicit Impl(dtensor::DeviceMesh m) : mesh(std::move(m)) {}
@@ -101,6 +110,9 @@ struct ParamGroup::Impl {
   void send_planned();
   // Starts the reduce-scatter of bucket `indices` and defers its parameters' gradients to it.
   void send(const std::vector<size_t>& indices, comm::Agreement agreement);
+  // When hooked parameter `current`'s planned bucket is held back: the parameters this backward
+  // does not reach reduce zeros now.
+  void arrive_unreached(size_t current);
   // At the end of the backward: the parameters that got no gradient reduce zeros.
   void arrive_missing();
   // The group's backward is over: the last bucket leaves and the gathered parameters are freed.

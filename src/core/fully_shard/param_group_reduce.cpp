@@ -12,11 +12,13 @@
 // laid out in parameter order, are the plan: a later backward starts a planned bucket once all
 // its gradients are in and the ones before it have started, without a round trip, so every rank
 // issues the same reduce-scatters in the same order whatever order its gradients come in. A
-// parameter that gets no gradient in a backward reduces zeros at its end (the engine's final
-// callback), as the one-node reduction does. The shards' .grad wait for their bucket at the end
-// of the backward (nn/pending_gradient.h). A parameter with gradient hooks ends its bucket; its
-// node waits for the bucket and returns the reduced gradient, so autograd runs the hooks on it.
-// A whole-group reduction agrees with the peers once: the later ones have its shape.
+// parameter that a backward does not reach reduces zeros at the end of the backward (the
+// engine's final callback), or earlier when a hooked parameter's bucket needs it (autograd's
+// graph task lists the nodes it will run). The shards' .grad wait for
+// their bucket at the end of the backward (nn/pending_gradient.h). A parameter with gradient
+// hooks ends its bucket; its node waits for the bucket and returns the reduced gradient, so
+// autograd runs the hooks on it. A whole-group reduction agrees with the peers once: the later
+// ones have its shape.
 #include <algorithm>
 #include <limits>
 #include <numeric>
@@ -24,6 +26,8 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/csrc/autograd/variable.h>
 
@@ -87,6 +91,7 @@ std::vector<at::Tensor> ParamGroup::Impl::attach_reduction(const std::shared_ptr
         },
         "FullyShardReduceScatterBackward", /*materialize_grads=*/true,
         /*sequence_nr=*/std::numeric_limits<uint64_t>::max())[0]);
+    s.reduce_nodes[i] = out.back().grad_fn().get();
   }
   return out;
 }
@@ -97,6 +102,8 @@ void ParamGroup::Impl::begin_backward_pass() {
   arrived_grads.assign(n, at::Tensor());
   reduce_of.assign(n, nullptr);
   offset_of.assign(n, 0);
+  reduce_nodes.assign(n, nullptr);
+  reached.assign(n, true);
   // A backward that failed part-way leaves no arrivals and no half-recorded plan behind.
   unsent.clear();
   unsent_bytes = 0;
@@ -127,8 +134,11 @@ at::Tensor ParamGroup::Impl::arrive(size_t i, at::Tensor grad) {
   TORCH_INTERNAL_ASSERT(!arrived[i], "fully_shard: a parameter's gradient arrived twice in one backward");
   arrived[i] = true;
   ++arrivals;
-  const bool hooked = planned_wants[i] == 2;
-  TORCH_CHECK_VALUE(hooked || !has_hooks(params[i]), "fully_shard: expected the gradient hooks of ", names[i],
+  // Autograd runs the hooks of a parameter this backward reaches: its node returns the reduced
+  // gradient. One it does not reach has its zeros reduced and deferred like the others'.
+  const bool hooked = planned_wants[i] == 2 && reached[i];
+  TORCH_CHECK_VALUE(planned_wants[i] == 2 || !has_hooks(params[i]),
+                    "fully_shard: expected the gradient hooks of ", names[i],
                     " to be registered before the forward (its group reduces in buckets that the forward "
                     "plans), got one registered after it; register it earlier, or set "
                     "reduce_bucket_cap_bytes to 0");
@@ -139,6 +149,12 @@ at::Tensor ParamGroup::Impl::arrive(size_t i, at::Tensor grad) {
     arrived_grads[i] = std::move(grad);
     if (!bucket_plan.empty()) {
       send_planned();
+      // Its bucket held back by parameters this backward does not reach (a layer skipped in
+      // this step): they reduce zeros now, not at the end of the backward.
+      if (hooked && reduce_of[i] == nullptr) {
+        arrive_unreached(i);
+        send_planned();
+      }
     } else {
       unsent_bytes += reduce_bytes(i);
       unsent.push_back(i);
@@ -151,7 +167,7 @@ at::Tensor ParamGroup::Impl::arrive(size_t i, at::Tensor grad) {
     // Its hooks see the reduced gradient: autograd gets it here, and runs them.
     if (hooked) out = hooked_gradient(i);
   }
-  if (arrivals == expected_arrivals) end_backward();
+  if (arrivals == expected_arrivals && !arriving_unreached) end_backward();
   return out;
 }
 
@@ -207,7 +223,7 @@ void ParamGroup::Impl::send(const std::vector<size_t>& indices, comm::Agreement 
     const auto elements = layout.local_elements(static_cast<int64_t>(i));
     reduce_of[i] = reduced;
     offset_of[i] = offset;
-    if (planned_wants[i] == 1) {
+    if (planned_wants[i] == 1 || !reached[i]) {
       nn::defer_gradient(params[i], [reduced, param = params[i], offset, elements] {
         return shard_gradient(reduced, param, offset, elements);
       });
@@ -216,16 +232,34 @@ void ParamGroup::Impl::send(const std::vector<size_t>& indices, comm::Agreement 
   }
 }
 
+// Judged by the running graph task's nodes, and only when `current`'s node is this pass's (a
+// second forward before this backward made other nodes). The caller ends the backward if these
+// were its last gradients. A nested backward (torch.utils.checkpoint's reentrant variant) can
+// still bring a gradient this task does not list: then this is not called unless a hooked
+// parameter would otherwise fail.
+void ParamGroup::Impl::arrive_unreached(size_t current) {
+  const auto* nodes = torch::autograd::get_current_graph_task_nodes_in_graph();
+  if (nodes == nullptr || reduce_nodes[current] == nullptr || nodes->count(reduce_nodes[current]) == 0)
+    return;
+  arriving_unreached = true;
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (planned_wants[i] == 0 || arrived[i] || reduce_nodes[i] == nullptr ||
+        nodes->count(reduce_nodes[i]) > 0)
+      continue;
+    reached[i] = false;
+    arrive(i, at::zeros(buffers[i].sizes(), buffers[i].options()));
+  }
+  arriving_unreached = false;
+}
+
 void ParamGroup::Impl::arrive_missing() {
   std::vector<size_t> missing;
   for (size_t i = 0; arrivals > 0 && i < params.size(); ++i) {
-    if (params[i].requires_grad() && !arrived[i]) missing.push_back(i);
+    if (planned_wants[i] != 0 && !arrived[i]) missing.push_back(i);
   }
-  for (const auto i : missing) {
-    // Autograd is done: a hooked parameter's reduced gradient goes to .grad without its hooks.
-    auto out = arrive(i, at::zeros(buffers[i].sizes(), buffers[i].options()));
-    if (out.defined()) nn::defer_gradient(params[i], [out] { return out; });
-  }
+  // Autograd is done: a hooked parameter's reduced gradient goes to .grad without its hooks.
+  for (const auto i : missing) reached[i] = false;
+  for (const auto i : missing) arrive(i, at::zeros(buffers[i].sizes(), buffers[i].options()));
 }
 
 void ParamGroup::Impl::end_backward() {
@@ -243,6 +277,7 @@ void ParamGroup::Impl::end_backward() {
   next_bucket = 0;
   arrivals = 0;
   arrived.assign(params.size(), false);
+  reached.assign(params.size(), true);
   reduce_of.assign(params.size(), nullptr);
   forward_calls = 0;
   backward_prefetched = false;
