@@ -15,6 +15,7 @@ packages=(
   gnuplot-nox           # bench/plot_sweep.sh
   python3-torch python3-dev pybind11-dev python3-pytest  # the Python package and its tests (/usr/bin/python3)
   flake8                # the Python linter (lint_python: pyflakes's checks)
+  clang-format clang-tidy  # lint_format and lint_tidy (Debian 12's: version 14, which both pin)
   python3-venv python3-setuptools python3-wheel        # pip install of the package into a venv over Debian's torch
   iproute2              # ip netns / tc, for benchmarks over a rate-limited link
 )

@@ -1,7 +1,6 @@
 #include "safetensors.h"
 
 #include <algorithm>
-#include <bit>
 #include <sstream>
 
 #include <c10/util/ArrayRef.h>
@@ -12,7 +11,8 @@
 namespace hyper_parallel::checkpoint::detail {
 
 // The data bytes are the host's: the format is little-endian.
-static_assert(std::endian::native == std::endian::little,
+// (The compiler's macro, not C++20's std::endian: clang-tidy reads this file as C++17.)
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
               "checkpoint files are little-endian; this host is not");
 
 namespace {
@@ -92,7 +92,7 @@ SafetensorsReader::SafetensorsReader(const char* fn, const std::string& path) : 
                   ": tensor ", name, ": expected data_offsets [begin, end] with 0 <= begin <= end");
       r.begin = offsets[0];
       r.end = offsets[1];
-      const auto dtype = dtype_from_name(fn, r.dtype, path + ": tensor " + name);
+      const auto dtype = dtype_from_name(fn, r.dtype, std::string(path).append(": tensor ").append(name));
       const int64_t expected =
           c10::multiply_integers(r.shape) * static_cast<int64_t>(c10::elementSize(dtype));
       TORCH_CHECK(r.end - r.begin == expected, fn, ": ", path, ": tensor ", name, ": expected ", expected,

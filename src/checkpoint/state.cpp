@@ -131,7 +131,7 @@ torch::optim::AdamWParamState& adamw_state_of(torch::optim::AdamW& optimizer, co
 
 }  // namespace
 
-Entry entry_of(at::Tensor tensor) { return entry_like(tensor, tensor); }
+Entry entry_of(const at::Tensor& tensor) { return entry_like(tensor, tensor); }
 
 State model_state(torch::nn::Module& model) {
   std::vector<NamedParameter> params;

@@ -115,7 +115,7 @@ State model_state(torch::nn::Module& model);
 
 /// An entry aliasing `tensor`, laid out as its parallel style recorded it (nn::recorded_layout),
 /// else replicated. The Python front end builds states from these.
-Entry entry_of(at::Tensor tensor);
+Entry entry_of(const at::Tensor& tensor);
 
 /// AdamW's state of one parameter: the moments (aliased; max_exp_avg_sq undefined without
 /// amsgrad) and where its step count lives.

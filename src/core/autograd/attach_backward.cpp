@@ -62,8 +62,10 @@ std::vector<at::Tensor> attach_backward(const std::vector<at::Tensor>& inputs,
   for (const auto& t : inputs) any = any || (t.defined() && t.requires_grad());
   if (!any || !torch::autograd::GradMode::is_enabled()) return outputs;
   std::vector<FunctionalBackward::OutputMeta> metas;
+  metas.reserve(outputs.size());
   for (auto& out : outputs) metas.push_back({out.sizes().vec(), out.options()});
   std::vector<autograd::GradientLayout> layouts;
+  layouts.reserve(inputs.size());
   for (const auto& t : inputs)
     layouts.push_back(t.defined() ? autograd::GradientLayout::of(t) : autograd::GradientLayout{});
   std::shared_ptr<FunctionalBackward> node(

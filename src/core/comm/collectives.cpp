@@ -75,6 +75,7 @@ int64_t chunks_for(int64_t max_block_bytes) {
 // Rows of the flat collectives are single elements: block b holds sizes[b] * row_elems of them.
 BlockLayout flat_layout(const std::vector<int64_t>& sizes, int64_t row_elems, int64_t chunks) {
   std::vector<int64_t> elems;
+  elems.reserve(sizes.size());
   for (auto s : sizes) elems.push_back(s * row_elems);
   return BlockLayout(std::move(elems), chunks);
 }
@@ -207,7 +208,7 @@ at::Tensor reduce_scatter(const at::Tensor& input, int64_t dim, ReduceOp op, con
   if (op == ReduceOp::kAvg) reduced.div_(p);
   auto shape = rows.sizes().vec();
   shape[0] = rank_sizes[group.rank()];
-  const auto result = reduced.view(shape).movedim(0, dim);
+  auto result = reduced.view(shape).movedim(0, dim);
   if (result.scalar_type() == input.scalar_type() && result.is_contiguous()) return result;
   // One pass rounds the accumulate dtype's sum and moves dim back.
   return at::empty(result.sizes(), input.options().memory_format(at::MemoryFormat::Contiguous)).copy_(result);

@@ -12,7 +12,7 @@ namespace hyper_parallel::data_parallel {
 
 std::shared_ptr<GradientReducer> data_parallel(const std::vector<at::Tensor>& params,
                                                const dtensor::DeviceMesh& mesh,
-                                               GradientReducerOptions options) {
+                                               const GradientReducerOptions& options) {
   TORCH_CHECK_VALUE(mesh.ndim() == 1,
                     "data_parallel: expected a 1-D mesh (the data-parallel dimension, e.g. ",
                     "mesh[\"dp\"]), got a ", mesh.ndim(), "-D mesh");

@@ -370,7 +370,7 @@ void GradientReducer::Impl::reset() {
 }
 
 GradientReducer::GradientReducer(const std::vector<at::Tensor>& params, comm::Group group,
-                                 GradientReducerOptions options)
+                                 const GradientReducerOptions& options)
     : impl_(std::make_shared<Impl>()) {
   TORCH_CHECK_VALUE(group.is_member(),
                     "GradientReducer: expected a group this rank is a member of, got a non-member");

@@ -166,6 +166,7 @@ DeviceMesh DeviceMesh::operator[](const std::string& name) const { return sub_me
 
 DeviceMesh DeviceMesh::operator[](const std::vector<std::string>& names) const {
   std::vector<int64_t> dims;
+  dims.reserve(names.size());
   for (const auto& name : names) dims.push_back(dim_index(name));
   return sub_mesh(dims);
 }

@@ -238,7 +238,7 @@ void FSDPModule::set_modules_to_backward_prefetch(const std::vector<FSDPModule>&
 void FSDPModule::zero_grad() const {
   for_each_state(state_, true, [](State& s) {
     if (!s.group) return;
-    for (auto p : s.group->parameters()) p.mutable_grad() = at::Tensor();
+    for (const auto& p : s.group->parameters()) p.mutable_grad() = at::Tensor();
   });
 }
 

@@ -229,7 +229,7 @@ void ParamGroup::post_forward() {
 }
 
 std::vector<at::Tensor> ParamGroup::register_pre_backward(std::vector<at::Tensor> outputs,
-                                                          std::function<void()> then) {
+                                                          const std::function<void()>& then) {
   if (!torch::autograd::GradMode::is_enabled()) return outputs;
   std::weak_ptr<Impl> weak = impl_;
   for (auto& out : outputs) {

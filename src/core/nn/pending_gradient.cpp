@@ -63,8 +63,9 @@ void apply(Entry& e) {
 
 // The backward failed before its final callback (or a sum failed in it): wait for the
 // transfers (so none outlives its buffers or leaves a peer waiting), drop their results and
-// give each parameter back the .grad it had before this pass's part was added.
-void abandon_all() noexcept {
+// give each parameter back the .grad it had before this pass's part was added. Only a failed
+// mutex could throw here, and then terminating is all that is left.
+void abandon_all() noexcept {  // NOLINT(bugprone-exception-escape)
   while (auto e = take(nullptr)) {
     try {
       e->wait();
@@ -83,7 +84,7 @@ void abandon_all() noexcept {
 void open_pass() {
   struct PassGuard {
     bool ran = false;
-    ~PassGuard() {
+    ~PassGuard() {  // NOLINT(bugprone-exception-escape): abandon_all is noexcept
       if (!ran) abandon_all();
     }
   };

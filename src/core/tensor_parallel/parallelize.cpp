@@ -82,6 +82,7 @@ void parallelize_module(torch::nn::Module& module, const dtensor::DeviceMesh& me
   std::vector<std::pair<std::string, torch::nn::Module*>> modules;
   walk(module, "", modules);
   std::vector<std::string> paths;
+  paths.reserve(modules.size());
   for (const auto& m : modules) paths.push_back(m.first);
   std::vector<Target> targets;
   for (const auto& t : match_plan(entries, paths, module.name())) {

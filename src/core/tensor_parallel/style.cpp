@@ -77,7 +77,7 @@ void on_first_output(nn::HookableModule& hm, Fn fn) {
 
 // ---- ColwiseParallel ----------------------------------------------------------------------
 
-ColwiseParallel::ColwiseParallel(ColwiseParallelOptions options) : options_(std::move(options)) {
+ColwiseParallel::ColwiseParallel(ColwiseParallelOptions options) : options_(options) {
   check_not_partial("ColwiseParallel", "input_layouts", options_.input_layouts());
   check_not_partial("ColwiseParallel", "output_layouts", options_.output_layouts());
 }
@@ -114,7 +114,7 @@ void ColwiseParallel::apply_to(torch::nn::Module& module, const DeviceMesh& mesh
 
 // ---- RowwiseParallel ----------------------------------------------------------------------
 
-RowwiseParallel::RowwiseParallel(RowwiseParallelOptions options) : options_(std::move(options)) {
+RowwiseParallel::RowwiseParallel(RowwiseParallelOptions options) : options_(options) {
   check_not_partial("RowwiseParallel", "output_layouts", options_.output_layouts());
 }
 
@@ -184,6 +184,7 @@ void RowwiseParallel::apply_to(torch::nn::Module& module, const DeviceMesh& mesh
 std::vector<ParameterSharding> SequenceParallel::parameter_shardings(
     ModuleKind, const std::vector<std::string>& parameters) const {
   std::vector<ParameterSharding> table;
+  table.reserve(parameters.size());
   for (const auto& p : parameters) table.push_back({p, {Replicate()}, /*sums_gradient=*/true});
   return table;
 }

@@ -33,6 +33,6 @@ namespace hyper_parallel::data_parallel {
 /// The same over a list of parameters (a torch.nn module's, from Python), in their order.
 [[nodiscard]] std::shared_ptr<GradientReducer> data_parallel(const std::vector<at::Tensor>& params,
                                                              const dtensor::DeviceMesh& mesh,
-                                                             GradientReducerOptions options = {});
+                                                             const GradientReducerOptions& options = {});
 
 }  // namespace hyper_parallel::data_parallel

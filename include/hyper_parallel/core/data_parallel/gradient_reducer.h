@@ -93,7 +93,7 @@ class GradientReducer {
   /// `params`: the parameters to average (those not requiring grad are skipped, repeats are
   /// counted once). Registers the hooks; the destructor removes them.
   GradientReducer(const std::vector<at::Tensor>& params, comm::Group group,
-                  GradientReducerOptions options = {});
+                  const GradientReducerOptions& options = {});
   ~GradientReducer();
   GradientReducer(const GradientReducer&) = delete;
   GradientReducer& operator=(const GradientReducer&) = delete;

@@ -74,7 +74,7 @@ class ParamGroup {
   /// again (if it was resharded) before the module's own backward reads its parameters, then
   /// runs `then` (e.g. gathering the modules to prefetch).
   std::vector<at::Tensor> register_pre_backward(std::vector<at::Tensor> outputs,
-                                                std::function<void()> then = {});
+                                                const std::function<void()>& then = {});
 
   /// Gathers the parameters now (outside a forward, e.g. to read them whole); async_op: starts
   /// the gather and returns (the next pre_forward or wait_for_unshard waits for it). Collective.

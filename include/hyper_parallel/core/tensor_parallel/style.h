@@ -193,7 +193,7 @@ struct SequenceParallelOptions {
 
 class SequenceParallel : public ParallelStyle {
  public:
-  explicit SequenceParallel(SequenceParallelOptions options = {}) : options_(std::move(options)) {}
+  explicit SequenceParallel(SequenceParallelOptions options = {}) : options_(options) {}
   std::string name() const override { return "SequenceParallel"; }
   const SequenceParallelOptions& options() const { return options_; }
   std::vector<ParameterSharding> parameter_shardings(

@@ -113,6 +113,7 @@ int64_t choose_chunks(FusedSchedule schedule, int64_t ranks, const std::vector<C
   TORCH_CHECK_VALUE(!candidates.empty(), "choose_chunks: expected at least one candidate, got none");
   TORCH_CHECK_VALUE(tolerance >= 0, "choose_chunks: expected tolerance >= 0, got ", tolerance);
   std::vector<double> seconds;
+  seconds.reserve(candidates.size());
   for (const auto& c : candidates) seconds.push_back(predicted_seconds(schedule, ranks, c, link));
   const double best = *std::min_element(seconds.begin(), seconds.end());
   int64_t chosen = -1;

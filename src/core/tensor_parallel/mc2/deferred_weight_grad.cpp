@@ -50,7 +50,8 @@ at::Tensor deliver_weight_grad(const std::shared_ptr<DeferredWeightGrad>& slot, 
   // Below the host: among ready nodes the engine runs the highest number first.
   const uint64_t sequence_nr = host_sequence_nr == 0 ? 0 : host_sequence_nr - 1;
   return hyper_parallel::detail::attach_backward(
-      {w, bias}, {token}, [slot](std::vector<at::Tensor>) { return slot->take(); }, "MC2DeferredWeightGrad",
+      {w, bias}, {token}, [slot](const std::vector<at::Tensor>&) { return slot->take(); },
+      "MC2DeferredWeightGrad",
       /*materialize_grads=*/false, sequence_nr)[0];
 }
 
