@@ -14,11 +14,10 @@
 // issues the same reduce-scatters in the same order whatever order its gradients come in. A
 // parameter that a backward does not reach reduces zeros at the end of the backward (the
 // engine's final callback), or earlier when a hooked parameter's bucket needs it (autograd's
-// graph task lists the nodes it will run). The shards' .grad wait for
-// their bucket at the end of the backward (nn/pending_gradient.h). A parameter with gradient
-// hooks ends its bucket; its node waits for the bucket and returns the reduced gradient, so
-// autograd runs the hooks on it. A whole-group reduction agrees with the peers once: the later
-// ones have its shape.
+// graph task lists the nodes it will run). The shards' .grad wait for their bucket at the end
+// of the backward (nn/pending_gradient.h). A parameter with gradient hooks ends its bucket; its
+// node waits for the bucket and returns the reduced gradient, so autograd runs the hooks on it.
+// A whole-group reduction agrees with the peers once: the later ones have its shape.
 #include <algorithm>
 #include <limits>
 #include <numeric>
