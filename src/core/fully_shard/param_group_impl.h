@@ -113,6 +113,8 @@ struct ParamGroup::Impl {
   // When hooked parameter `current`'s planned bucket is held back: the parameters this backward
   // does not reach reduce zeros now.
   void arrive_unreached(size_t current);
+  // Parameter i, which this backward does not reach, arrives with a zero gradient.
+  void arrive_zeros(size_t i);
   // At the end of the backward: the parameters that got no gradient reduce zeros.
   void arrive_missing();
   // The group's backward is over: the last bucket leaves and the gathered parameters are freed.

@@ -245,10 +245,15 @@ void ParamGroup::Impl::arrive_unreached(size_t current) {
     if (planned_wants[i] == 0 || arrived[i] || reduce_nodes[i] == nullptr ||
         nodes->count(reduce_nodes[i]) > 0)
       continue;
-    reached[i] = false;
-    arrive(i, at::zeros(buffers[i].sizes(), buffers[i].options()));
+    arrive_zeros(i);
   }
   arriving_unreached = false;
+}
+
+// Its hooks are not run (autograd does not reach it): its reduced zeros are deferred to .grad.
+void ParamGroup::Impl::arrive_zeros(size_t i) {
+  reached[i] = false;
+  arrive(i, at::zeros(buffers[i].sizes(), buffers[i].options()));
 }
 
 void ParamGroup::Impl::arrive_missing() {
@@ -256,9 +261,7 @@ void ParamGroup::Impl::arrive_missing() {
   for (size_t i = 0; arrivals > 0 && i < params.size(); ++i) {
     if (planned_wants[i] != 0 && !arrived[i]) missing.push_back(i);
   }
-  // Autograd is done: a hooked parameter's reduced gradient goes to .grad without its hooks.
-  for (const auto i : missing) reached[i] = false;
-  for (const auto i : missing) arrive(i, at::zeros(buffers[i].sizes(), buffers[i].options()));
+  for (const auto i : missing) arrive_zeros(i);
 }
 
 void ParamGroup::Impl::end_backward() {
