@@ -277,6 +277,42 @@ TEST(ReduceBuckets, ALayerSkippedAfterThePlanTrainsAsOneReduceScatterPerGroup) {
   }
 }
 
+// Two branches computed in either order: the backward's order follows. With a hook on `a`'s
+// weight and cap 1, the plan (backward 0: b's gradients, then a's) puts a.weight's bucket after
+// b's; when a second forward computes b first, a.weight arrives first and its bucket cannot
+// start: an error naming it, on every rank alike (no hang).
+struct TwoBranches : torch::nn::Module {
+  TwoBranches() {
+    a = register_module("a", hp::nn::Linear(kIn, kIn));
+    b = register_module("b", hp::nn::Linear(kIn, kIn));
+  }
+  at::Tensor forward(const at::Tensor& x, bool a_first) {
+    if (a_first) {
+      auto ya = a(x);
+      return ya + b(x);
+    }
+    auto yb = b(x);
+    return a(x) + yb;
+  }
+  hp::nn::Linear a{nullptr}, b{nullptr};
+};
+
+TEST(ReduceBuckets, AHookedBucketHeldBackByAChangedOrderIsAnError) {
+  TwoBranches net;
+  fs::fully_shard(net, with_cap(1));
+  net.a->weight.register_hook([](const at::Tensor& g) { return g; });
+  net.forward(batch(0), /*a_first=*/true).pow(2).mean().backward();
+  try {
+    net.forward(batch(1), /*a_first=*/false).pow(2).mean().backward();
+    FAIL() << "expected an error for a hooked parameter whose planned bucket cannot start";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("fully_shard: expected the bucket of a.weight (a parameter with "
+                                         "gradient hooks) to have started when its gradient arrived"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 // No sync: nothing moves; the synced backward after two unsynced ones reduces the sum in buckets,
 // bitwise as in one reduce-scatter per group.
 TEST(ReduceBuckets, GradientAccumulationWithoutSync) {
