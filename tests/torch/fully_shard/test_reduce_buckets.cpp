@@ -5,6 +5,9 @@
 // backward still runs; exact reduce-scatter counts; a parameter the forward does not use, one
 // frozen and unfrozen between steps, gradient hooks, a backward that fails part-way, gradient
 // accumulation without sync and HSDP.
+#include <functional>
+#include <string>
+
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
@@ -108,6 +111,18 @@ void expect_bitwise(const Trained& a, const Trained& b) {
       EXPECT_TRUE(a.grads[i].equal(b.grads[i])) << "gradient " << i;
     }
   }
+}
+
+// `run` throws an `Error` whose message contains `message`.
+template <typename Error = std::exception>
+void expect_error(const std::function<void()>& run, const std::string& message) {
+  try {
+    run();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(message), std::string::npos) << e.what();
+    return;
+  }
+  ADD_FAILURE() << "expected an error containing: " << message;
 }
 
 // Reduce-scatters of one backward (the forward's gathers are not counted).
@@ -253,16 +268,8 @@ TEST(ReduceBuckets, HooksSeeTheReducedGradient) {
   shard(net, with_cap(1));
   auto loss = net.forward(batch(0)).pow(2).mean();
   net.first->up->weight.register_hook([](const at::Tensor& g) { return g; });
-  try {
-    loss.backward();
-    FAIL() << "expected an error for a hook registered after the forward";
-  } catch (const std::exception& e) {
-    EXPECT_NE(
-        std::string(e.what()).find("fully_shard: expected the gradient hooks of up.weight to be registered "
-                                   "before the forward"),
-        std::string::npos)
-        << e.what();
-  }
+  expect_error([&] { loss.backward(); },
+               "fully_shard: expected the gradient hooks of up.weight to be registered before the forward");
 }
 
 // A layer skipped after the plan was made (step 1): its zeros reduce at its group's first
@@ -302,15 +309,10 @@ TEST(ReduceBuckets, AHookedBucketHeldBackByAChangedOrderIsAnError) {
   fs::fully_shard(net, with_cap(1));
   net.a->weight.register_hook([](const at::Tensor& g) { return g; });
   net.forward(batch(0), /*a_first=*/true).pow(2).mean().backward();
-  try {
-    net.forward(batch(1), /*a_first=*/false).pow(2).mean().backward();
-    FAIL() << "expected an error for a hooked parameter whose planned bucket cannot start";
-  } catch (const std::exception& e) {
-    EXPECT_NE(std::string(e.what()).find("fully_shard: expected the bucket of a.weight (a parameter with "
-                                         "gradient hooks) to have started when its gradient arrived"),
-              std::string::npos)
-        << e.what();
-  }
+  expect_error(
+      [&] { net.forward(batch(1), /*a_first=*/false).pow(2).mean().backward(); },
+      "fully_shard: expected the bucket of a.weight (a parameter with gradient hooks) to have started "
+      "when its gradient arrived");
 }
 
 // No sync: nothing moves; the synced backward after two unsynced ones reduces the sum in buckets,
@@ -363,13 +365,7 @@ TEST(ReduceBuckets, HybridShardingBitwiseAsOneReduceScatterPerGroup) {
 
 TEST(ReduceBuckets, ANegativeCapIsAValueError) {
   Net net;
-  try {
-    fs::fully_shard(*net.first, with_cap(-1));
-    FAIL() << "expected a c10::ValueError";
-  } catch (const c10::ValueError& e) {
-    EXPECT_NE(std::string(e.what()).find("expected reduce_bucket_cap_bytes >= 0 (0: one reduce-scatter per "
-                                         "group), got -1"),
-              std::string::npos)
-        << e.what();
-  }
+  expect_error<c10::ValueError>(
+      [&] { fs::fully_shard(*net.first, with_cap(-1)); },
+      "expected reduce_bucket_cap_bytes >= 0 (0: one reduce-scatter per group), got -1");
 }
