@@ -27,6 +27,10 @@ struct GroupImpl {
   std::atomic<std::thread::id> issuing_thread{};  // the thread inside an OpScope on it, if any
   std::mutex link_mutex;                          // guards link (not held while probing)
   std::optional<LinkEstimate> link;               // link_probe.h, once measured
+  // The ops agreed in advance since the last per-op agreement (op.h): their count, the call
+  // number of the first, and a digest of their signatures. Only the issuing thread touches them.
+  int64_t unagreed_ops = 0, unagreed_first_seq = -1;
+  uint64_t unagreed_digest = 0;
 };
 
 }  // namespace hyper_parallel::comm::detail

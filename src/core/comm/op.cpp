@@ -1,5 +1,6 @@
 #include <hyper_parallel/core/comm/op.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
@@ -37,6 +38,10 @@ enum Field {
   kChunks,
   kProposed,
   kGroupSize,
+  kContent,
+  kUnagreedOps,  // the ops agreed in advance since the group's last per-op agreement
+  kUnagreedFirstSeq,
+  kUnagreedDigest,
   kFields
 };
 constexpr int64_t kSignatureMagic = 0x48504f5053;  // "HPOPS"
@@ -54,7 +59,28 @@ std::string describe(const std::array<int64_t, kFields>& f, const std::array<con
     }
   }
   s << " chunks=" << (f[kProposed] ? "auto:" : "") << f[kChunks];
+  if (f[kContent] != 0) s << " content=" << std::hex << f[kContent] << std::dec;
   return s.str();
+}
+
+// The ops agreed in advance that an agreement's signature covers.
+std::string describe_unagreed(const std::array<int64_t, kFields>& f) {
+  if (f[kUnagreedOps] == 0) return "no op agreed in advance before it";
+  std::ostringstream s;
+  s << "before it " << f[kUnagreedOps] << " ops agreed in advance from call " << f[kUnagreedFirstSeq]
+    << " (digest " << std::hex << f[kUnagreedDigest] << std::dec << ")";
+  return s.str();
+}
+
+uint64_t mix(uint64_t h, int64_t v) {
+  h ^= static_cast<uint64_t>(v) + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2);
+  return h;
+}
+
+// An op agreed in advance joins the digest that the group's next per-op agreement compares.
+void note_unagreed(detail::GroupImpl& g, const std::array<int64_t, kFields>& f) {
+  if (g.unagreed_ops++ == 0) g.unagreed_first_seq = f[kSeq];
+  for (int i = kName; i < kUnagreedOps; ++i) g.unagreed_digest = mix(g.unagreed_digest, f[i]);
 }
 
 std::array<int64_t, kFields> fields_of(const OpSignature& sig, int64_t seq, int64_t group_size) {
@@ -68,6 +94,7 @@ std::array<int64_t, kFields> fields_of(const OpSignature& sig, int64_t seq, int6
   f[kChunks] = sig.chunks;
   f[kProposed] = sig.chunks_proposed ? 1 : 0;
   f[kGroupSize] = group_size;
+  f[kContent] = sig.content;
   return f;
 }
 
@@ -77,7 +104,15 @@ std::array<int64_t, kFields> fields_of(const OpSignature& sig, int64_t seq, int6
 // chunk count all use: the common one, or rank 0's proposal.
 int64_t agree(const Group& group, const OpSignature& sig, int64_t seq) {
   const int64_t p = group.size(), r = group.rank();
-  const auto mine = fields_of(sig, seq, p);
+  auto& g = group.impl();
+  auto mine = fields_of(sig, seq, p);
+  mine[kUnagreedOps] = g.unagreed_ops;
+  mine[kUnagreedFirstSeq] = g.unagreed_first_seq;
+  mine[kUnagreedDigest] = static_cast<int64_t>(g.unagreed_digest);
+  // Whatever the verdict, every rank's next agreement covers the ops from here on.
+  g.unagreed_ops = 0;
+  g.unagreed_first_seq = -1;
+  g.unagreed_digest = 0;
   std::vector<at::Tensor> all(p);
   all[r] = at::tensor(std::vector<int64_t>(mine.begin(), mine.end()), at::kLong);
   std::vector<Work> recvs(p), sends;
@@ -97,7 +132,7 @@ int64_t agree(const Group& group, const OpSignature& sig, int64_t seq) {
     recorder.clear_waiting();
   }
   for (auto& w : sends) w.wait();
-  bool same = true;
+  bool same = true, same_op = true;
   int64_t max_seq = seq;
   std::vector<std::array<int64_t, kFields>> fields(p);
   for (int64_t q = 0; q < p; ++q) {
@@ -109,19 +144,28 @@ int64_t agree(const Group& group, const OpSignature& sig, int64_t seq) {
     auto theirs = fields[q];
     if (sig.chunks_proposed && theirs[kProposed] == 1) theirs[kChunks] = mine[kChunks];  // proposals differ
     same = same && theirs == mine;
+    same_op = same_op && std::equal(theirs.begin(), theirs.begin() + kUnagreedOps, mine.begin());
   }
   if (same) return fields[0][kChunks];
   // Every rank throws the same error; the next op starts from one call number on every rank.
-  group.impl().next_seq = max_seq + 1;
+  g.next_seq = max_seq + 1;
   std::ostringstream ranks;
   for (int64_t q = 0; q < p; ++q) {
     ranks << (q ? "; " : "") << "rank " << q << " (global " << group.global_ranks()[q] << "): call "
-          << fields[q][kSeq] << ", " << describe(fields[q], sig.names);
+          << fields[q][kSeq] << ", " << describe(fields[q], sig.names) << ", "
+          << describe_unagreed(fields[q]);
   }
-  TORCH_CHECK(false, "hyper_parallel::comm: ranks of ", group.name(), " disagree on ", to_string(sig.kind),
+  TORCH_CHECK(same_op, "hyper_parallel::comm: ranks of ", group.name(), " disagree on ", to_string(sig.kind),
               " (this rank's call ", seq, "): ", ranks.str(),
-              ". No data was sent. Every rank must call the same collectives in the same order with "
-              "matching shapes, dtypes and chunk counts");
+              ". No data was sent. Every rank must call the same collectives in the same order "
+              "with matching shapes, dtypes and chunk counts");
+  TORCH_CHECK(false, "hyper_parallel::comm: ranks of ", group.name(), " agree on ", to_string(sig.kind),
+              " (this rank's call ", seq,
+              ") but started different ops agreed in advance before it: ", ranks.str(),
+              ". Those ops (gradient buckets, started without a per-op agreement) differ in order, "
+              "shape or content between the ranks, so their results mixed different data; every rank "
+              "must start them in the same order with the same contents (the same modules in each "
+              "step)");
 }
 
 }  // namespace
@@ -171,6 +215,8 @@ OpScope::OpScope(const Group& group, const OpSignature& signature, const std::st
     const bool checked = agreement_checks_enabled() || signature.chunks_proposed;
     if (agreement == Agreement::kPerOp && group.size() > 1 && checked && !test_hooks::transfers_skipped()) {
       chunks_ = agree(group, signature, seq);
+    } else if (agreement == Agreement::kAgreedInAdvance && group.size() > 1) {
+      note_unagreed(group.impl(), fields_of(signature, seq, group.size()));
     }
   } catch (...) {
     recorder.end(record_, /*ok=*/false);

@@ -29,7 +29,8 @@ at::Tensor PendingAllGather::wait() {
   return result_;
 }
 
-PendingAllGather start_all_gather(const at::Tensor& input, const Group& group, Agreement agreement) {
+PendingAllGather start_all_gather(const at::Tensor& input, const Group& group, Agreement agreement,
+                                  int64_t content) {
   TORCH_CHECK_VALUE(input.defined(),
                     "hyper_parallel::comm::start_all_gather: expected a tensor, got an undefined one");
   TORCH_CHECK_VALUE(group.size() <= OpTags::kMaxSteps,
@@ -38,9 +39,9 @@ PendingAllGather start_all_gather(const at::Tensor& input, const Group& group, A
   const int64_t p = group.size(), r = group.rank(), n = input.numel();
   std::ostringstream what;
   what << input.scalar_type() << input.sizes() << " on " << group.name() << " (started)";
-  OpScope scope(group, {CollectiveKind::kAllGather, input.scalar_type(), {n, p}, {"numel", "ranks"}},
-                what.str(),
-                /*counted=*/true, agreement);
+  OpSignature signature{CollectiveKind::kAllGather, input.scalar_type(), {n, p}, {"numel", "ranks"}};
+  signature.content = content;
+  OpScope scope(group, signature, what.str(), /*counted=*/true, agreement);
   auto out = at::empty({p * n}, input.options().requires_grad(false));
   out.narrow(0, r * n, n).copy_(input.detach().reshape({-1}));
   auto state = std::make_shared<detail::PendingAllReduceState>(out, ReduceOp::kSum, group);

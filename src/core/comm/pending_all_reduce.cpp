@@ -124,7 +124,7 @@ void complete_on_completion_thread(const std::shared_ptr<PendingAllReduceState>&
 
 std::shared_ptr<PendingAllReduceState> start_reduction(const at::Tensor& buffer, ReduceOp op,
                                                        const Group& group, Agreement agreement,
-                                                       CollectiveKind kind, const char* name,
+                                                       int64_t content, CollectiveKind kind, const char* name,
                                                        std::function<void(PendingAllReduceState&)> finish) {
   TORCH_CHECK_TYPE(buffer.defined() && at::isFloatingType(buffer.scalar_type()),
                    "hyper_parallel::comm::", name, ": expected a floating-point tensor, got ",
@@ -135,12 +135,12 @@ std::shared_ptr<PendingAllReduceState> start_reduction(const at::Tensor& buffer,
                     ": expected a group of at most ", OpTags::kMaxSteps, " ranks, got ", group.size());
   std::ostringstream what;
   what << buffer.scalar_type() << buffer.sizes() << " on " << group.name() << " (started)";
-  OpScope scope(group,
-                {kind,
-                 buffer.scalar_type(),
-                 {buffer.numel(), static_cast<int64_t>(op == ReduceOp::kAvg)},
-                 {"numel", "avg"}},
-                what.str(), /*counted=*/true, agreement);
+  OpSignature signature{kind,
+                        buffer.scalar_type(),
+                        {buffer.numel(), static_cast<int64_t>(op == ReduceOp::kAvg)},
+                        {"numel", "avg"}};
+  signature.content = content;
+  OpScope scope(group, signature, what.str(), /*counted=*/true, agreement);
   // Detached: the in-place sums on the completion thread never touch autograd's metadata.
   auto state = std::make_shared<PendingAllReduceState>(buffer.detach().view({-1}), op, group);
   if (group.size() == 1) {
@@ -180,9 +180,9 @@ void PendingAllReduce::wait() {
 }
 
 PendingAllReduce start_all_reduce(const at::Tensor& buffer, ReduceOp op, const Group& group,
-                                  Agreement agreement) {
-  return PendingAllReduce(detail::start_reduction(buffer, op, group, agreement, CollectiveKind::kAllReduce,
-                                                  "start_all_reduce",
+                                  Agreement agreement, int64_t content) {
+  return PendingAllReduce(detail::start_reduction(buffer, op, group, agreement, content,
+                                                  CollectiveKind::kAllReduce, "start_all_reduce",
                                                   [](detail::PendingAllReduceState& s) { s.gather(1); }));
 }
 

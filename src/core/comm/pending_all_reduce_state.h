@@ -60,11 +60,12 @@ void complete_on_completion_thread(const std::shared_ptr<PendingAllReduceState>&
 
 /// Starts the direct reduction of `buffer` over `group`, in place, as one op of `kind`: checks it
 /// (a contiguous floating-point buffer, a group of at most OpTags::kMaxSteps ranks; messages
-/// name `name`), agrees (`agreement`), posts phase 1 and runs `finish` on the completion thread.
-/// A group of one rank is done at once: the sum and the average of one rank's tensor are itself.
+/// name `name`), agrees (`agreement`; `content`: OpSignature::content), posts phase 1 and runs
+/// `finish` on the completion thread. A group of one rank is done at once: the sum and the
+/// average of one rank's tensor are itself.
 std::shared_ptr<PendingAllReduceState> start_reduction(const at::Tensor& buffer, ReduceOp op,
                                                        const Group& group, Agreement agreement,
-                                                       CollectiveKind kind, const char* name,
+                                                       int64_t content, CollectiveKind kind, const char* name,
                                                        std::function<void(PendingAllReduceState&)> finish);
 
 /// Blocks until `state` completes, records the time blocked as an exposed wait in `op` (e.g.

@@ -29,9 +29,9 @@ at::Tensor PendingReduceScatter::wait() {
 
 // The all-reduce's first phase: each rank ends with its block summed, in rank order.
 PendingReduceScatter start_reduce_scatter(const at::Tensor& buffer, ReduceOp op, const Group& group,
-                                          Agreement agreement) {
+                                          Agreement agreement, int64_t content) {
   return PendingReduceScatter(
-      detail::start_reduction(buffer, op, group, agreement, CollectiveKind::kReduceScatter,
+      detail::start_reduction(buffer, op, group, agreement, content, CollectiveKind::kReduceScatter,
                               "start_reduce_scatter", [](detail::PendingAllReduceState& s) {
                                 s.wait_all();
                                 detail::sum_in_rank_order(s.partials, s.partials[s.group.rank()], s.op);

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <numeric>
 #include <optional>
 
 #include <ATen/ATen.h>
@@ -119,6 +120,22 @@ ParamGroup::ParamGroup(std::vector<at::Tensor> params, std::vector<std::string> 
 
 ParamGroup::~ParamGroup() = default;
 
+// FNV-1a over the group's place in its root and the parameters' names and sizes.
+int64_t ParamGroup::Impl::content_of(const std::vector<size_t>& indices) const {
+  uint64_t h = 0xcbf29ce484222325ULL;
+  auto add = [&h](const void* data, size_t bytes) {
+    for (size_t b = 0; b < bytes; ++b)
+      h = (h ^ static_cast<const unsigned char*>(data)[b]) * 0x100000001b3ULL;
+  };
+  add(&position, sizeof(position));
+  for (const auto i : indices) {
+    add(names[i].data(), names[i].size() + 1);
+    const auto elements = layout.padded_elements(static_cast<int64_t>(i));
+    add(&elements, sizeof(elements));
+  }
+  return static_cast<int64_t>(h);
+}
+
 // Reads the shards now; the all-gather travels until finish_gather (a group of one rank moves
 // nothing and is gathered at once).
 void ParamGroup::Impl::start_gather() {
@@ -132,7 +149,9 @@ void ParamGroup::Impl::start_gather() {
   }
   ++stats.gathers;
   if (shard_group.size() > 1) {
-    gather_in_flight = comm::start_all_gather(flat, shard_group);
+    std::vector<size_t> all(params.size());
+    std::iota(all.begin(), all.end(), size_t{0});
+    gather_in_flight = comm::start_all_gather(flat, shard_group, comm::Agreement::kPerOp, content_of(all));
     return;
   }
   for (size_t i = 0; i < params.size(); ++i) {
@@ -268,8 +287,10 @@ void ParamGroup::unshard(bool async_op) {
 void ParamGroup::wait_for_unshard() { impl_->finish_gather(); }
 void ParamGroup::share_pass_order(const std::vector<ParamGroup*>& groups) {
   auto order = std::make_shared<detail::PassOrder>();
-  for (auto* g : groups) {
-    if (g != nullptr) g->impl_->order = order;
+  for (size_t i = 0; i < groups.size(); ++i) {
+    if (groups[i] == nullptr) continue;
+    groups[i]->impl_->order = order;
+    groups[i]->impl_->position = static_cast<int64_t>(i);
   }
 }
 GatherStats ParamGroup::gather_stats() const { return impl_->stats; }

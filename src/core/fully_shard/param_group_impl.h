@@ -48,6 +48,7 @@ struct ParamGroup::Impl {
   bool rows_by_id = false;      // row-sparse, and a forward's ids index this rank's rows
   int64_t users = 1, forward_calls = 0;
   std::shared_ptr<detail::PassOrder> order = std::make_shared<detail::PassOrder>();
+  int64_t position = 0;  // in its root's groups (the same on every rank): names its ops
   std::optional<comm::PendingAllGather> gather_in_flight;  // started ahead of its use
   std::vector<int64_t> versions_at_gather;                 // the shards' versions it read
   GatherStats stats;
@@ -119,6 +120,9 @@ struct ParamGroup::Impl {
   void arrive_missing();
   // The group's backward is over: the last bucket leaves and the gathered parameters are freed.
   void end_backward();
+  // What a gather or reduce-scatter of parameters `indices` carries, named the same on every rank
+  // (comm::OpSignature::content): ranks moving different parameters of one size get an error.
+  int64_t content_of(const std::vector<size_t>& indices) const;
   // Starts the reduce-scatter of parameters `indices` (gradients by parameter index).
   std::shared_ptr<detail::ReduceInFlight> start_reduce(const std::vector<size_t>& indices,
                                                        std::vector<at::Tensor>& grads,

@@ -316,7 +316,8 @@ std::shared_ptr<detail::ReduceInFlight> ParamGroup::Impl::start_reduce(const std
     in_flight->pending = comm::start_row_sparse_reduce_scatter(flat, row_sparse_cols, comm::ReduceOp::kAvg,
                                                                shard_group, agreement);
   } else {
-    in_flight->pending = comm::start_reduce_scatter(flat, comm::ReduceOp::kAvg, shard_group, agreement);
+    in_flight->pending =
+        comm::start_reduce_scatter(flat, comm::ReduceOp::kAvg, shard_group, agreement, content_of(indices));
   }
   in_flight->replicate = replicate_group;
   in_flight->scale = scale;

@@ -12,6 +12,7 @@
 #include <random>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <torch/nn/modules/container/sequential.h>
@@ -239,6 +240,48 @@ TEST_F(Agreement, ARankThatSkipsACall) {
     if (r != p - 1) hp::comm::all_gather(at::ones({4}), 0, world);
     hp::comm::barrier(world);
   });
+}
+
+TEST_F(Agreement, ContentsNamedByTheCallerAreCompared) {
+  expect_disagreement("reduce_scatter", [&] {
+    hp::comm::start_reduce_scatter(at::ones({4 * p}), ReduceOp::kSum, world, hp::comm::Agreement::kPerOp,
+                                   /*content=*/r == 0 ? 1 : 2)
+        .wait();
+  });
+}
+
+// Ops agreed in advance make no round trip of their own: two started in another order on rank 0
+// (one size, contents named) are an error at the group's next agreement, on every rank; in the
+// same order, none.
+TEST_F(Agreement, OpsAgreedInAdvanceInAnotherOrderFailAtTheNextAgreement) {
+  auto start_two = [&](int64_t first, int64_t second) {
+    std::vector<hp::comm::PendingReduceScatter> started;
+    for (int64_t content : {first, second}) {
+      started.push_back(hp::comm::start_reduce_scatter(at::ones({4 * p}), ReduceOp::kSum, world,
+                                                       hp::comm::Agreement::kAgreedInAdvance, content));
+    }
+    for (auto& s : started) s.wait();
+  };
+  start_two(1, 2);
+  hp::comm::barrier(world);
+  std::string message;
+  try {
+    if (r == 0) {
+      start_two(2, 1);
+    } else {
+      start_two(1, 2);
+    }
+    hp::comm::barrier(world);
+  } catch (const c10::Error& e) {
+    message = e.what_without_backtrace();
+  }
+  EXPECT_NE(message.find("agree on barrier"), std::string::npos) << message;
+  EXPECT_NE(message.find("started different ops agreed in advance before it"), std::string::npos) << message;
+  EXPECT_NE(message.find("before it 2 ops agreed in advance from call"), std::string::npos) << message;
+  // The group is still usable, and its next agreement covers only what follows.
+  start_two(1, 2);
+  auto sum = hp::comm::all_reduce(at::ones({3}), ReduceOp::kSum, world);
+  EXPECT_TRUE(sum.equal(at::full({3}, double(p))));
 }
 
 TEST_F(Agreement, ParallelizeModuleNamesTheModuleAndTheRanks) {

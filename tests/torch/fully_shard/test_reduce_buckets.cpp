@@ -3,8 +3,8 @@
 // cut every group into one bucket per parameter, a few, or one; the first backward's buckets
 // agreed per op and the later ones following its plan; a bucket leaves while its group's
 // backward still runs; exact reduce-scatter counts; a parameter the forward does not use, one
-// frozen and unfrozen between steps, gradient hooks, a backward that fails part-way, gradient
-// accumulation without sync and HSDP.
+// frozen and unfrozen between steps, gradient hooks, a backward that fails part-way, ranks whose
+// first backward reaches different parameters, gradient accumulation without sync and HSDP.
 #include <functional>
 #include <string>
 
@@ -301,6 +301,7 @@ struct TwoBranches : torch::nn::Module {
     auto yb = b(x);
     return a(x) + yb;
   }
+  at::Tensor one_branch(const at::Tensor& x, bool use_a) { return use_a ? a(x) : b(x); }
   hp::nn::Linear a{nullptr}, b{nullptr};
 };
 
@@ -313,6 +314,47 @@ TEST(ReduceBuckets, AHookedBucketHeldBackByAChangedOrderIsAnError) {
       [&] { net.forward(batch(1), /*a_first=*/false).pow(2).mean().backward(); },
       "fully_shard: expected the bucket of a.weight (a parameter with gradient hooks) to have started "
       "when its gradient arrived");
+}
+
+// Ranks whose first backward reaches different parameters (each uses one of two branches of one
+// size) would reduce different buckets of one size against each other: every rank gets an error
+// naming their contents before any gradient travels.
+TEST(ReduceBuckets, RanksReachingDifferentParametersInTheFirstBackwardGetAnError) {
+  if (hp_test::world_size() < 2) GTEST_SKIP() << "needs 2 ranks";
+  TwoBranches net;
+  fs::fully_shard(net, with_cap(1));
+  std::string message;
+  try {
+    net.one_branch(batch(0), hp_test::rank() % 2 == 0).pow(2).mean().backward();
+  } catch (const c10::Error& e) {
+    message = e.what();
+  }
+  EXPECT_NE(message.find("disagree on reduce_scatter"), std::string::npos) << message;
+  EXPECT_NE(message.find(" content="), std::string::npos) << message;
+}
+
+// Two groups of one size that ranks run in different orders (rank 0 computes branch a first
+// after the first step, the others b) would gather and reduce each other's parameters: an error
+// on every rank instead, at the first gather out of order.
+TEST(ReduceBuckets, GroupsRunInDifferentOrdersByRankAreAnError) {
+  if (hp_test::world_size() < 2) GTEST_SKIP() << "needs 2 ranks";
+  for (int64_t cap : {int64_t{0}, int64_t{1}}) {
+    SCOPED_TRACE("reduce_bucket_cap_bytes " + std::to_string(cap));
+    auto net = std::make_shared<TwoBranches>();
+    fs::fully_shard(*net->a, with_cap(cap));
+    fs::fully_shard(*net->b, with_cap(cap));
+    fs::fully_shard(*net, with_cap(cap));
+    std::string message;
+    try {
+      for (int64_t step = 0; step < 3; ++step) {
+        net->forward(batch(step), step == 0 || hp_test::rank() == 0).pow(2).mean().backward();
+      }
+    } catch (const c10::Error& e) {
+      message = e.what();
+    }
+    EXPECT_NE(message.find("disagree on all_gather"), std::string::npos) << message;
+    EXPECT_NE(message.find(" content="), std::string::npos) << message;
+  }
 }
 
 // No sync: nothing moves; the synced backward after two unsynced ones reduces the sum in buckets,

@@ -97,6 +97,9 @@ struct OpSignature {
   /// every rank must propose. The exchange then always happens, HP_COMM_CHECK=0 or not: it is
   /// what makes the ranks agree.
   bool chunks_proposed = false;
+  /// What the op carries, named by the caller where equal sizes need not mean equal contents (a
+  /// hash of a gradient bucket's parameters); 0: not named. Compared like the extents.
+  int64_t content = 0;
 };
 
 /// Whether an op makes the ranks agree on its signature before it posts payload.
@@ -105,6 +108,9 @@ enum class Agreement {
   kPerOp,
   /// None per op: the caller has made the ranks agree beforehand on the shape and order of every
   /// such op (a gradient reducer's bucket layout), so starting one never waits for a peer.
+  /// Checked after the fact: the signatures of these ops (content included) join a digest that
+  /// the group's next per-op agreement compares, so ranks that started different ones, or the
+  /// same ones in another order, get an error there (naming how many ops it covers).
   kAgreedInAdvance,
 };
 

@@ -46,8 +46,9 @@ class PendingAllGather {
 
 /// Starts gathering every rank's `input` (any dtype; read once, here: it may change after this
 /// returns). The result is a new 1-D tensor of P * input.numel() elements.
-/// `agreement`: see op.h.
+/// `agreement`: see op.h. `content`: OpSignature::content, what `input` holds as the caller names
+/// it (0: unnamed), so that ranks gathering different data of one size get an error.
 PendingAllGather start_all_gather(const at::Tensor& input, const Group& group,
-                                  Agreement agreement = Agreement::kPerOp);
+                                  Agreement agreement = Agreement::kPerOp, int64_t content = 0);
 
 }  // namespace hyper_parallel::comm

@@ -54,7 +54,8 @@ class PendingAllReduce {
 /// Starts an in-place all-reduce of `buffer` (contiguous; float32, float64, bfloat16 or float16).
 /// `buffer` must stay alive and untouched until wait() returns; it then holds the result.
 /// `agreement`: see op.h; kAgreedInAdvance makes starting one never wait for a peer.
+/// `content`: OpSignature::content, what the buffer holds as the caller names it (0: unnamed).
 PendingAllReduce start_all_reduce(const at::Tensor& buffer, ReduceOp op, const Group& group,
-                                  Agreement agreement = Agreement::kPerOp);
+                                  Agreement agreement = Agreement::kPerOp, int64_t content = 0);
 
 }  // namespace hyper_parallel::comm

@@ -50,8 +50,9 @@ class PendingReduceScatter {
 /// Starts reducing `buffer` (contiguous; float32, float64, bfloat16 or float16) over the group;
 /// this rank's block (torch.chunk sizes of buffer.numel() over P) receives the result in place.
 /// `buffer` must stay alive and untouched until wait() returns.
-/// `agreement`: see op.h.
+/// `agreement`: see op.h. `content`: OpSignature::content, what the buffer holds as the caller
+/// names it (0: unnamed), so that ranks reducing different data of one size get an error.
 PendingReduceScatter start_reduce_scatter(const at::Tensor& buffer, ReduceOp op, const Group& group,
-                                          Agreement agreement = Agreement::kPerOp);
+                                          Agreement agreement = Agreement::kPerOp, int64_t content = 0);
 
 }  // namespace hyper_parallel::comm

@@ -82,7 +82,8 @@ class ParamGroup {
   /// Waits for a gather started by unshard(true) or a prefetch (gathers now if none is).
   void wait_for_unshard();
   /// Gives `groups` (a root's and every group under it) one pass order: the implicit prefetch
-  /// follows the order their forwards ran in, per root.
+  /// follows the order their forwards ran in, per root. A group's index in `groups` (the same
+  /// on every rank) names its gradient reductions in the ranks' agreement.
   static void share_pass_order(const std::vector<ParamGroup*>& groups);
   /// How many gathers this group did, how many of them were in flight before their use, and how
   /// many were done again because the shards changed in place after a prefetch read them.
