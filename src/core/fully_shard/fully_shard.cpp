@@ -18,6 +18,9 @@ namespace hyper_parallel::fully_shard {
 struct FSDPModule::State {
   std::weak_ptr<torch::nn::Module> module;  // empty for a module no shared_ptr owns
   bool owned = false;
+  // A module no shared_ptr owns, known by its address: its children then, which another module
+  // made at that address later does not have.
+  std::vector<std::weak_ptr<torch::nn::Module>> children;
   std::shared_ptr<ParamGroup> group;          // null when nested calls took everything
   std::vector<std::shared_ptr<State>> below;  // managed modules under this one
   std::vector<std::weak_ptr<State>> forward_prefetch, backward_prefetch;
@@ -46,6 +49,16 @@ Registry& registry() {
   return r;
 }
 
+bool same_children(const torch::nn::Module& module,
+                   const std::vector<std::weak_ptr<torch::nn::Module>>& then) {
+  const auto now = module.children();
+  if (now.size() != then.size()) return false;
+  for (size_t i = 0; i < now.size(); ++i) {
+    if (then[i].lock() != now[i]) return false;
+  }
+  return true;
+}
+
 std::shared_ptr<State> state_of(const torch::nn::Module& module) {
   auto& r = registry();
   std::lock_guard<std::mutex> lock(r.mutex);
@@ -53,7 +66,8 @@ std::shared_ptr<State> state_of(const torch::nn::Module& module) {
   if (it == r.by_module.end()) return nullptr;
   auto state = it->second.state.lock();
   // A module gone and another at its address is another one.
-  if (!state || (state->owned && state->module.lock().get() != &module)) {
+  if (!state || (state->owned && state->module.lock().get() != &module) ||
+      (!state->owned && !same_children(module, state->children))) {
     r.by_module.erase(it);
     return nullptr;
   }
@@ -155,7 +169,8 @@ FSDPModule fully_shard(torch::nn::Module& module, const FullyShardOptions& optio
   try {
     state->module = module.shared_from_this();
     state->owned = true;
-  } catch (const std::bad_weak_ptr&) {  // a module on the stack: known by its address alone
+  } catch (const std::bad_weak_ptr&) {  // a module on the stack: known by its address and children
+    for (const auto& child : module.children()) state->children.push_back(child);
   }
   state->mp_policy = options.mp_policy();
   for (const auto& item : module.named_modules("", /*include_self=*/false)) {

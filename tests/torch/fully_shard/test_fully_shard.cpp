@@ -6,7 +6,9 @@
 // dense ones, also under a TP style that cuts its vocabulary; every error a user can cause.
 #include <gtest/gtest.h>
 
+#include <new>
 #include <optional>
+#include <string>
 
 #include <ATen/ATen.h>
 #include <torch/nn/modules/linear.h>
@@ -514,6 +516,34 @@ TEST(FullyShard, AnEmbeddingCutByVocabularyUnderTPGathersWholeAndTrainsAsDense) 
     EXPECT_TRUE(sparse.params[i].equal(dense.params[i])) << "parameter " << i;
   EXPECT_LT(sparse.backward_bytes, dense.backward_bytes);
   EXPECT_EQ(sparse.forward_bytes, dense.forward_bytes) << "the whole table is gathered in both";
+}
+
+// A module no shared_ptr owns, managed through nested calls alone (its own state holds no
+// parameter), is gone when destroyed: another made at its address is a new module, which
+// fully_shard takes and trains (while the first lives, a second call on it is an error).
+TEST(FullyShard, AModuleMadeWhereAGoneOneWasIsANewOne) {
+  struct Pair : torch::nn::Module {
+    Pair() {
+      a = register_module("a", hp::nn::Linear(kIn, kIn));
+      b = register_module("b", hp::nn::Linear(kIn, kIn));
+    }
+    hp::nn::Linear a{nullptr}, b{nullptr};
+  };
+  const auto options = fs::FullyShardOptions().mesh(dp_mesh());
+  alignas(Pair) unsigned char storage[sizeof(Pair)];
+  for (int round = 0; round < 2; ++round) {
+    SCOPED_TRACE("round " + std::to_string(round));
+    auto* pair = new (storage) Pair();
+    fs::fully_shard(*pair->a, options);
+    fs::fully_shard(*pair->b, options);
+    EXPECT_NO_THROW(fs::fully_shard(*pair, options));
+    EXPECT_TRUE(fs::FSDPModule::of(*pair).has_value());
+    HP_EXPECT_THROW_MSG(fs::fully_shard(*pair, options),
+                        "fully_shard: expected a module fully_shard was not applied to");
+    loss_of(pair->b(pair->a(batch(round, 1).narrow(0, 0, kRowsPerRank)))).backward();
+    EXPECT_TRUE(pair->a->weight.grad().defined());
+    pair->~Pair();
+  }
 }
 
 TEST(FullyShard, ErrorsNameWhatWasExpected) {
