@@ -220,6 +220,11 @@ void ParamGroup::Impl::free_buffers() {
 
 const std::vector<at::Tensor>& ParamGroup::pre_forward(const at::Tensor& rows) {
   auto& s = *impl_;
+  // A pass ends when every user has run, or with its backward. One whose views were made
+  // without grad (an evaluation that skipped a user) has no backward: a forward that needs
+  // gradients begins a new pass, whose views carry the reduction.
+  if (s.forward_calls > 0 && !s.gathered_with_grad && torch::autograd::GradMode::is_enabled())
+    s.forward_calls = 0;
   if (s.forward_calls > 0) return s.gathered;
   s.order->first_use.record(impl_);
   if (s.unsharded && s.shards_changed()) {  // gathered ahead (unshard), then changed in place
@@ -236,6 +241,7 @@ const std::vector<at::Tensor>& ParamGroup::pre_forward(const at::Tensor& rows) {
   std::vector<at::Tensor> views;
   for (const auto& b : s.buffers) views.push_back(b.detach());
   s.gathered = Impl::attach_reduction(impl_, std::move(views));
+  s.gathered_with_grad = torch::autograd::GradMode::is_enabled();
   return s.gathered;
 }
 

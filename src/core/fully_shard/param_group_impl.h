@@ -47,6 +47,7 @@ struct ParamGroup::Impl {
   int64_t row_sparse_cols = 0;  // > 0: the one parameter's gradient reduces row-sparse
   bool rows_by_id = false;      // row-sparse, and a forward's ids index this rank's rows
   int64_t users = 1, forward_calls = 0;
+  bool gathered_with_grad = false;  // this pass's views: made with grad mode on
   std::shared_ptr<detail::PassOrder> order = std::make_shared<detail::PassOrder>();
   int64_t position = 0;  // in its root's groups (the same on every rank): names its ops
   std::optional<comm::PendingAllGather> gather_in_flight;  // started ahead of its use

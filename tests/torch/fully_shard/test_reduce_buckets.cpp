@@ -357,6 +357,33 @@ TEST(ReduceBuckets, GroupsRunInDifferentOrdersByRankAreAnError) {
   }
 }
 
+// A forward without grad that skips the spare layers (an evaluation) between training steps
+// leaves training as it is: every parameter as without it, bitwise, cap 0 and 1.
+TEST(ReduceBuckets, AnEvaluationForwardThatSkipsALayerLeavesTrainingAsItIs) {
+  for (int64_t cap : {int64_t{0}, int64_t{1}}) {
+    SCOPED_TRACE("reduce_bucket_cap_bytes " + std::to_string(cap));
+    std::vector<std::vector<at::Tensor>> runs;
+    for (bool evaluate : {false, true}) {
+      Net net;
+      shard(net, with_cap(cap));
+      torch::optim::AdamW opt(net.parameters(), torch::optim::AdamWOptions(1e-2));
+      for (int64_t s = 0; s < 3; ++s) {
+        if (evaluate) {
+          torch::NoGradGuard no_grad;
+          net.forward(batch(10 + s), /*use_spare=*/false);
+        }
+        opt.zero_grad();
+        net.forward(batch(s)).pow(2).mean().backward();
+        opt.step();
+      }
+      runs.emplace_back();
+      for (const auto& p : net.parameters()) runs.back().push_back(hp::tensor_parallel::full_tensor(p));
+    }
+    for (size_t i = 0; i < runs[0].size(); ++i)
+      EXPECT_TRUE(runs[0][i].equal(runs[1][i])) << "parameter " << i;
+  }
+}
+
 // No sync: nothing moves; the synced backward after two unsynced ones reduces the sum in buckets,
 // bitwise as in one reduce-scatter per group.
 TEST(ReduceBuckets, GradientAccumulationWithoutSync) {
