@@ -9,6 +9,7 @@
 #include <ATen/native/Resize.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/grad_mode.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/variable.h>
 
 #include <hyper_parallel/core/comm/chunks.h>
@@ -218,13 +219,21 @@ void ParamGroup::Impl::free_buffers() {
   unsharded = false;
 }
 
+// A pass ends when every user has run, or with its backward. One that skipped a user ends with
+// neither if it had no backward: its views were made without grad (an evaluation), and this
+// forward needs gradients; or its backward began and failed (this forward is outside any
+// backward, so not torch.utils.checkpoint's recomputation). A new pass begins.
+bool ParamGroup::Impl::pass_left_open() const {
+  if (!gathered_with_grad) return torch::autograd::GradMode::is_enabled();
+  return backward_prefetched && torch::autograd::get_current_graph_task_nodes_in_graph() == nullptr;
+}
+
 const std::vector<at::Tensor>& ParamGroup::pre_forward(const at::Tensor& rows) {
   auto& s = *impl_;
-  // A pass ends when every user has run, or with its backward. One whose views were made
-  // without grad (an evaluation that skipped a user) has no backward: a forward that needs
-  // gradients begins a new pass, whose views carry the reduction.
-  if (s.forward_calls > 0 && !s.gathered_with_grad && torch::autograd::GradMode::is_enabled())
+  if (s.forward_calls > 0 && s.pass_left_open()) {
     s.forward_calls = 0;
+    s.backward_prefetched = false;
+  }
   if (s.forward_calls > 0) return s.gathered;
   s.order->first_use.record(impl_);
   if (s.unsharded && s.shards_changed()) {  // gathered ahead (unshard), then changed in place

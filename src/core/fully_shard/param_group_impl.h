@@ -83,6 +83,8 @@ struct ParamGroup::Impl {
   void finish_gather();
   void gather_rows(const at::Tensor& ids);
   void free_buffers();
+  // Whether this unfinished pass will not end by itself (pre_forward then begins a new one).
+  bool pass_left_open() const;
   // Whether a shard changed in place since the last gather read it.
   bool shards_changed() const;
 

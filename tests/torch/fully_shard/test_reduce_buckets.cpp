@@ -384,6 +384,36 @@ TEST(ReduceBuckets, AnEvaluationForwardThatSkipsALayerLeavesTrainingAsItIs) {
   }
 }
 
+// A pass that skipped a layer does not end by itself; when its backward fails after some of the
+// group's gradients arrived, the next forward begins a new pass: the training that follows is
+// bitwise that of a net without the failed step, caps 0 and 1.
+TEST(ReduceBuckets, AFailedBackwardOfAPassThatSkippedALayerLeavesNoOpenPass) {
+  for (int64_t cap : {int64_t{0}, int64_t{1}}) {
+    SCOPED_TRACE("reduce_bucket_cap_bytes " + std::to_string(cap));
+    std::vector<std::vector<at::Tensor>> runs;
+    for (bool fail : {false, true}) {
+      at::manual_seed(5);
+      auto net = std::make_shared<TwoBranches>();
+      fs::fully_shard(*net, with_cap(cap));
+      if (fail) {
+        auto doubled = batch(9).requires_grad_(true) * 2;
+        doubled.register_hook([](const at::Tensor&) -> at::Tensor { throw std::runtime_error("stop here"); });
+        EXPECT_THROW(net->one_branch(doubled, /*use_a=*/true).pow(2).mean().backward(), std::exception);
+      }
+      torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(1e-2));
+      for (int64_t s = 0; s < 2; ++s) {
+        opt.zero_grad();
+        net->one_branch(batch(s), /*use_a=*/true).pow(2).mean().backward();
+        opt.step();
+      }
+      runs.emplace_back();
+      for (const auto& p : net->parameters()) runs.back().push_back(hp::tensor_parallel::full_tensor(p));
+    }
+    for (size_t i = 0; i < runs[0].size(); ++i)
+      EXPECT_TRUE(runs[0][i].equal(runs[1][i])) << "parameter " << i;
+  }
+}
+
 // No sync: nothing moves; the synced backward after two unsynced ones reduces the sum in buckets,
 // bitwise as in one reduce-scatter per group.
 TEST(ReduceBuckets, GradientAccumulationWithoutSync) {
