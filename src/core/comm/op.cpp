@@ -162,10 +162,10 @@ int64_t agree(const Group& group, const OpSignature& sig, int64_t seq) {
   TORCH_CHECK(false, "hyper_parallel::comm: ranks of ", group.name(), " agree on ", to_string(sig.kind),
               " (this rank's call ", seq,
               ") but started different ops agreed in advance before it: ", ranks.str(),
-              ". Those ops (gradient buckets, started without a per-op agreement) differ in order, "
-              "shape or content between the ranks, so their results mixed different data; every rank "
-              "must start them in the same order with the same contents (the same modules in each "
-              "step)");
+              ". Those ops (gradient buckets and sums, started without a per-op agreement) differ in "
+              "order, shape, content or chunk count between the ranks, so their results may have mixed "
+              "different data; every rank must start them in the same order with the same contents "
+              "(the same modules in each step)");
 }
 
 }  // namespace

@@ -19,7 +19,8 @@ struct FSDPModule::State {
   std::weak_ptr<torch::nn::Module> module;  // empty for a module no shared_ptr owns
   bool owned = false;
   // A module no shared_ptr owns, known by its address: its children then, which another module
-  // made at that address later does not have.
+  // made at that address later does not have (a state with a group lives as long as the hooks
+  // on the module's own modules; one without is kept by the registry, so this tells it gone).
   std::vector<std::weak_ptr<torch::nn::Module>> children;
   std::shared_ptr<ParamGroup> group;          // null when nested calls took everything
   std::vector<std::shared_ptr<State>> below;  // managed modules under this one
@@ -67,7 +68,7 @@ std::shared_ptr<State> state_of(const torch::nn::Module& module) {
   auto state = it->second.state.lock();
   // A module gone and another at its address is another one.
   if (!state || (state->owned && state->module.lock().get() != &module) ||
-      (!state->owned && !same_children(module, state->children))) {
+      (!state->owned && !state->group && !same_children(module, state->children))) {
     r.by_module.erase(it);
     return nullptr;
   }

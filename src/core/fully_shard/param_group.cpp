@@ -225,16 +225,17 @@ void ParamGroup::Impl::free_buffers() {
 // backward, so not torch.utils.checkpoint's recomputation). A new pass begins.
 bool ParamGroup::Impl::pass_left_open() const {
   if (!gathered_with_grad) return torch::autograd::GradMode::is_enabled();
-  return backward_prefetched && torch::autograd::get_current_graph_task_nodes_in_graph() == nullptr;
+  return backward_began && torch::autograd::get_current_graph_task_nodes_in_graph() == nullptr;
 }
 
 const std::vector<at::Tensor>& ParamGroup::pre_forward(const at::Tensor& rows) {
   auto& s = *impl_;
-  if (s.forward_calls > 0 && s.pass_left_open()) {
-    s.forward_calls = 0;
-    s.backward_prefetched = false;
-  }
+  if (s.forward_calls > 0 && s.pass_left_open()) s.forward_calls = 0;
   if (s.forward_calls > 0) return s.gathered;
+  // A pass outside any backward (not checkpoint's recomputation) has its own backward to come,
+  // even if the last one never ended the group's (its parameters frozen).
+  s.backward_began = false;
+  if (torch::autograd::get_current_graph_task_nodes_in_graph() == nullptr) s.backward_prefetched = false;
   s.order->first_use.record(impl_);
   if (s.unsharded && s.shards_changed()) {  // gathered ahead (unshard), then changed in place
     ++s.stats.regathered;
@@ -274,6 +275,7 @@ std::vector<at::Tensor> ParamGroup::register_pre_backward(std::vector<at::Tensor
           // Before the module's own backward reads its parameters: gather them if resharded,
           // and start the gather of the group whose backward comes next.
           if (auto self = weak.lock()) {
+            self->backward_began = true;
             // An embedding's backward reads no weight: a row-sparse group is not gathered again.
             if (self->row_sparse_cols == 0) self->finish_gather();
             // Once per backward of the group: a module of it that runs its backward late (the

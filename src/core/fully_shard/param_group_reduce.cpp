@@ -283,6 +283,7 @@ void ParamGroup::Impl::end_backward() {
   reduce_of.assign(params.size(), nullptr);
   forward_calls = 0;
   backward_prefetched = false;
+  backward_began = false;
   free_buffers();  // the group's last backward use is over
 }
 

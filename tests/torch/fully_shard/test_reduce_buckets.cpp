@@ -414,6 +414,23 @@ TEST(ReduceBuckets, AFailedBackwardOfAPassThatSkippedALayerLeavesNoOpenPass) {
   }
 }
 
+// A group whose parameters are all frozen, with gradients flowing through it, never reduces: only
+// its pre-backward runs. Each step's forward still ends its pass when its three modules have run
+// (resharded after the forward).
+TEST(ReduceBuckets, AFrozenGroupThatGradientsFlowThroughEndsEachForwardPass) {
+  Net net;
+  shard(net, with_cap(1));
+  for (auto& p : net.second->parameters()) p.requires_grad_(false);
+  auto group = fs::FSDPModule::of(*net.second)->group();
+  constexpr int64_t kSteps = 3;
+  for (int64_t s = 0; s < kSteps; ++s) {
+    auto loss = net.forward(batch(s)).pow(2).mean();
+    EXPECT_FALSE(group->is_unsharded()) << "step " << s;
+    loss.backward();
+    EXPECT_TRUE(net.first->up->weight.grad().defined());
+  }
+}
+
 // No sync: nothing moves; the synced backward after two unsynced ones reduces the sum in buckets,
 // bitwise as in one reduce-scatter per group.
 TEST(ReduceBuckets, GradientAccumulationWithoutSync) {
