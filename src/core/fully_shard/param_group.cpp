@@ -121,6 +121,12 @@ ParamGroup::ParamGroup(std::vector<at::Tensor> params, std::vector<std::string> 
 
 ParamGroup::~ParamGroup() = default;
 
+std::vector<size_t> ParamGroup::Impl::all_params() const {
+  std::vector<size_t> all(params.size());
+  std::iota(all.begin(), all.end(), size_t{0});
+  return all;
+}
+
 // FNV-1a over the group's place in its root and the parameters' names and sizes.
 int64_t ParamGroup::Impl::content_of(const std::vector<size_t>& indices) const {
   uint64_t h = 0xcbf29ce484222325ULL;
@@ -150,9 +156,8 @@ void ParamGroup::Impl::start_gather() {
   }
   ++stats.gathers;
   if (shard_group.size() > 1) {
-    std::vector<size_t> all(params.size());
-    std::iota(all.begin(), all.end(), size_t{0});
-    gather_in_flight = comm::start_all_gather(flat, shard_group, comm::Agreement::kPerOp, content_of(all));
+    gather_in_flight =
+        comm::start_all_gather(flat, shard_group, comm::Agreement::kPerOp, content_of(all_params()));
     return;
   }
   for (size_t i = 0; i < params.size(); ++i) {
@@ -219,13 +224,20 @@ void ParamGroup::Impl::free_buffers() {
   unsharded = false;
 }
 
+namespace {
+
+// Autograd runs no backward on this thread (a forward now is not checkpoint's recomputation).
+bool outside_backward() { return torch::autograd::get_current_graph_task_nodes_in_graph() == nullptr; }
+
+}  // namespace
+
 // A pass ends when every user has run, or with its backward. One that skipped a user ends with
 // neither if it had no backward: its views were made without grad (an evaluation), and this
 // forward needs gradients; or its backward began and failed (this forward is outside any
 // backward, so not torch.utils.checkpoint's recomputation). A new pass begins.
 bool ParamGroup::Impl::pass_left_open() const {
   if (!gathered_with_grad) return torch::autograd::GradMode::is_enabled();
-  return backward_began && torch::autograd::get_current_graph_task_nodes_in_graph() == nullptr;
+  return backward_began && outside_backward();
 }
 
 const std::vector<at::Tensor>& ParamGroup::pre_forward(const at::Tensor& rows) {
@@ -235,7 +247,7 @@ const std::vector<at::Tensor>& ParamGroup::pre_forward(const at::Tensor& rows) {
   // A pass outside any backward (not checkpoint's recomputation) has its own backward to come,
   // even if the last one never ended the group's (its parameters frozen).
   s.backward_began = false;
-  if (torch::autograd::get_current_graph_task_nodes_in_graph() == nullptr) s.backward_prefetched = false;
+  if (outside_backward()) s.backward_prefetched = false;
   s.order->first_use.record(impl_);
   if (s.unsharded && s.shards_changed()) {  // gathered ahead (unshard), then changed in place
     ++s.stats.regathered;

@@ -124,6 +124,8 @@ struct ParamGroup::Impl {
   void arrive_missing();
   // The group's backward is over: the last bucket leaves and the gathered parameters are freed.
   void end_backward();
+  // 0, 1, ..., the group's parameters' indices.
+  std::vector<size_t> all_params() const;
   // What a gather or reduce-scatter of parameters `indices` carries, named the same on every rank
   // (comm::OpSignature::content): ranks moving different parameters of one size get an error.
   int64_t content_of(const std::vector<size_t>& indices) const;

@@ -20,7 +20,6 @@
 // A whole-group reduction agrees with the peers once: the later ones have its shape.
 #include <algorithm>
 #include <limits>
-#include <numeric>
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -340,11 +339,9 @@ std::vector<at::Tensor> ParamGroup::Impl::reduce(std::vector<at::Tensor> grads) 
     for (size_t i = 0; i < grads.size(); ++i) accumulate(i, grads[i]);
     return out;
   }
-  std::vector<size_t> all(params.size());
-  std::iota(all.begin(), all.end(), size_t{0});
   // The group's first reduce-scatter is agreed with the peers; the later ones have its shape.
-  const auto reduced =
-      start_reduce(all, grads, reduced_whole ? comm::Agreement::kAgreedInAdvance : comm::Agreement::kPerOp);
+  const auto reduced = start_reduce(
+      all_params(), grads, reduced_whole ? comm::Agreement::kAgreedInAdvance : comm::Agreement::kPerOp);
   reduced_whole = true;
   const bool hooked = std::any_of(params.begin(), params.end(), has_hooks);
   int64_t offset = 0;
