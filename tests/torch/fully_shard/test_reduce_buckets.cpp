@@ -81,24 +81,42 @@ struct Trained {
   std::vector<at::Tensor> params, grads;
 };
 
+// `steps` AdamW steps of `net`, each minimizing loss_of_step(step).
+void train_steps(torch::nn::Module& net, int64_t steps,
+                 const std::function<at::Tensor(int64_t)>& loss_of_step) {
+  torch::optim::AdamW opt(net.parameters(), torch::optim::AdamWOptions(1e-2));
+  for (int64_t s = 0; s < steps; ++s) {
+    opt.zero_grad();
+    loss_of_step(s).backward();
+    opt.step();
+  }
+}
+
+// Every parameter of `net` whole, from the shards.
+std::vector<at::Tensor> full_params(torch::nn::Module& net) {
+  std::vector<at::Tensor> out;
+  for (const auto& p : net.parameters()) out.push_back(hp::tensor_parallel::full_tensor(p));
+  return out;
+}
+
+void expect_same_params(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(a[i].equal(b[i])) << "parameter " << i;
+}
+
 // AdamW steps; step 1 skips the spare layers, step 2 freezes first.up's bias, step 3 unfreezes it.
 // `hook_down`: second.down.weight has a gradient hook (doubling it) from the start.
 Trained train(int64_t cap, int64_t steps, bool hook_down = false) {
   Net net;
   shard(net, with_cap(cap));
   if (hook_down) net.second->down->weight.register_hook([](const at::Tensor& g) { return g * 2; });
-  torch::optim::AdamW opt(net.parameters(), torch::optim::AdamWOptions(1e-2));
-  for (int64_t s = 0; s < steps; ++s) {
+  train_steps(net, steps, [&](int64_t s) {
     net.first->up->bias.requires_grad_(s != 2);
-    opt.zero_grad();
-    net.forward(batch(s), /*use_spare=*/s != 1).pow(2).mean().backward();
-    opt.step();
-  }
-  Trained out;
-  for (const auto& p : net.parameters()) {
-    out.params.push_back(hp::tensor_parallel::full_tensor(p));
+    return net.forward(batch(s), /*use_spare=*/s != 1).pow(2).mean();
+  });
+  Trained out{full_params(net), {}};
+  for (const auto& p : net.parameters())
     out.grads.push_back(p.grad().defined() ? p.grad().clone() : at::Tensor());
-  }
   return out;
 }
 
@@ -224,17 +242,10 @@ TEST(ReduceBuckets, ABackwardThatFailsPartWayLeavesNoHalfPlan) {
       auto loss = net.head(net.second->spare(x + net.second->down(at::relu(hidden)))).pow(2).mean();
       EXPECT_THROW(loss.backward(), std::exception);
     }
-    torch::optim::AdamW opt(net.parameters(), torch::optim::AdamWOptions(1e-2));
-    for (int64_t s = 0; s < 3; ++s) {
-      opt.zero_grad();
-      net.forward(batch(s)).pow(2).mean().backward();
-      opt.step();
-    }
-    params.emplace_back();
-    for (const auto& p : net.parameters()) params.back().push_back(hp::tensor_parallel::full_tensor(p));
+    train_steps(net, 3, [&](int64_t s) { return net.forward(batch(s)).pow(2).mean(); });
+    params.push_back(full_params(net));
   }
-  for (size_t i = 0; i < params[0].size(); ++i)
-    EXPECT_TRUE(params[0][i].equal(params[1][i])) << "parameter " << i;
+  expect_same_params(params[0], params[1]);
 }
 
 // A parameter with gradient hooks ends its bucket and gets its reduced gradient through autograd,
@@ -366,21 +377,16 @@ TEST(ReduceBuckets, AnEvaluationForwardThatSkipsALayerLeavesTrainingAsItIs) {
     for (bool evaluate : {false, true}) {
       Net net;
       shard(net, with_cap(cap));
-      torch::optim::AdamW opt(net.parameters(), torch::optim::AdamWOptions(1e-2));
-      for (int64_t s = 0; s < 3; ++s) {
+      train_steps(net, 3, [&](int64_t s) {
         if (evaluate) {
           torch::NoGradGuard no_grad;
           net.forward(batch(10 + s), /*use_spare=*/false);
         }
-        opt.zero_grad();
-        net.forward(batch(s)).pow(2).mean().backward();
-        opt.step();
-      }
-      runs.emplace_back();
-      for (const auto& p : net.parameters()) runs.back().push_back(hp::tensor_parallel::full_tensor(p));
+        return net.forward(batch(s)).pow(2).mean();
+      });
+      runs.push_back(full_params(net));
     }
-    for (size_t i = 0; i < runs[0].size(); ++i)
-      EXPECT_TRUE(runs[0][i].equal(runs[1][i])) << "parameter " << i;
+    expect_same_params(runs[0], runs[1]);
   }
 }
 
@@ -400,17 +406,11 @@ TEST(ReduceBuckets, AFailedBackwardOfAPassThatSkippedALayerLeavesNoOpenPass) {
         doubled.register_hook([](const at::Tensor&) -> at::Tensor { throw std::runtime_error("stop here"); });
         EXPECT_THROW(net->one_branch(doubled, /*use_a=*/true).pow(2).mean().backward(), std::exception);
       }
-      torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(1e-2));
-      for (int64_t s = 0; s < 2; ++s) {
-        opt.zero_grad();
-        net->one_branch(batch(s), /*use_a=*/true).pow(2).mean().backward();
-        opt.step();
-      }
-      runs.emplace_back();
-      for (const auto& p : net->parameters()) runs.back().push_back(hp::tensor_parallel::full_tensor(p));
+      train_steps(*net, 2,
+                  [&](int64_t s) { return net->one_branch(batch(s), /*use_a=*/true).pow(2).mean(); });
+      runs.push_back(full_params(*net));
     }
-    for (size_t i = 0; i < runs[0].size(); ++i)
-      EXPECT_TRUE(runs[0][i].equal(runs[1][i])) << "parameter " << i;
+    expect_same_params(runs[0], runs[1]);
   }
 }
 
@@ -462,21 +462,14 @@ TEST(ReduceBuckets, HybridShardingBitwiseAsOneReduceScatterPerGroup) {
   for (int64_t cap : {int64_t{0}, int64_t{1}}) {
     Net net;
     shard(net, fs::FullyShardOptions().mesh(mesh).reduce_bucket_cap_bytes(cap));
-    torch::optim::AdamW opt(net.parameters(), torch::optim::AdamWOptions(1e-2));
     hp::comm::reset_collective_counts();
-    for (int64_t s = 0; s < 3; ++s) {
-      opt.zero_grad();
-      net.forward(batch(s)).pow(2).mean().backward();
-      opt.step();
-    }
+    train_steps(net, 3, [&](int64_t s) { return net.forward(batch(s)).pow(2).mean(); });
     const int64_t buckets = cap == 0 ? kGroups : kParams;
     EXPECT_EQ(hp::comm::collective_count(CollectiveKind::kReduceScatter), 3 * buckets);
     EXPECT_EQ(hp::comm::collective_count(CollectiveKind::kAllReduce), 3 * buckets);
-    params.emplace_back();
-    for (const auto& p : net.parameters()) params.back().push_back(hp::tensor_parallel::full_tensor(p));
+    params.push_back(full_params(net));
   }
-  for (size_t i = 0; i < params[0].size(); ++i)
-    EXPECT_TRUE(params[0][i].equal(params[1][i])) << "parameter " << i;
+  expect_same_params(params[0], params[1]);
 }
 
 TEST(ReduceBuckets, ANegativeCapIsAValueError) {
