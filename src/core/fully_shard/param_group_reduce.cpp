@@ -17,7 +17,9 @@
 // graph task lists the nodes it will run). The shards' .grad wait for their bucket at the end
 // of the backward (nn/pending_gradient.h). A parameter with gradient hooks ends its bucket; its
 // node waits for the bucket and returns the reduced gradient, so autograd runs the hooks on it.
-// A whole-group reduction agrees with the peers once: the later ones have its shape.
+// A hooked parameter the backward does not reach has its hooks run on its reduced gradient when
+// its .grad is completed. A whole-group reduction agrees with the peers once: the later ones have
+// its shape.
 #include <algorithm>
 #include <limits>
 
@@ -25,6 +27,7 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/csrc/autograd/variable.h>
@@ -222,8 +225,14 @@ void ParamGroup::Impl::send(const std::vector<size_t>& indices, comm::Agreement 
     reduce_of[i] = reduced;
     offset_of[i] = offset;
     if (planned_wants[i] == 1 || !reached[i]) {
-      nn::defer_gradient(params[i], [reduced, param = params[i], offset, elements] {
-        return shard_gradient(reduced, param, offset, elements);
+      // Autograd does not reach a hooked parameter that got here unreached: its hooks run on the
+      // reduced gradient here, as they would in its AccumulateGrad (a sequence-parallel weight's
+      // TP sum is such a hook; its sum may be its rank's only part, from unsynced micro-batches
+      // or other ranks' gradients).
+      const bool run_hooks = planned_wants[i] == 2;
+      nn::defer_gradient(params[i], [reduced, param = params[i], offset, elements, run_hooks] {
+        auto grad = shard_gradient(reduced, param, offset, elements);
+        return run_hooks ? torch::autograd::AccumulateGrad::callHooks(param, std::move(grad)) : grad;
       });
     }
     offset += layout.padded_elements(static_cast<int64_t>(i));

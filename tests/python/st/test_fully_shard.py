@@ -1,9 +1,9 @@
 """fully_shard on torch.nn modules at 2 and 4 ranks, against the full-batch single-process
 reference: training with reshard_after_forward on and off (bitwise run to run), HSDP, gradient
-accumulation without sync, tensor parallelism on a 2 x 2 mesh; implicit prefetch and
-unshard(async_op); an embedding's row-sparse gradient reduce-scatter; comm_fusion's one message
-against buckets; the module's new methods; every
-option that cannot apply is a clear error; the original's import paths."""
+accumulation without sync (with a hook on a parameter only the unsynced micro-batches reach),
+tensor parallelism on a 2 x 2 mesh; implicit prefetch and unshard(async_op); an embedding's
+row-sparse gradient reduce-scatter; comm_fusion's one message against buckets; the module's new
+methods; every option that cannot apply is a clear error; the original's import paths."""
 
 import copy
 
@@ -253,6 +253,47 @@ def test_comm_fusion_reduces_a_group_in_one_message_and_buckets_otherwise_bitwis
     # The second layer's weight fills a bucket; its bias, the first layer's weight and bias the last.
     assert counts == [2, 2]
     assert all(torch.equal(p, q) for p, q in zip(params, fused))
+
+
+class WithSpare(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(5)
+        self.layer, self.spare = nn.Linear(DIM, DIM), nn.Linear(DIM, DIM)
+
+    def forward(self, x, use_spare):
+        x = self.layer(x)
+        return self.spare(x) if use_spare else x
+
+
+def test_hooks_of_a_parameter_used_only_without_sync_see_its_reduced_gradient():
+    """The synced backward does not reach spare: its Python hook still runs once, on the reduced
+    sum of the unsynced micro-batches, in buckets as in one message."""
+    ws, r = dist.get_world_size(), dist.get_rank()
+    grads, calls = {}, []
+
+    def double(g):
+        calls.append(1)
+        return g * 2
+
+    for comm_fusion in (True, False):
+        for hooked in (False, True):
+            net = fully_shard(WithSpare(), mesh=dp_mesh(), comm_fusion=comm_fusion)
+            if hooked:
+                net.spare.weight.register_hook(double)
+            net(batch(0, ws)[r * ROWS_PER_RANK:][:ROWS_PER_RANK], True).sum().backward()  # every gradient
+            net.zero_grad(set_to_none=True)
+            calls.clear()
+            for m in range(3):
+                net.set_requires_gradient_sync(m == 2)
+                net(batch(1 + m, ws)[r * ROWS_PER_RANK:][:ROWS_PER_RANK], m < 2).pow(2).mean().backward()
+            assert len(calls) == (1 if hooked else 0)
+            grads[comm_fusion, hooked] = [full_tensor(p, p.grad) for p in net.parameters()]
+    for comm_fusion in (True, False):
+        plain, hooked = grads[comm_fusion, False], grads[comm_fusion, True]
+        assert torch.equal(hooked[2], plain[2] * 2)  # spare.weight
+        assert all(torch.equal(a, b) for i, (a, b) in enumerate(zip(hooked, plain)) if i != 2)
+    assert all(torch.equal(a, b) for a, b in zip(grads[True, True], grads[False, True]))
 
 
 def test_module_methods_and_their_errors():

@@ -4,7 +4,9 @@
 // agreed per op and the later ones following its plan; a bucket leaves while its group's
 // backward still runs; exact reduce-scatter counts; a parameter the forward does not use, one
 // frozen and unfrozen between steps, gradient hooks, a backward that fails part-way, ranks whose
-// first backward reaches different parameters, gradient accumulation without sync and HSDP.
+// first backward reaches different parameters, gradient accumulation without sync (with hooks on
+// a parameter only the unsynced micro-batches reach, a sequence-parallel norm's TP sum among
+// them) and HSDP.
 #include <functional>
 #include <string>
 
@@ -34,9 +36,12 @@ struct Block : torch::nn::Module {
     down = register_module("down", hp::nn::Linear(kHidden, kIn));
     spare = register_module("spare", hp::nn::Linear(kIn, kIn));
   }
-  at::Tensor forward(const at::Tensor& x, bool use_spare) {
+  // `spare_reached` false: spare runs, but the backward does not reach it.
+  at::Tensor forward(const at::Tensor& x, bool use_spare, bool spare_reached = true) {
     auto y = x + down(at::relu(up(x)));
-    return use_spare ? spare(y) : y;
+    if (!use_spare) return y;
+    auto out = spare(y);
+    return spare_reached ? out : y + 0 * out.detach();
   }
   hp::nn::Linear up{nullptr}, down{nullptr}, spare{nullptr};
 };
@@ -48,8 +53,8 @@ struct Net : torch::nn::Module {
     second = register_module("second", std::make_shared<Block>());
     head = register_module("head", hp::nn::Linear(kIn, 2));
   }
-  at::Tensor forward(const at::Tensor& x, bool use_spare = true) {
-    return head(second->forward(first->forward(x, use_spare), use_spare));
+  at::Tensor forward(const at::Tensor& x, bool use_spare = true, bool spare_reached = true) {
+    return head(second->forward(first->forward(x, use_spare, spare_reached), use_spare, spare_reached));
   }
   std::shared_ptr<Block> first, second;
   hp::nn::Linear head{nullptr};
@@ -449,6 +454,113 @@ TEST(ReduceBuckets, GradientAccumulationWithoutSync) {
     }
     grads.emplace_back();
     for (const auto& p : net.parameters()) grads.back().push_back(p.grad().clone());
+  }
+  for (size_t i = 0; i < grads[0].size(); ++i)
+    EXPECT_TRUE(grads[0][i].equal(grads[1][i])) << "gradient " << i;
+}
+
+// A hooked parameter that the synced backward does not reach (used only in the unsynced
+// micro-batches, or reached only on other ranks) still has its hooks run once on its reduced
+// gradient, as in one reduce-scatter per group: a sequence-parallel weight's TP sum is such a hook.
+TEST(ReduceBuckets, HooksOfAParameterTheSyncedBackwardDoesNotReachSeeItsReducedGradient) {
+  const int64_t r = hp_test::rank();
+  // In the synced micro-batch, the spare layers are skipped on every rank, or run on every rank
+  // and reached by the backward on the even ones only.
+  for (const bool even_ranks_reach_spare : {false, true}) {
+    for (int64_t cap : {int64_t{0}, int64_t{1}}) {
+      SCOPED_TRACE("cap " + std::to_string(cap) + (even_ranks_reach_spare ? ", even ranks reach spare" : ""));
+      std::vector<std::vector<at::Tensor>> grads;
+      int64_t hook_calls = 0;
+      for (const bool hooked : {false, true}) {
+        Net net;
+        shard(net, with_cap(cap));
+        if (hooked) {
+          net.second->spare->weight.register_hook([&hook_calls](const at::Tensor& g) {
+            ++hook_calls;
+            return g * 2;
+          });
+        }
+        auto root = fs::FSDPModule::of(net);
+        net.forward(batch(0)).pow(2).mean().backward();  // the plan: every parameter reached
+        for (auto& p : net.parameters()) p.mutable_grad() = at::Tensor();
+        hook_calls = 0;
+        for (int64_t m = 0; m < 3; ++m) {
+          root->set_requires_gradient_sync(m == 2);
+          const bool use_spare = m < 2 || even_ranks_reach_spare;
+          const bool spare_reached = m < 2 || r % 2 == 0;
+          net.forward(batch(1 + m), use_spare, spare_reached).pow(2).mean().backward();
+        }
+        grads.emplace_back();
+        for (const auto& p : net.parameters()) grads.back().push_back(p.grad().clone());
+      }
+      EXPECT_EQ(hook_calls, 1);
+      const auto names = Net().named_parameters().keys();
+      for (size_t i = 0; i < names.size(); ++i) {
+        const auto want = names[i] == "second.spare.weight" ? grads[0][i] * 2 : grads[0][i];
+        EXPECT_TRUE(grads[1][i].equal(want)) << names[i];
+      }
+    }
+  }
+}
+
+// Two sequence-parallel norms over tp, fully_shard over dp: each weight's gradient hook sums its
+// part over tp. The spare norm is used only in the unsynced micro-batches, so the synced backward
+// does not reach it, and its TP sum runs on its reduced gradient there.
+struct SequenceParallelNorms : torch::nn::Module {
+  SequenceParallelNorms() {
+    at::manual_seed(13);
+    norm = register_module("norm", hp::nn::RMSNorm(kIn));
+    spare = register_module("spare", hp::nn::RMSNorm(kIn));
+    at::NoGradGuard no_grad;
+    norm->weight.uniform_(0.5, 1.5);
+    spare->weight.uniform_(0.5, 1.5);
+  }
+  at::Tensor forward(const at::Tensor& x, bool use_spare) {
+    auto h = norm(x);
+    return use_spare ? spare(h) : h;
+  }
+  hp::nn::RMSNorm norm{nullptr}, spare{nullptr};
+};
+
+// Micro-batch `m` of data-parallel replica `replica`, the whole sequence: 4 tokens per tp rank.
+at::Tensor norm_batch(int64_t m, int64_t replica, int64_t tp) {
+  at::manual_seed(300 + 10 * m + replica);
+  return at::randn({2, 4 * tp, kIn});
+}
+
+TEST(ReduceBuckets, ASequenceParallelWeightUsedOnlyWithoutSyncIsSummedOverTP) {
+  if (hp_test::world_size() != 4) GTEST_SKIP() << "a 2 x 2 (dp, tp) mesh needs 4 ranks";
+  auto mesh = hp::dtensor::init_device_mesh("cpu", {2, 2}, {"dp", "tp"});
+  const int64_t replica = hp_test::rank() / 2, tp_rank = hp_test::rank() % 2;
+  auto micro_batches = [&](SequenceParallelNorms& net, bool sharded) {
+    for (int64_t m = 0; m < 3; ++m) {
+      if (sharded) fs::FSDPModule::of(net)->set_requires_gradient_sync(m == 2);
+      for (int64_t d = 0; d < 2; ++d) {
+        if (sharded && d != replica) continue;
+        auto x = norm_batch(m, d, 2);
+        if (sharded) x = x.narrow(1, tp_rank * 4, 4);
+        net.forward(x, /*use_spare=*/m < 2).pow(2).sum().div(sharded ? 1 : 2).backward();
+      }
+    }
+  };
+  // Reference: one process, the whole sequence, the mean over the replicas.
+  SequenceParallelNorms reference;
+  micro_batches(reference, false);
+  std::vector<std::vector<at::Tensor>> grads;
+  for (int64_t cap : {int64_t{0}, int64_t{1}}) {
+    SCOPED_TRACE("cap " + std::to_string(cap));
+    SequenceParallelNorms net;
+    hp::tensor_parallel::parallelize_module(*net.norm, mesh["tp"], hp::tensor_parallel::SequenceParallel());
+    hp::tensor_parallel::parallelize_module(*net.spare, mesh["tp"], hp::tensor_parallel::SequenceParallel());
+    fs::fully_shard(net, fs::FullyShardOptions().mesh(mesh["dp"]).reduce_bucket_cap_bytes(cap));
+    net.forward(norm_batch(9, replica, 2).narrow(1, tp_rank * 4, 4), true).sum().backward();  // the plan
+    for (auto& p : net.parameters()) p.mutable_grad() = at::Tensor();
+    micro_batches(net, true);
+    grads.emplace_back();
+    for (const auto& p : net.parameters()) grads.back().push_back(p.grad().clone());
+    // This rank's shard (dim 0 over dp) of the reference's gradients.
+    const auto want = reference.spare->weight.grad().narrow(0, replica * (kIn / 2), kIn / 2);
+    EXPECT_TRUE(at::allclose(grads.back()[1], want, 1e-5, 1e-5)) << grads.back()[1] << " against " << want;
   }
   for (size_t i = 0; i < grads[0].size(); ++i)
     EXPECT_TRUE(grads[0][i].equal(grads[1][i])) << "gradient " << i;
