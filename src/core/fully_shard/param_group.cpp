@@ -127,7 +127,15 @@ std::vector<size_t> ParamGroup::Impl::all_params() const {
   return all;
 }
 
-// FNV-1a over the group's place in its root and the parameters' names and sizes.
+std::string ParamGroup::Impl::label() const {
+  constexpr size_t kNamed = 3;
+  std::string out;
+  for (size_t i = 0; i < std::min(names.size(), kNamed); ++i) out += (i ? ", " : "") + names[i];
+  if (names.size() > kNamed) out += " and " + std::to_string(names.size() - kNamed) + " more";
+  return out;
+}
+
+// FNV-1a over the group's place in its root and the parameters' names, sizes and wants.
 int64_t ParamGroup::Impl::content_of(const std::vector<size_t>& indices) const {
   uint64_t h = 0xcbf29ce484222325ULL;
   auto add = [&h](const void* data, size_t bytes) {
@@ -139,6 +147,8 @@ int64_t ParamGroup::Impl::content_of(const std::vector<size_t>& indices) const {
     add(names[i].data(), names[i].size() + 1);
     const auto elements = layout.padded_elements(static_cast<int64_t>(i));
     add(&elements, sizeof(elements));
+    const auto wanted = wants(i);
+    add(&wanted, sizeof(wanted));
   }
   return static_cast<int64_t>(h);
 }
@@ -156,8 +166,16 @@ void ParamGroup::Impl::start_gather() {
   }
   ++stats.gathers;
   if (shard_group.size() > 1) {
-    gather_in_flight =
-        comm::start_all_gather(flat, shard_group, comm::Agreement::kPerOp, content_of(all_params()));
+    try {
+      gather_in_flight =
+          comm::start_all_gather(flat, shard_group, comm::Agreement::kPerOp, content_of(all_params()));
+    } catch (const c10::Error& e) {
+      // Compared before any data moves: say what a gather's content stands for.
+      TORCH_CHECK(false, "fully_shard: expected every rank to gather the group (", label(),
+                  ") with the same parameters, sizes, requires_grad flags and gradient hooks, in the "
+                  "same order of groups, got an error: ",
+                  e.what_without_backtrace());
+    }
     return;
   }
   for (size_t i = 0; i < params.size(); ++i) {

@@ -67,7 +67,7 @@ struct ParamGroup::Impl {
   // The buckets of the first synced backward, in the order they started (each in parameter
   // order), and those of this one while it records them; the plan's next bucket to start.
   std::vector<std::vector<size_t>> bucket_plan, recorded_plan;
-  std::vector<int> planned_wants;  // per parameter when it was made: no gradient, one, hooked
+  std::vector<int> planned_wants;  // per parameter when it was made: wants(i)
   // This backward's started bucket of each parameter, and the parameter's place in it.
   std::vector<std::shared_ptr<detail::ReduceInFlight>> reduce_of;
   std::vector<int64_t> offset_of;
@@ -124,10 +124,16 @@ struct ParamGroup::Impl {
   void arrive_missing();
   // The group's backward is over: the last bucket leaves and the gathered parameters are freed.
   void end_backward();
+  // What parameter i wants from a backward now: 0 no gradient (frozen), 1 a gradient, 2 one its
+  // gradient hooks must see.
+  int wants(size_t i) const;
+  // The group in messages: its first parameters' names.
+  std::string label() const;
   // 0, 1, ..., the group's parameters' indices.
   std::vector<size_t> all_params() const;
   // What a gather or reduce-scatter of parameters `indices` carries, named the same on every rank
-  // (comm::OpSignature::content): ranks moving different parameters of one size get an error.
+  // (comm::OpSignature::content): ranks moving different parameters of one size, or parameters
+  // that want different things from the backward (a rank's own bucket plan), get an error.
   int64_t content_of(const std::vector<size_t>& indices) const;
   // Starts the reduce-scatter of parameters `indices` (gradients by parameter index).
   std::shared_ptr<detail::ReduceInFlight> start_reduce(const std::vector<size_t>& indices,

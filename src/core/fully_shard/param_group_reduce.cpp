@@ -55,6 +55,10 @@ bool has_hooks(const at::Tensor& param) { return !torch::autograd::impl::hooks(p
 
 }  // namespace
 
+int ParamGroup::Impl::wants(size_t i) const {
+  return !params[i].requires_grad() ? 0 : has_hooks(params[i]) ? 2 : 1;
+}
+
 bool ParamGroup::Impl::reduces_in_buckets() const {
   return bucket_cap_bytes > 0 && params.size() > 1 && row_sparse_cols == 0;
 }
@@ -113,17 +117,17 @@ void ParamGroup::Impl::begin_backward_pass() {
   next_bucket = 0;
   expected_arrivals = 0;
   expected_bytes = 0;
-  std::vector<int> wants;  // 0: no gradient, 1: a gradient, 2: one its hooks must see
+  std::vector<int> now_wants;
   for (size_t i = 0; i < n; ++i) {
-    wants.push_back(!params[i].requires_grad() ? 0 : has_hooks(params[i]) ? 2 : 1);
-    if (wants.back() == 0) continue;
+    now_wants.push_back(wants(i));
+    if (now_wants.back() == 0) continue;
     ++expected_arrivals;
     expected_bytes += reduce_bytes(i);
   }
   // A parameter frozen, unfrozen or hooked since the plan was made: the next synced backward
   // makes another.
-  if (wants != planned_wants) bucket_plan.clear();
-  planned_wants = std::move(wants);
+  if (now_wants != planned_wants) bucket_plan.clear();
+  planned_wants = std::move(now_wants);
 }
 
 void ParamGroup::Impl::accumulate(size_t i, const at::Tensor& grad) {

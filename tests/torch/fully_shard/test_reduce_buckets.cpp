@@ -373,6 +373,41 @@ TEST(ReduceBuckets, GroupsRunInDifferentOrdersByRankAreAnError) {
   }
 }
 
+// A parameter frozen, or hooked, on rank 0 only after the plan was made: rank 0 would make a new
+// plan (its buckets agreed per op) while the others follow the old one, each waiting for the
+// other. Instead, an error on every rank at the group's gather, before any data moves.
+TEST(ReduceBuckets, ParametersFrozenOrHookedOnOneRankOnlyAreAnError) {
+  if (hp_test::world_size() < 2) GTEST_SKIP() << "needs 2 ranks";
+  for (const bool hook : {false, true}) {
+    for (int64_t cap : {int64_t{0}, int64_t{1}}) {
+      SCOPED_TRACE(std::string(hook ? "hooked" : "frozen") + " on rank 0, cap " + std::to_string(cap));
+      Net net;
+      shard(net, with_cap(cap));
+      std::string message;
+      try {
+        for (int64_t step = 0; step < 2; ++step) {
+          if (step == 1 && hp_test::rank() == 0) {
+            if (hook) {
+              net.first->up->bias.register_hook([](const at::Tensor& g) { return g; });
+            } else {
+              net.first->up->bias.requires_grad_(false);
+            }
+          }
+          net.forward(batch(step)).pow(2).mean().backward();
+        }
+      } catch (const c10::Error& e) {
+        message = e.what();
+      }
+      EXPECT_NE(message.find("fully_shard: expected every rank to gather the group (up.weight, up.bias, "
+                             "down.weight and 3 more) with the same parameters, sizes, requires_grad flags "
+                             "and gradient hooks"),
+                std::string::npos)
+          << message;
+      EXPECT_NE(message.find("disagree on all_gather"), std::string::npos) << message;
+    }
+  }
+}
+
 // A forward without grad that skips the spare layers (an evaluation) between training steps
 // leaves training as it is: every parameter as without it, bitwise, cap 0 and 1.
 TEST(ReduceBuckets, AnEvaluationForwardThatSkipsALayerLeavesTrainingAsItIs) {
