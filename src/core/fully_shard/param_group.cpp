@@ -338,6 +338,7 @@ void ParamGroup::share_pass_order(const std::vector<ParamGroup*>& groups) {
     if (groups[i] == nullptr) continue;
     groups[i]->impl_->order = order;
     groups[i]->impl_->position = static_cast<int64_t>(i);
+    order->groups.push_back(groups[i]->impl_);
   }
 }
 GatherStats ParamGroup::gather_stats() const { return impl_->stats; }

@@ -122,6 +122,11 @@ struct ParamGroup::Impl {
   void arrive_zeros(size_t i);
   // At the end of the backward: the parameters that got no gradient reduce zeros.
   void arrive_missing();
+  // Once per synced backward of the root: at its end, the groups it did not reach reduce the sums
+  // that unsynced backwards left them (reduce_held_sums).
+  void queue_reduce_of_held_sums(const std::shared_ptr<Impl>& self);
+  // Reduce-scatters the sums kept while sync was off, if this backward did not reach the group.
+  void reduce_held_sums();
   // The group's backward is over: the last bucket leaves and the gathered parameters are freed.
   void end_backward();
   // What parameter i wants from a backward now: 0 no gradient (frozen), 1 a gradient, 2 one its
@@ -139,6 +144,11 @@ struct ParamGroup::Impl {
   std::shared_ptr<detail::ReduceInFlight> start_reduce(const std::vector<size_t>& indices,
                                                        std::vector<at::Tensor>& grads,
                                                        comm::Agreement agreement);
+  // Parameter i's shard gradient goes to .grad when `reduced` (its bucket, from element
+  // `offset`) is waited for (nn/pending_gradient.h); with run_hooks, its hooks first see it, as
+  // in its AccumulateGrad (for a parameter autograd does not reach).
+  void defer_to_grad(const std::shared_ptr<detail::ReduceInFlight>& reduced, size_t i, int64_t offset,
+                     bool run_hooks);
   // Parameter i's reduced shard gradient from `reduce`, which reduced it at element `offset`.
   static at::Tensor shard_gradient(const std::shared_ptr<detail::ReduceInFlight>& reduce,
                                    const at::Tensor& param, int64_t offset, int64_t elements);

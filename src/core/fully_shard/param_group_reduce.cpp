@@ -73,6 +73,7 @@ std::vector<at::Tensor> ParamGroup::Impl::attach_reduction(const std::shared_ptr
         s.params, std::move(views),
         [weak](std::vector<at::Tensor> grads) {
           auto self = alive(weak);
+          if (self->sync) self->queue_reduce_of_held_sums(self);
           auto out = self->reduce(std::move(grads));
           self->end_backward();
           return out;
@@ -91,6 +92,7 @@ std::vector<at::Tensor> ParamGroup::Impl::attach_reduction(const std::shared_ptr
             torch::autograd::Engine::get_default_engine().queue_callback([weak] {
               if (auto group = weak.lock()) group->arrive_missing();
             });
+            if (self->sync) self->queue_reduce_of_held_sums(self);
           }
           return std::vector<at::Tensor>{self->arrive(i, std::move(grads[0]))};
         },
@@ -225,20 +227,12 @@ void ParamGroup::Impl::send(const std::vector<size_t>& indices, comm::Agreement 
   const auto reduced = start_reduce(indices, arrived_grads, agreement);
   int64_t offset = 0;
   for (const auto i : indices) {
-    const auto elements = layout.local_elements(static_cast<int64_t>(i));
     reduce_of[i] = reduced;
     offset_of[i] = offset;
-    if (planned_wants[i] == 1 || !reached[i]) {
-      // Autograd does not reach a hooked parameter that got here unreached: its hooks run on the
-      // reduced gradient here, as they would in its AccumulateGrad (a sequence-parallel weight's
-      // TP sum is such a hook; its sum may be its rank's only part, from unsynced micro-batches
-      // or other ranks' gradients).
-      const bool run_hooks = planned_wants[i] == 2;
-      nn::defer_gradient(params[i], [reduced, param = params[i], offset, elements, run_hooks] {
-        auto grad = shard_gradient(reduced, param, offset, elements);
-        return run_hooks ? torch::autograd::AccumulateGrad::callHooks(param, std::move(grad)) : grad;
-      });
-    }
+    // Autograd does not reach a hooked parameter that got here unreached: its hooks run on the
+    // reduced gradient here (a sequence-parallel weight's TP sum is such a hook; its sum may be
+    // its rank's only part, from unsynced micro-batches or other ranks' gradients).
+    if (planned_wants[i] == 1 || !reached[i]) defer_to_grad(reduced, i, offset, planned_wants[i] == 2);
     offset += layout.padded_elements(static_cast<int64_t>(i));
   }
 }
@@ -297,6 +291,61 @@ void ParamGroup::Impl::end_backward() {
   backward_prefetched = false;
   backward_began = false;
   free_buffers();  // the group's last backward use is over
+}
+
+void ParamGroup::Impl::queue_reduce_of_held_sums(const std::shared_ptr<Impl>& self) {
+  auto root = order;
+  if (root->held_sums_queued) return;
+  root->held_sums_queued = true;
+  // Cleared when the callback is gone too: a backward that failed before its callbacks ran.
+  struct Unqueue {
+    std::weak_ptr<detail::PassOrder> root;
+    ~Unqueue() {
+      if (auto r = root.lock()) r->held_sums_queued = false;
+    }
+  };
+  auto unqueue = std::make_shared<Unqueue>(Unqueue{root});
+  std::vector<detail::PassOrder::Weak> groups = root->groups;
+  if (groups.empty()) groups.push_back(self);  // a group no root call shares an order with
+  torch::autograd::Engine::get_default_engine().queue_callback([unqueue, groups] {
+    if (auto r = unqueue->root.lock()) r->held_sums_queued = false;
+    for (const auto& weak : groups) {
+      if (auto group = weak.lock()) group->reduce_held_sums();
+    }
+  });
+}
+
+// A group this synced backward did not reach holds the sums of the unsynced ones: reduced now,
+// as its next synced backward would (agreed per op: ranks must hold the same sums), so this
+// step's optimizer sees every micro-batch. Autograd reaches none of these parameters: their
+// hooks run on the reduced gradient here.
+void ParamGroup::Impl::reduce_held_sums() {
+  // arrivals > 0: reached, its own end of backward reduces them; no pending: never ran a backward.
+  if (!sync || arrivals > 0 || pending.size() != params.size()) return;
+  std::vector<size_t> indices;
+  std::vector<at::Tensor> grads(params.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (!pending[i].defined() || !params[i].requires_grad()) continue;
+    indices.push_back(i);
+    grads[i] = std::move(pending[i]);
+    pending[i] = at::Tensor();
+  }
+  if (indices.empty()) return;
+  const auto reduced = start_reduce(indices, grads, comm::Agreement::kPerOp);
+  int64_t offset = 0;
+  for (const auto i : indices) {
+    defer_to_grad(reduced, i, offset, /*run_hooks=*/wants(i) == 2);
+    offset += layout.padded_elements(static_cast<int64_t>(i));
+  }
+}
+
+void ParamGroup::Impl::defer_to_grad(const std::shared_ptr<detail::ReduceInFlight>& reduced, size_t i,
+                                     int64_t offset, bool run_hooks) {
+  const auto elements = layout.local_elements(static_cast<int64_t>(i));
+  nn::defer_gradient(params[i], [reduced, param = params[i], offset, elements, run_hooks] {
+    auto grad = shard_gradient(reduced, param, offset, elements);
+    return run_hooks ? torch::autograd::AccumulateGrad::callHooks(param, std::move(grad)) : grad;
+  });
 }
 
 // Every rank's blocks of parameters `indices`' gradients (plus the sums kept while sync was off),
@@ -359,14 +408,11 @@ std::vector<at::Tensor> ParamGroup::Impl::reduce(std::vector<at::Tensor> grads) 
   const bool hooked = std::any_of(params.begin(), params.end(), has_hooks);
   int64_t offset = 0;
   for (size_t i = 0; i < params.size(); ++i) {
-    const auto elements = layout.local_elements(static_cast<int64_t>(i));
     if (params[i].requires_grad()) {
       if (hooked) {
-        out[i] = shard_gradient(reduced, params[i], offset, elements);
+        out[i] = shard_gradient(reduced, params[i], offset, layout.local_elements(static_cast<int64_t>(i)));
       } else {
-        nn::defer_gradient(params[i], [reduced, param = params[i], offset, elements] {
-          return shard_gradient(reduced, param, offset, elements);
-        });
+        defer_to_grad(reduced, i, offset, /*run_hooks=*/false);
       }
     }
     offset += layout.padded_elements(static_cast<int64_t>(i));

@@ -1,9 +1,10 @@
 """fully_shard on torch.nn modules at 2 and 4 ranks, against the full-batch single-process
 reference: training with reshard_after_forward on and off (bitwise run to run), HSDP, gradient
-accumulation without sync (with a hook on a parameter only the unsynced micro-batches reach),
-tensor parallelism on a 2 x 2 mesh; implicit prefetch and unshard(async_op); an embedding's
-row-sparse gradient reduce-scatter; comm_fusion's one message against buckets; the module's new
-methods; every option that cannot apply is a clear error; the original's import paths."""
+accumulation without sync (with a hooked parameter, and a group, that only the unsynced
+micro-batches reach), tensor parallelism on a 2 x 2 mesh; implicit prefetch and unshard(async_op);
+an embedding's row-sparse gradient reduce-scatter; comm_fusion's one message against buckets; the
+module's new methods; every option that cannot apply is a clear error; the original's import
+paths."""
 
 import copy
 
@@ -294,6 +295,31 @@ def test_hooks_of_a_parameter_used_only_without_sync_see_its_reduced_gradient():
         assert torch.equal(hooked[2], plain[2] * 2)  # spare.weight
         assert all(torch.equal(a, b) for i, (a, b) in enumerate(zip(hooked, plain)) if i != 2)
     assert all(torch.equal(a, b) for a, b in zip(grads[True, True], grads[False, True]))
+
+
+def test_sums_of_a_group_the_synced_backward_does_not_reach_are_reduced_with_it():
+    """spare, a group of its own, runs only in the unsynced micro-batches: its sums are
+    reduce-scattered at the end of the synced backward, and the next step holds only its own."""
+    ws, r = dist.get_world_size(), dist.get_rank()
+    reference = WithSpare()
+    net = copy.deepcopy(reference)
+    fully_shard(net.spare, mesh=dp_mesh())
+    fully_shard(net, mesh=dp_mesh())
+
+    def expect_reference_gradients():
+        for p, q in zip(net.parameters(), reference.parameters()):
+            torch.testing.assert_close(full_tensor(p, p.grad), q.grad, rtol=1e-5, atol=1e-6)
+
+    for m in range(3):
+        reference(batch(m, ws), m < 2).pow(2).mean().backward()
+        net.set_requires_gradient_sync(m == 2)
+        net(batch(m, ws)[r * ROWS_PER_RANK:][:ROWS_PER_RANK], m < 2).pow(2).mean().backward()
+    expect_reference_gradients()
+    reference.zero_grad(set_to_none=True)
+    net.zero_grad(set_to_none=True)
+    reference(batch(3, ws), True).pow(2).mean().backward()
+    net(batch(3, ws)[r * ROWS_PER_RANK:][:ROWS_PER_RANK], True).pow(2).mean().backward()
+    expect_reference_gradients()
 
 
 def test_module_methods_and_their_errors():

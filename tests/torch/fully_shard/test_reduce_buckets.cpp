@@ -494,6 +494,55 @@ TEST(ReduceBuckets, GradientAccumulationWithoutSync) {
     EXPECT_TRUE(grads[0][i].equal(grads[1][i])) << "gradient " << i;
 }
 
+// Groups of their own for the spare layers, which the synced micro-batch skips: the sums that the
+// unsynced micro-batches left in them are reduce-scattered at the end of the synced backward, so
+// the step sees every micro-batch (they used to wait for a later synced backward that reached
+// them, and be added to its step). The next step's gradients hold only its own micro-batch.
+TEST(ReduceBuckets, SumsOfAGroupTheSyncedBackwardDoesNotReachAreReducedWithIt) {
+  const int64_t p = hp_test::world_size(), r = hp_test::rank();
+  auto full_batch = [p](int64_t m) {
+    at::manual_seed(200 + m);
+    return at::randn({p * kRowsPerRank, kIn});
+  };
+  for (int64_t cap : {int64_t{0}, int64_t{1}}) {
+    SCOPED_TRACE("reduce_bucket_cap_bytes " + std::to_string(cap));
+    Net reference, net;
+    fs::fully_shard(*net.first->spare, with_cap(cap));
+    fs::fully_shard(*net.second->spare, with_cap(cap));
+    shard(net, with_cap(cap));
+    auto root = fs::FSDPModule::of(net);
+    auto expect_gradients_of = [&](const std::string& what) {
+      const auto ref = reference.parameters();
+      const auto grads = hp::tensor_parallel::full_named_parameters(net, /*gradients=*/true);
+      ASSERT_EQ(grads.size(), ref.size());
+      for (size_t i = 0; i < ref.size(); ++i) {
+        ASSERT_EQ(grads[i].second.defined(), ref[i].grad().defined()) << what << ", " << grads[i].first;
+        if (ref[i].grad().defined())
+          hp_test::expect_close(grads[i].second, ref[i].grad(), what + ", " + grads[i].first);
+      }
+    };
+    for (int64_t m = 0; m < 3; ++m) {
+      const bool use_spare = m < 2;
+      reference.forward(full_batch(m), use_spare).pow(2).mean().backward();
+      root->set_requires_gradient_sync(m == 2);
+      hp::comm::reset_collective_counts();
+      auto x = full_batch(m).narrow(0, r * kRowsPerRank, kRowsPerRank);
+      net.forward(x, use_spare).pow(2).mean().backward();
+    }
+    // cap 0: one reduce-scatter per group, the two the synced backward did not reach included.
+    const int64_t reduce_scatters = hp::comm::collective_count(CollectiveKind::kReduceScatter);
+    if (cap == 0) {
+      EXPECT_EQ(reduce_scatters, p > 1 ? kGroups + 2 : 0);
+    }
+    expect_gradients_of("three micro-batches");
+    reference.zero_grad();
+    net.zero_grad();
+    reference.forward(full_batch(3)).pow(2).mean().backward();
+    net.forward(full_batch(3).narrow(0, r * kRowsPerRank, kRowsPerRank)).pow(2).mean().backward();
+    expect_gradients_of("the next step");
+  }
+}
+
 // A hooked parameter that the synced backward does not reach (used only in the unsynced
 // micro-batches, or reached only on other ranks) still has its hooks run once on its reduced
 // gradient, as in one reduce-scatter per group: a sequence-parallel weight's TP sum is such a hook.
