@@ -41,7 +41,8 @@ std::vector<int64_t> asked_of_each(const at::Tensor& ids, int64_t rows, int64_t 
 
 }  // namespace
 
-at::Tensor gather_rows(const at::Tensor& shard, int64_t rows, const at::Tensor& ids, const Group& group) {
+at::Tensor gather_rows(const at::Tensor& shard, int64_t rows, const at::Tensor& ids, const Group& group,
+                       int64_t content) {
   const int64_t p = group.size(), r = group.rank();
   TORCH_CHECK_TYPE(shard.defined() && at::isFloatingType(shard.scalar_type()), kName,
                    ": expected a floating-point shard, got ",
@@ -56,10 +57,10 @@ at::Tensor gather_rows(const at::Tensor& shard, int64_t rows, const at::Tensor& 
   std::ostringstream what;
   what << shard.scalar_type() << "[" << rows << ", " << cols << "] rows " << ids.size(0) << " of them, on "
        << group.name();
-  OpScope scope(
-      group,
-      {CollectiveKind::kAllGather, shard.scalar_type(), {rows, cols, -1}, {"rows", "cols", "gather_rows"}},
-      what.str());
+  OpSignature signature{
+      CollectiveKind::kAllGather, shard.scalar_type(), {rows, cols, -1}, {"rows", "cols", "gather_rows"}};
+  signature.content = content;
+  OpScope scope(group, signature, what.str());
   const auto wanted = ids.contiguous();
   bool bad = false;
   const auto asked = asked_of_each(wanted, rows, p, bad);

@@ -111,7 +111,8 @@ void reduce_scatter(detail::PendingAllReduceState& s, int64_t cols) {
 }  // namespace
 
 PendingReduceScatter start_row_sparse_reduce_scatter(const at::Tensor& buffer, int64_t cols, ReduceOp op,
-                                                     const Group& group, Agreement agreement) {
+                                                     const Group& group, Agreement agreement,
+                                                     int64_t content) {
   constexpr const char* kName = "hyper_parallel::comm::start_row_sparse_reduce_scatter";
   TORCH_CHECK_TYPE(buffer.defined() && at::isFloatingType(buffer.scalar_type()), kName,
                    ": expected a floating-point tensor, got ",
@@ -126,12 +127,12 @@ PendingReduceScatter start_row_sparse_reduce_scatter(const at::Tensor& buffer, i
   std::ostringstream what;
   what << buffer.scalar_type() << "[" << buffer.numel() / std::max<int64_t>(cols, 1) << ", " << cols
        << "] row-sparse, on " << group.name() << " (started)";
-  OpScope scope(group,
-                {CollectiveKind::kReduceScatter,
-                 buffer.scalar_type(),
-                 {buffer.numel(), static_cast<int64_t>(op == ReduceOp::kAvg), cols},
-                 {"numel", "avg", "row_sparse_cols"}},  // never a dense reduce-scatter's signature
-                what.str(), /*counted=*/true, agreement);
+  OpSignature signature{CollectiveKind::kReduceScatter,
+                        buffer.scalar_type(),
+                        {buffer.numel(), static_cast<int64_t>(op == ReduceOp::kAvg), cols},
+                        {"numel", "avg", "row_sparse_cols"}};  // never a dense reduce-scatter's signature
+  signature.content = content;
+  OpScope scope(group, signature, what.str(), /*counted=*/true, agreement);
   auto state = std::make_shared<detail::PendingAllReduceState>(buffer.detach(), op, group);
   if (p == 1) {
     state->done = true;

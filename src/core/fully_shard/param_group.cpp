@@ -218,7 +218,8 @@ void ParamGroup::Impl::finish_gather() {
 void ParamGroup::Impl::gather_rows(const at::Tensor& ids) {
   const auto unique = std::get<0>(at::_unique(ids.reshape({-1}).to(at::kLong), /*sorted=*/true));
   const auto shard = params[0].detach().reshape({-1, row_sparse_cols}).to(gather_dtype);
-  const auto rows = comm::gather_rows(shard, buffers[0].size(0), unique, shard_group);
+  const auto rows =
+      comm::gather_rows(shard, buffers[0].size(0), unique, shard_group, content_of(all_params()));
   ++stats.gathers;
   set_storage(buffers[0], true);
   auto full = buffers[0].variable_data().view({-1, row_sparse_cols});

@@ -376,7 +376,7 @@ std::shared_ptr<detail::ReduceInFlight> ParamGroup::Impl::start_reduce(const std
     in_flight->unreduced = std::move(flat);
   } else if (row_sparse_cols > 0) {
     in_flight->pending = comm::start_row_sparse_reduce_scatter(flat, row_sparse_cols, comm::ReduceOp::kAvg,
-                                                               shard_group, agreement);
+                                                               shard_group, agreement, content_of(indices));
   } else {
     in_flight->pending =
         comm::start_reduce_scatter(flat, comm::ReduceOp::kAvg, shard_group, agreement, content_of(indices));

@@ -243,10 +243,21 @@ TEST_F(Agreement, ARankThatSkipsACall) {
 }
 
 TEST_F(Agreement, ContentsNamedByTheCallerAreCompared) {
+  const int64_t content = r == 0 ? 1 : 2;
   expect_disagreement("reduce_scatter", [&] {
     hp::comm::start_reduce_scatter(at::ones({4 * p}), ReduceOp::kSum, world, hp::comm::Agreement::kPerOp,
-                                   /*content=*/r == 0 ? 1 : 2)
+                                   content)
         .wait();
+  });
+  // The row-sparse ops of an embedding's table too.
+  expect_disagreement("reduce_scatter", [&] {
+    hp::comm::start_row_sparse_reduce_scatter(at::ones({4 * p}), 2, ReduceOp::kSum, world,
+                                              hp::comm::Agreement::kPerOp, content)
+        .wait();
+  });
+  expect_disagreement("all_gather", [&] {
+    const int64_t rows = 3 * p;
+    hp::comm::gather_rows(at::ones({3, 4}), rows, at::arange(rows), world, content);
   });
 }
 

@@ -500,6 +500,39 @@ TEST(FullyShard, AnEmbeddingAloneGathersAndReducesRowSparseBitwiseAsDense) {
   }
 }
 
+// Two embeddings of one shape, each a row-sparse group, that rank 0 runs in the other order after
+// the first step: its row gathers and gradient reduce-scatters would meet the other table's on the
+// other ranks. An error on every rank instead, naming the contents, before any row moves.
+TEST(FullyShard, TwoEmbeddingsOfOneShapeRunInDifferentOrdersByRankAreAnError) {
+  if (hp_test::world_size() < 2) GTEST_SKIP() << "needs 2 ranks";
+  struct TwoTables : torch::nn::Module {
+    TwoTables() {
+      a = register_module("a", hp::nn::Embedding(Lm::kVocab, kIn));
+      b = register_module("b", hp::nn::Embedding(Lm::kVocab, kIn));
+    }
+    hp::nn::Embedding a{nullptr}, b{nullptr};
+  };
+  TwoTables net;
+  const auto options = fs::FullyShardOptions().mesh(dp_mesh());
+  fs::fully_shard(*net.a, options);
+  fs::fully_shard(*net.b, options);
+  fs::fully_shard(net, options);
+  std::string message;
+  try {
+    for (int64_t step = 0; step < 2; ++step) {
+      const auto ids = token_ids(step, hp_test::rank());
+      const bool a_first = step == 0 || hp_test::rank() != 0;
+      auto first = a_first ? net.a(ids) : net.b(ids);
+      auto second = a_first ? net.b(ids) : net.a(ids);
+      (first * second).sum().backward();
+    }
+  } catch (const c10::Error& e) {
+    message = e.what();
+  }
+  EXPECT_NE(message.find("disagree on all_gather"), std::string::npos) << message;
+  EXPECT_NE(message.find(" content="), std::string::npos) << message;
+}
+
 // An embedding whose vocabulary rows a TP style cut over tp 2 maps its ids to its own rows, so
 // fully_shard over dp 2 gathers its table whole (asking for rows by id would ask for rows past
 // its half) and still reduces its gradient row-sparse: the dense run's bits.

@@ -27,6 +27,8 @@ namespace hyper_parallel::comm {
 ///   at::Tensor rows = gather_rows(weight_shard, vocab, ids, group);  // [ids.size(0), dim]
 /// `shard`: [chunk_size(rows, P, rank), cols], floating point. `ids`: 1-D int64, ascending and
 /// unique, each in [0, rows). Returns the rows in ids' order, in shard's dtype. Collective.
-at::Tensor gather_rows(const at::Tensor& shard, int64_t rows, const at::Tensor& ids, const Group& group);
+/// `content`: the caller's name for the table (OpSignature::content), compared by the agreement.
+at::Tensor gather_rows(const at::Tensor& shard, int64_t rows, const at::Tensor& ids, const Group& group,
+                       int64_t content = 0);
 
 }  // namespace hyper_parallel::comm

@@ -33,8 +33,10 @@ namespace hyper_parallel::comm {
 ///   auto pending = start_row_sparse_reduce_scatter(flat, dim, ReduceOp::kAvg, group);
 ///   at::Tensor mine = pending.wait();  // block r, reduced over every rank
 /// `buffer`: contiguous, 1-D, floating point, of P blocks of whole rows of `cols` elements.
+/// `content`: the caller's name for what it carries (OpSignature::content).
 PendingReduceScatter start_row_sparse_reduce_scatter(const at::Tensor& buffer, int64_t cols, ReduceOp op,
                                                      const Group& group,
-                                                     Agreement agreement = Agreement::kPerOp);
+                                                     Agreement agreement = Agreement::kPerOp,
+                                                     int64_t content = 0);
 
 }  // namespace hyper_parallel::comm
