@@ -214,16 +214,16 @@ at::Tensor reduce_scatter(const at::Tensor& input, int64_t dim, ReduceOp op, con
   return at::empty(result.sizes(), input.options().memory_format(at::MemoryFormat::Contiguous)).copy_(result);
 }
 
-at::Tensor all_reduce(const at::Tensor& input, ReduceOp op, const Group& group) {
+at::Tensor all_reduce(const at::Tensor& input, ReduceOp op, const Group& group, int64_t content) {
   check_dtype("all_reduce", input);
   check_reduce_op("all_reduce", op, input);
   const int64_t p = group.size();
-  OpScope scope(group,
-                {CollectiveKind::kAllReduce,
-                 input.scalar_type(),
-                 {input.numel(), static_cast<int64_t>(op == ReduceOp::kAvg)},
-                 {"numel", "avg"}},
-                describe(input, group));
+  OpSignature signature{CollectiveKind::kAllReduce,
+                        input.scalar_type(),
+                        {input.numel(), static_cast<int64_t>(op == ReduceOp::kAvg)},
+                        {"numel", "avg"}};
+  signature.content = content;
+  OpScope scope(group, signature, describe(input, group));
   auto flat = input.reshape({-1}).contiguous();
   auto sizes = chunk_sizes(flat.numel(), p);
   auto reduced = flat_reduce_scatter(flat, sizes, 1, group);

@@ -155,10 +155,13 @@ int64_t agree(const Group& group, const OpSignature& sig, int64_t seq) {
           << fields[q][kSeq] << ", " << describe(fields[q], sig.names) << ", "
           << describe_unagreed(fields[q]);
   }
-  TORCH_CHECK(same_op, "hyper_parallel::comm: ranks of ", group.name(), " disagree on ", to_string(sig.kind),
-              " (this rank's call ", seq, "): ", ranks.str(),
-              ". No data was sent. Every rank must call the same collectives in the same order "
-              "with matching shapes, dtypes and chunk counts");
+  if (!same_op) {
+    throw DisagreementError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
+                            c10::str("hyper_parallel::comm: ranks of ", group.name(), " disagree on ",
+                                     to_string(sig.kind), " (this rank's call ", seq, "): ", ranks.str(),
+                                     ". No data was sent. Every rank must call the same collectives in the "
+                                     "same order with matching shapes, dtypes and chunk counts"));
+  }
   TORCH_CHECK(false, "hyper_parallel::comm: ranks of ", group.name(), " agree on ", to_string(sig.kind),
               " (this rank's call ", seq,
               ") but started different ops agreed in advance before it: ", ranks.str(),

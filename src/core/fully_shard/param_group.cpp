@@ -169,7 +169,7 @@ void ParamGroup::Impl::start_gather() {
     try {
       gather_in_flight =
           comm::start_all_gather(flat, shard_group, comm::Agreement::kPerOp, content_of(all_params()));
-    } catch (const c10::Error& e) {
+    } catch (const comm::DisagreementError& e) {
       // Compared before any data moves: say what a gather's content stands for.
       TORCH_CHECK(false, "fully_shard: expected every rank to gather the group (", label(),
                   ") with the same parameters, sizes, requires_grad flags and gradient hooks, in the "
@@ -339,7 +339,6 @@ void ParamGroup::share_pass_order(const std::vector<ParamGroup*>& groups) {
     if (groups[i] == nullptr) continue;
     groups[i]->impl_->order = order;
     groups[i]->impl_->position = static_cast<int64_t>(i);
-    order->groups.push_back(groups[i]->impl_);
   }
 }
 GatherStats ParamGroup::gather_stats() const { return impl_->stats; }

@@ -122,9 +122,8 @@ struct ParamGroup::Impl {
   void arrive_zeros(size_t i);
   // At the end of the backward: the parameters that got no gradient reduce zeros.
   void arrive_missing();
-  // Once per synced backward of the root: at its end, the groups it did not reach reduce the sums
-  // that unsynced backwards left them (reduce_held_sums).
-  void queue_reduce_of_held_sums(const std::shared_ptr<Impl>& self);
+  // Whether the group holds sums kept while sync was off (held_sums.h).
+  bool holds_sums() const;
   // Reduce-scatters the sums kept while sync was off, if this backward did not reach the group.
   void reduce_held_sums();
   // The group's backward is over: the last bucket leaves and the gathered parameters are freed.

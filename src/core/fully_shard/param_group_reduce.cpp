@@ -27,7 +27,6 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
-#include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/csrc/autograd/variable.h>
@@ -37,6 +36,7 @@
 #include <hyper_parallel/core/nn/pending_gradient.h>
 
 #include "../autograd/attach_backward.h"
+#include "held_sums.h"
 #include "param_group_impl.h"
 #include "reduce_in_flight.h"
 
@@ -52,6 +52,16 @@ std::shared_ptr<ParamGroup::Impl> alive(const std::weak_ptr<ParamGroup::Impl>& w
 }
 
 bool has_hooks(const at::Tensor& param) { return !torch::autograd::impl::hooks(param).empty(); }
+
+// At a group's first gradient of a backward: without sync, it will hold sums; with sync, the
+// groups this backward does not reach reduce theirs at its end.
+void note_or_queue_held_sums(const std::shared_ptr<ParamGroup::Impl>& group) {
+  if (group->sync) {
+    detail::queue_reduce_of_held_sums();
+  } else {
+    detail::note_held_sums(group);
+  }
+}
 
 }  // namespace
 
@@ -73,7 +83,7 @@ std::vector<at::Tensor> ParamGroup::Impl::attach_reduction(const std::shared_ptr
         s.params, std::move(views),
         [weak](std::vector<at::Tensor> grads) {
           auto self = alive(weak);
-          if (self->sync) self->queue_reduce_of_held_sums(self);
+          note_or_queue_held_sums(self);
           auto out = self->reduce(std::move(grads));
           self->end_backward();
           return out;
@@ -92,7 +102,7 @@ std::vector<at::Tensor> ParamGroup::Impl::attach_reduction(const std::shared_ptr
             torch::autograd::Engine::get_default_engine().queue_callback([weak] {
               if (auto group = weak.lock()) group->arrive_missing();
             });
-            if (self->sync) self->queue_reduce_of_held_sums(self);
+            note_or_queue_held_sums(self);
           }
           return std::vector<at::Tensor>{self->arrive(i, std::move(grads[0]))};
         },
@@ -293,26 +303,8 @@ void ParamGroup::Impl::end_backward() {
   free_buffers();  // the group's last backward use is over
 }
 
-void ParamGroup::Impl::queue_reduce_of_held_sums(const std::shared_ptr<Impl>& self) {
-  auto root = order;
-  if (root->held_sums_queued) return;
-  root->held_sums_queued = true;
-  // Cleared when the callback is gone too: a backward that failed before its callbacks ran.
-  struct Unqueue {
-    std::weak_ptr<detail::PassOrder> root;
-    ~Unqueue() {
-      if (auto r = root.lock()) r->held_sums_queued = false;
-    }
-  };
-  auto unqueue = std::make_shared<Unqueue>(Unqueue{root});
-  std::vector<detail::PassOrder::Weak> groups = root->groups;
-  if (groups.empty()) groups.push_back(self);  // a group no root call shares an order with
-  torch::autograd::Engine::get_default_engine().queue_callback([unqueue, groups] {
-    if (auto r = unqueue->root.lock()) r->held_sums_queued = false;
-    for (const auto& weak : groups) {
-      if (auto group = weak.lock()) group->reduce_held_sums();
-    }
-  });
+bool ParamGroup::Impl::holds_sums() const {
+  return std::any_of(pending.begin(), pending.end(), [](const at::Tensor& t) { return t.defined(); });
 }
 
 // A group this synced backward did not reach holds the sums of the unsynced ones: reduced now,
@@ -320,7 +312,7 @@ void ParamGroup::Impl::queue_reduce_of_held_sums(const std::shared_ptr<Impl>& se
 // step's optimizer sees every micro-batch. Autograd reaches none of these parameters: their
 // hooks run on the reduced gradient here.
 void ParamGroup::Impl::reduce_held_sums() {
-  // arrivals > 0: reached, its own end of backward reduces them; no pending: never ran a backward.
+  // arrivals > 0: reached, its own end of backward reduces them; no pending: never ran a forward.
   if (!sync || arrivals > 0 || pending.size() != params.size()) return;
   std::vector<size_t> indices;
   std::vector<at::Tensor> grads(params.size());
@@ -342,10 +334,12 @@ void ParamGroup::Impl::reduce_held_sums() {
 void ParamGroup::Impl::defer_to_grad(const std::shared_ptr<detail::ReduceInFlight>& reduced, size_t i,
                                      int64_t offset, bool run_hooks) {
   const auto elements = layout.local_elements(static_cast<int64_t>(i));
-  nn::defer_gradient(params[i], [reduced, param = params[i], offset, elements, run_hooks] {
-    auto grad = shard_gradient(reduced, param, offset, elements);
-    return run_hooks ? torch::autograd::AccumulateGrad::callHooks(param, std::move(grad)) : grad;
-  });
+  nn::defer_gradient(
+      params[i],
+      [reduced, param = params[i], offset, elements] {
+        return shard_gradient(reduced, param, offset, elements);
+      },
+      run_hooks);
 }
 
 // Every rank's blocks of parameters `indices`' gradients (plus the sums kept while sync was off),
@@ -371,15 +365,16 @@ std::shared_ptr<detail::ReduceInFlight> ParamGroup::Impl::start_reduce(const std
   }
   auto flat = input.view({-1});
   auto in_flight = std::make_shared<detail::ReduceInFlight>();
+  in_flight->content = content_of(indices);
   // The average over every data-parallel rank: over the shard dim, then the replicate dim.
   if (shard_group.size() == 1) {
     in_flight->unreduced = std::move(flat);
   } else if (row_sparse_cols > 0) {
     in_flight->pending = comm::start_row_sparse_reduce_scatter(flat, row_sparse_cols, comm::ReduceOp::kAvg,
-                                                               shard_group, agreement, content_of(indices));
+                                                               shard_group, agreement, in_flight->content);
   } else {
     in_flight->pending =
-        comm::start_reduce_scatter(flat, comm::ReduceOp::kAvg, shard_group, agreement, content_of(indices));
+        comm::start_reduce_scatter(flat, comm::ReduceOp::kAvg, shard_group, agreement, in_flight->content);
   }
   in_flight->replicate = replicate_group;
   in_flight->scale = scale;

@@ -1,6 +1,5 @@
 #pragma once
-// Internal: a root's fully_shard groups and the order in which they run, which implicit prefetch
-// follows.
+// Internal: the order in which a root's fully_shard groups run, which implicit prefetch follows.
 
 #include <memory>
 #include <vector>
@@ -30,10 +29,6 @@ struct PassOrder {
     }
   };
   Sequence first_use, last_use;
-  // The root's groups, in the order of its fully_shard calls (the same on every rank), and
-  // whether this synced backward's reduction of the sums they hold is queued (param_group_reduce).
-  std::vector<Weak> groups;
-  bool held_sums_queued = false;
 
   static std::shared_ptr<ParamGroup::Impl> neighbour(const std::vector<Weak>& order,
                                                      const std::shared_ptr<ParamGroup::Impl>& g, int step) {

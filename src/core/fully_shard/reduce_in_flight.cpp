@@ -25,6 +25,20 @@ std::deque<InFlight>& reduces_in_flight() {
   return in_flight;
 }
 
+// The reductions in flight that started before `reduce`, oldest first, finished (none if it is
+// no longer listed: it was the oldest).
+void finish_started_before(const ReduceInFlight* reduce) {
+  std::vector<std::shared_ptr<ReduceInFlight>> older;
+  for (const auto& e : reduces_in_flight()) {
+    auto r = e.reduce.lock();
+    if (r.get() == reduce) {
+      for (const auto& o : older) o->wait();
+      return;
+    }
+    if (r) older.push_back(std::move(r));
+  }
+}
+
 size_t groups_in_flight(const std::deque<InFlight>& q) {
   std::vector<const void*> groups;
   for (const auto& e : q) {
@@ -38,9 +52,10 @@ size_t groups_in_flight(const std::deque<InFlight>& q) {
 
 const at::Tensor& ReduceInFlight::wait() {
   if (result.defined()) return result;
+  if (replicate && replicate->size() > 1) finish_started_before(this);
   auto reduced = unreduced.defined() ? unreduced : pending.wait();
   if (replicate && replicate->size() > 1)
-    reduced = comm::all_reduce(reduced, comm::ReduceOp::kAvg, *replicate);
+    reduced = comm::all_reduce(reduced, comm::ReduceOp::kAvg, *replicate, content);
   result = scale == 1.0 ? reduced : reduced * scale;
   return result;
 }

@@ -21,10 +21,14 @@ struct ReduceInFlight {
   comm::PendingReduceScatter pending;
   at::Tensor unreduced;  // a shard dim of one rank: its flat gradients, reduced as they are
   std::optional<comm::Group> replicate;
+  int64_t content = 0;  // the reduce-scatter's, for the all-reduce (comm::OpSignature::content)
   double scale = 1.0;
   at::Tensor result;
 
-  /// This rank's reduced flat gradients (waits for them the first time).
+  /// This rank's reduced flat gradients (waits for them the first time). The replicate
+  /// all-reduce blocks, and ranks may wait in different orders (a hooked parameter's bucket is
+  /// waited for mid-backward on a rank whose backward reaches it): the reductions started before
+  /// this one are finished first, so every rank all-reduces in the order they started.
   const at::Tensor& wait();
 };
 

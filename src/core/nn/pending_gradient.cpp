@@ -9,6 +9,7 @@
 #include <c10/util/Exception.h>
 #include <c10/util/intrusive_ptr.h>
 #include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
 
 namespace hyper_parallel::nn {
 namespace {
@@ -19,6 +20,7 @@ struct Entry {
   WeakParam param;    // the parameter (weak: the registry never keeps one alive)
   at::Tensor before;  // its .grad before this contribution's accumulation (undefined: none)
   WaitForGradient wait;
+  bool run_hooks = false;  // the parameter's hooks see the waited tensor first
 };
 
 struct Registry {
@@ -45,12 +47,15 @@ std::optional<Entry> take(const c10::TensorImpl* param) {
   return std::nullopt;
 }
 
-// .grad = before + the sum: the bits AccumulateGrad would have left had it added the sum.
+// .grad = before + the sum: the bits AccumulateGrad would have left had it added the sum. Hooks
+// run here may defer a contribution of their own (a sequence-parallel sum): its "before" is the
+// .grad from before this one, and the caller's loop applies it next.
 void apply(Entry& e) {
   auto sum = e.wait();
   auto impl = e.param.lock();
   if (!impl) return;
   at::Tensor param(std::move(impl));
+  if (e.run_hooks) sum = torch::autograd::AccumulateGrad::callHooks(param, std::move(sum));
   at::NoGradGuard no_grad;
   auto& grad = param.mutable_grad();
   auto result = e.before.defined() ? e.before.add(sum) : sum;
@@ -106,13 +111,13 @@ void open_pass() {
 
 }  // namespace
 
-void defer_gradient(const at::Tensor& param, WaitForGradient wait) {
+void defer_gradient(const at::Tensor& param, WaitForGradient wait, bool run_hooks) {
   TORCH_INTERNAL_ASSERT(param.defined() && wait, "defer_gradient: undefined argument");
   // A second part of the same parameter in one backward (a weight used twice): the first one's
   // sum must be in .grad before this one's "before" is taken.
   finish_gradient(param);
   Entry e{WeakParam(param.getIntrusivePtr()), param.grad().defined() ? param.grad().clone() : at::Tensor(),
-          std::move(wait)};
+          std::move(wait), run_hooks};
   bool open = false;
   {
     auto& r = registry();

@@ -494,16 +494,37 @@ TEST(ReduceBuckets, GradientAccumulationWithoutSync) {
     EXPECT_TRUE(grads[0][i].equal(grads[1][i])) << "gradient " << i;
 }
 
+namespace {
+
+// Micro-batch `m`'s global batch, and this rank's rows of a global batch.
+at::Tensor full_batch(int64_t m) {
+  at::manual_seed(200 + m);
+  return at::randn({hp_test::world_size() * kRowsPerRank, kIn});
+}
+at::Tensor rows_of_this_rank(const at::Tensor& global) {
+  return global.narrow(0, hp_test::rank() * kRowsPerRank, kRowsPerRank);
+}
+
+// `net`'s gradients, gathered, are the one-process `reference`'s (both undefined where it has none).
+void expect_gradients_like(torch::nn::Module& net, torch::nn::Module& reference, const std::string& what) {
+  const auto ref = reference.parameters();
+  const auto grads = hp::tensor_parallel::full_named_parameters(net, /*gradients=*/true);
+  ASSERT_EQ(grads.size(), ref.size());
+  for (size_t i = 0; i < ref.size(); ++i) {
+    ASSERT_EQ(grads[i].second.defined(), ref[i].grad().defined()) << what << ", " << grads[i].first;
+    if (ref[i].grad().defined())
+      hp_test::expect_close(grads[i].second, ref[i].grad(), what + ", " + grads[i].first);
+  }
+}
+
+}  // namespace
+
 // Groups of their own for the spare layers, which the synced micro-batch skips: the sums that the
 // unsynced micro-batches left in them are reduce-scattered at the end of the synced backward, so
 // the step sees every micro-batch (they used to wait for a later synced backward that reached
 // them, and be added to its step). The next step's gradients hold only its own micro-batch.
 TEST(ReduceBuckets, SumsOfAGroupTheSyncedBackwardDoesNotReachAreReducedWithIt) {
-  const int64_t p = hp_test::world_size(), r = hp_test::rank();
-  auto full_batch = [p](int64_t m) {
-    at::manual_seed(200 + m);
-    return at::randn({p * kRowsPerRank, kIn});
-  };
+  const int64_t p = hp_test::world_size();
   for (int64_t cap : {int64_t{0}, int64_t{1}}) {
     SCOPED_TRACE("reduce_bucket_cap_bytes " + std::to_string(cap));
     Net reference, net;
@@ -511,35 +532,53 @@ TEST(ReduceBuckets, SumsOfAGroupTheSyncedBackwardDoesNotReachAreReducedWithIt) {
     fs::fully_shard(*net.second->spare, with_cap(cap));
     shard(net, with_cap(cap));
     auto root = fs::FSDPModule::of(net);
-    auto expect_gradients_of = [&](const std::string& what) {
-      const auto ref = reference.parameters();
-      const auto grads = hp::tensor_parallel::full_named_parameters(net, /*gradients=*/true);
-      ASSERT_EQ(grads.size(), ref.size());
-      for (size_t i = 0; i < ref.size(); ++i) {
-        ASSERT_EQ(grads[i].second.defined(), ref[i].grad().defined()) << what << ", " << grads[i].first;
-        if (ref[i].grad().defined())
-          hp_test::expect_close(grads[i].second, ref[i].grad(), what + ", " + grads[i].first);
-      }
-    };
     for (int64_t m = 0; m < 3; ++m) {
       const bool use_spare = m < 2;
       reference.forward(full_batch(m), use_spare).pow(2).mean().backward();
       root->set_requires_gradient_sync(m == 2);
       hp::comm::reset_collective_counts();
-      auto x = full_batch(m).narrow(0, r * kRowsPerRank, kRowsPerRank);
-      net.forward(x, use_spare).pow(2).mean().backward();
+      net.forward(rows_of_this_rank(full_batch(m)), use_spare).pow(2).mean().backward();
     }
     // cap 0: one reduce-scatter per group, the two the synced backward did not reach included.
     const int64_t reduce_scatters = hp::comm::collective_count(CollectiveKind::kReduceScatter);
     if (cap == 0) {
       EXPECT_EQ(reduce_scatters, p > 1 ? kGroups + 2 : 0);
     }
-    expect_gradients_of("three micro-batches");
+    expect_gradients_like(net, reference, "three micro-batches");
     reference.zero_grad();
     net.zero_grad();
     reference.forward(full_batch(3)).pow(2).mean().backward();
-    net.forward(full_batch(3).narrow(0, r * kRowsPerRank, kRowsPerRank)).pow(2).mean().backward();
-    expect_gradients_of("the next step");
+    net.forward(rows_of_this_rank(full_batch(3))).pow(2).mean().backward();
+    expect_gradients_like(net, reference, "the next step");
+  }
+}
+
+// The same across roots: two models, each its own fully_shard root, `side` used only in the
+// unsynced micro-batches. The synced backward reaches only `main`, and reduces side's sums at its
+// end.
+TEST(ReduceBuckets, SumsOfARootTheSyncedBackwardDoesNotReachAreReducedWithIt) {
+  for (int64_t cap : {int64_t{0}, int64_t{1}}) {
+    SCOPED_TRACE("reduce_bucket_cap_bytes " + std::to_string(cap));
+    Net reference_main, reference_side, main, side;
+    shard(main, with_cap(cap));
+    shard(side, with_cap(cap));
+    auto loss = [](Net& a, Net& b, const at::Tensor& x, bool use_b) {
+      auto y = a.forward(x);
+      return (use_b ? y + b.forward(x) : y).pow(2).mean();
+    };
+    for (int64_t m = 0; m < 3; ++m) {
+      loss(reference_main, reference_side, full_batch(m), m < 2).backward();
+      fs::FSDPModule::of(main)->set_requires_gradient_sync(m == 2);
+      fs::FSDPModule::of(side)->set_requires_gradient_sync(m == 2);
+      loss(main, side, rows_of_this_rank(full_batch(m)), m < 2).backward();
+    }
+    expect_gradients_like(main, reference_main, "main, three micro-batches");
+    expect_gradients_like(side, reference_side, "side, three micro-batches");
+    for (auto* net : {&reference_main, &reference_side, &main, &side}) net->zero_grad();
+    loss(reference_main, reference_side, full_batch(3), false).backward();
+    loss(main, side, rows_of_this_rank(full_batch(3)), false).backward();
+    expect_gradients_like(main, reference_main, "main, the next step");
+    expect_gradients_like(side, reference_side, "side, the next step (no gradient)");
   }
 }
 
@@ -666,6 +705,33 @@ TEST(ReduceBuckets, HybridShardingBitwiseAsOneReduceScatterPerGroup) {
     params.push_back(full_params(net));
   }
   expect_same_params(params[0], params[1]);
+}
+
+// HSDP, with a hooked parameter that the backward reaches on replica 0 only: replica 0 waits for
+// its bucket mid-backward, replica 1 for every bucket at the end. The all-reduces over replicate
+// still pair bucket with bucket (each waits for the ones started before it): bitwise one
+// reduce-scatter per group.
+TEST(ReduceBuckets, HybridShardingWithAHookedParameterReachedOnOneReplicaOnly) {
+  if (hp_test::world_size() != 4) GTEST_SKIP() << "a 2 x 2 (replicate, shard) mesh needs 4 ranks";
+  auto mesh = hp::dtensor::init_device_mesh("cpu", {2, 2}, {"replicate", "shard"});
+  const bool replica_0 = hp_test::rank() / 2 == 0;
+  std::vector<std::vector<at::Tensor>> grads;
+  for (int64_t cap : {int64_t{0}, int64_t{1}}) {
+    SCOPED_TRACE("reduce_bucket_cap_bytes " + std::to_string(cap));
+    Net net;
+    shard(net, fs::FullyShardOptions().mesh(mesh).reduce_bucket_cap_bytes(cap));
+    net.second->spare->weight.register_hook([](const at::Tensor& g) { return g * 2; });
+    grads.emplace_back();
+    for (int64_t step = 0; step < 3; ++step) {
+      for (auto& p : net.parameters()) p.mutable_grad() = at::Tensor();
+      const bool spare_reached = step == 0 || replica_0;  // the first backward (the plan): everywhere
+      net.forward(batch(step), /*use_spare=*/true, spare_reached).pow(2).mean().backward();
+      for (const auto& p : net.parameters()) grads.back().push_back(p.grad().clone());
+    }
+  }
+  ASSERT_EQ(grads[0].size(), grads[1].size());
+  for (size_t i = 0; i < grads[0].size(); ++i)
+    EXPECT_TRUE(grads[0][i].equal(grads[1][i])) << "gradient " << i;
 }
 
 TEST(ReduceBuckets, ANegativeCapIsAValueError) {

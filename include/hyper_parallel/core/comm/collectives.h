@@ -40,7 +40,8 @@ at::Tensor reduce_scatter(const at::Tensor& input, int64_t dim, ReduceOp op, con
                           c10::IntArrayRef sizes = {});
 
 /// Reduction over ranks, result on every rank (ring reduce_scatter then ring all_gather).
-at::Tensor all_reduce(const at::Tensor& input, ReduceOp op, const Group& group);
+/// `content`: the caller's name for what `input` holds (OpSignature::content; 0: unnamed).
+at::Tensor all_reduce(const at::Tensor& input, ReduceOp op, const Group& group, int64_t content = 0);
 
 /// Splits `input` along split_dim (sizes `split_sizes`, default chunk_sizes) and sends piece j to
 /// rank j; returns the pieces received from every rank concatenated along concat_dim.

@@ -4,7 +4,8 @@
 // before it posts any payload. It
 //   - makes the ranks agree: each rank sends a fixed-size signature (op, call number, dtype,
 //     extents, chunk count) to every other rank of the group and checks theirs. Payload
-//     buffers are posted only when all agree; otherwise every rank throws the same c10::Error,
+//     buffers are posted only when all agree; otherwise every rank throws the same
+//     DisagreementError (a c10::Error),
 //     naming the op and each rank's shapes, and the group stays usable. (A transport told to
 //     receive fewer bytes than arrive aborts the process on its own thread; agreeing first is
 //     the only way to turn that into an error.) HP_COMM_CHECK=0 skips this, which is unsafe:
@@ -21,11 +22,19 @@
 #include <thread>
 
 #include <c10/core/ScalarType.h>
+#include <c10/util/Exception.h>
 
 #include <hyper_parallel/core/comm/process_group.h>
 #include <hyper_parallel/core/comm/trace.h>
 
 namespace hyper_parallel::comm {
+
+/// Thrown on every rank when the ranks' signatures of one op differ (no payload was sent): a
+/// layer above can say what its op stands for. Python sees a RuntimeError.
+class DisagreementError : public c10::Error {
+ public:
+  using c10::Error::Error;
+};
 
 /// An op's kind: the name under which the ranks agree on it, and it is counted (counters.h),
 /// traced (trace.h) and recorded (the flight recorder). comm's collectives are the constants

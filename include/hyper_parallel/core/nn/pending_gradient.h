@@ -24,7 +24,11 @@ using WaitForGradient = std::function<at::Tensor()>;
 /// rank's part to .grad: records the contribution in flight, and registers the end-of-backward
 /// finish once per backward. When finished, .grad becomes what it held before this hook plus the
 /// waited tensor, with the same rounding as if AccumulateGrad had added the sum itself.
-void defer_gradient(const at::Tensor& param, WaitForGradient wait);
+/// `run_hooks`: for a parameter that autograd does not reach in this backward (fully_shard's
+/// reduced gradient of a parameter the backward skipped): its gradient hooks see the waited
+/// tensor before it is added, as they would in its AccumulateGrad; not run for a contribution
+/// that a failed backward drops.
+void defer_gradient(const at::Tensor& param, WaitForGradient wait, bool run_hooks = false);
 
 /// Finishes `param`'s contribution in flight, if any (waits for it, then fixes .grad).
 void finish_gradient(const at::Tensor& param);
