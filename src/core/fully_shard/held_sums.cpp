@@ -11,7 +11,7 @@ namespace hyper_parallel::fully_shard::detail {
 namespace {
 
 struct HeldSums {
-  std::vector<std::weak_ptr<ParamGroup::Impl>> groups;  // in the order they first held sums
+  std::vector<std::weak_ptr<ParamGroup::Impl>> groups;  // by serial, the order they were made
   bool queued = false;                                  // this backward's reduction is queued
 };
 
@@ -24,9 +24,11 @@ HeldSums& held_sums() {
 
 void note_held_sums(const std::shared_ptr<ParamGroup::Impl>& group) {
   auto& groups = held_sums().groups;
-  const bool noted =
-      std::any_of(groups.begin(), groups.end(), [&group](const auto& w) { return w.lock() == group; });
-  if (!noted) groups.push_back(group);
+  groups.erase(std::remove_if(groups.begin(), groups.end(), [](const auto& w) { return w.expired(); }),
+               groups.end());
+  const auto at = std::find_if(groups.begin(), groups.end(),
+                               [&group](const auto& w) { return w.lock()->serial >= group->serial; });
+  if (at == groups.end() || at->lock() != group) groups.insert(at, group);
 }
 
 void queue_reduce_of_held_sums() {
@@ -40,7 +42,7 @@ void queue_reduce_of_held_sums() {
   torch::autograd::Engine::get_default_engine().queue_callback([unqueue = std::make_shared<Unqueue>()] {
     auto& h = held_sums();
     h.queued = false;
-    const auto groups = h.groups;  // reduce_held_sums may note groups (a hook's backward)
+    const auto groups = h.groups;  // a copy: the loop's reductions must not see the list change
     for (const auto& weak : groups) {
       if (auto group = weak.lock()) group->reduce_held_sums();
     }

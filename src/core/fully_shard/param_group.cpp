@@ -77,6 +77,8 @@ ParamGroup::ParamGroup(std::vector<at::Tensor> params, std::vector<std::string> 
                     params.size(), "), got ", names.size());
   impl_ = std::make_shared<Impl>(mesh);
   auto& s = *impl_;
+  static int64_t groups_made = 0;  // every rank makes its groups in the same order
+  s.serial = groups_made++;
   s.shard_group = mesh.get_group(mesh.ndim() - 1);
   if (mesh.ndim() == 2) s.replicate_group = mesh.get_group(0);
   s.reshard_after_forward = options.reshard_after_forward();

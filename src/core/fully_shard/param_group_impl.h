@@ -51,6 +51,7 @@ struct ParamGroup::Impl {
   bool gathered_with_grad = false;  // this pass's views: made with grad mode on
   std::shared_ptr<detail::PassOrder> order = std::make_shared<detail::PassOrder>();
   int64_t position = 0;  // in its root's groups (the same on every rank): names its ops
+  int64_t serial = 0;    // groups made in this process before it (the same on every rank)
   std::optional<comm::PendingAllGather> gather_in_flight;  // started ahead of its use
   std::vector<int64_t> versions_at_gather;                 // the shards' versions it read
   GatherStats stats;

@@ -12,9 +12,10 @@
 // laid out in parameter order, are the plan: a later backward starts a planned bucket once all
 // its gradients are in and the ones before it have started, without a round trip, so every rank
 // issues the same reduce-scatters in the same order whatever order its gradients come in. A
-// parameter that a backward does not reach reduces zeros at the end of the backward (the
-// engine's final callback), or earlier when a hooked parameter's bucket needs it (autograd's
-// graph task lists the nodes it will run). The shards' .grad wait for their bucket at the end
+// parameter that a later backward does not reach reduces zeros at the group's first gradient
+// (autograd's graph task lists the nodes it will run), so a rank that skips a layer starts the
+// group's buckets with the others; in the first backward, at its end (the engine's final
+// callback). The shards' .grad wait for their bucket at the end
 // of the backward (nn/pending_gradient.h). A parameter with gradient hooks ends its bucket; its
 // node waits for the bucket and returns the reduced gradient, so autograd runs the hooks on it.
 // A hooked parameter the backward does not reach has its hooks run on its reduced gradient when
@@ -165,13 +166,11 @@ at::Tensor ParamGroup::Impl::arrive(size_t i, at::Tensor grad) {
   } else {
     arrived_grads[i] = std::move(grad);
     if (!bucket_plan.empty()) {
+      // At the group's first gradient, the parameters this backward does not reach (a layer
+      // skipped in this step, on this rank only or on all) reduce zeros: every rank then starts
+      // the group's buckets during its backward, in the plan's order, before the next group's.
+      if (arrivals == 1) arrive_unreached(i);
       send_planned();
-      // Its bucket held back by parameters this backward does not reach (a layer skipped in
-      // this step): they reduce zeros now, not at the end of the backward.
-      if (hooked && reduce_of[i] == nullptr) {
-        arrive_unreached(i);
-        send_planned();
-      }
     } else {
       unsent_bytes += reduce_bytes(i);
       unsent.push_back(i);
@@ -310,7 +309,7 @@ bool ParamGroup::Impl::holds_sums() const {
 // A group this synced backward did not reach holds the sums of the unsynced ones: reduced now,
 // as its next synced backward would (agreed per op: ranks must hold the same sums), so this
 // step's optimizer sees every micro-batch. Autograd reaches none of these parameters: their
-// hooks run on the reduced gradient here.
+// hooks run on the reduced gradient when .grad is completed.
 void ParamGroup::Impl::reduce_held_sums() {
   // arrivals > 0: reached, its own end of backward reduces them; no pending: never ran a forward.
   if (!sync || arrivals > 0 || pending.size() != params.size()) return;
