@@ -148,6 +148,16 @@ void expect_error(const std::function<void()>& run, const std::string& message) 
   ADD_FAILURE() << "expected an error containing: " << message;
 }
 
+// The message of the c10::Error that `run` throws ("" if none).
+std::string error_message_of(const std::function<void()>& run) {
+  try {
+    run();
+  } catch (const c10::Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
 // Reduce-scatters of one backward (the forward's gathers are not counted).
 int64_t reduce_scatters_of_one_step(Net& net, bool use_spare) {
   auto loss = net.forward(batch(0), use_spare).pow(2).mean();
@@ -339,12 +349,8 @@ TEST(ReduceBuckets, RanksReachingDifferentParametersInTheFirstBackwardGetAnError
   if (hp_test::world_size() < 2) GTEST_SKIP() << "needs 2 ranks";
   TwoBranches net;
   fs::fully_shard(net, with_cap(1));
-  std::string message;
-  try {
-    net.one_branch(batch(0), hp_test::rank() % 2 == 0).pow(2).mean().backward();
-  } catch (const c10::Error& e) {
-    message = e.what();
-  }
+  const auto message =
+      error_message_of([&] { net.one_branch(batch(0), hp_test::rank() % 2 == 0).pow(2).mean().backward(); });
   EXPECT_NE(message.find("disagree on reduce_scatter"), std::string::npos) << message;
   EXPECT_NE(message.find(" content="), std::string::npos) << message;
 }
@@ -360,14 +366,11 @@ TEST(ReduceBuckets, GroupsRunInDifferentOrdersByRankAreAnError) {
     fs::fully_shard(*net->a, with_cap(cap));
     fs::fully_shard(*net->b, with_cap(cap));
     fs::fully_shard(*net, with_cap(cap));
-    std::string message;
-    try {
+    const auto message = error_message_of([&] {
       for (int64_t step = 0; step < 3; ++step) {
         net->forward(batch(step), step == 0 || hp_test::rank() == 0).pow(2).mean().backward();
       }
-    } catch (const c10::Error& e) {
-      message = e.what();
-    }
+    });
     EXPECT_NE(message.find("disagree on all_gather"), std::string::npos) << message;
     EXPECT_NE(message.find(" content="), std::string::npos) << message;
   }
@@ -383,8 +386,7 @@ TEST(ReduceBuckets, ParametersFrozenOrHookedOnOneRankOnlyAreAnError) {
       SCOPED_TRACE(std::string(hook ? "hooked" : "frozen") + " on rank 0, cap " + std::to_string(cap));
       Net net;
       shard(net, with_cap(cap));
-      std::string message;
-      try {
+      const auto message = error_message_of([&] {
         for (int64_t step = 0; step < 2; ++step) {
           if (step == 1 && hp_test::rank() == 0) {
             if (hook) {
@@ -395,9 +397,7 @@ TEST(ReduceBuckets, ParametersFrozenOrHookedOnOneRankOnlyAreAnError) {
           }
           net.forward(batch(step)).pow(2).mean().backward();
         }
-      } catch (const c10::Error& e) {
-        message = e.what();
-      }
+      });
       EXPECT_NE(message.find("fully_shard: expected every rank to gather the group (up.weight, up.bias, "
                              "down.weight and 3 more) with the same parameters, sizes, requires_grad flags "
                              "and gradient hooks"),
