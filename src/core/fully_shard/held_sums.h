@@ -1,9 +1,10 @@
 #pragma once
 // Internal: the fully_shard groups that hold gradient sums of backwards run without sync
 // (gradient accumulation), process-wide, in the order the groups were made (the same on every
-// rank, whichever order its unsynced backwards reached them in). A synced backward reduces a group's sums
-// with its own gradients; one that does not reach the group at all reduces them at its end, so the optimizer
-// step sees every micro-batch and no sum is carried into a later step. Backward's thread only.
+// rank, whichever order its unsynced backwards reached them in). A synced backward reduces a
+// group's sums with its own gradients; one that does not reach the group at all reduces them at
+// its end, so the optimizer step sees every micro-batch and no sum is carried into a later step.
+// Backward's thread only.
 
 #include <memory>
 

@@ -247,10 +247,10 @@ void ParamGroup::Impl::send(const std::vector<size_t>& indices, comm::Agreement 
 }
 
 // Judged by the running graph task's nodes, and only when `current`'s node is this pass's (a
-// second forward before this backward made other nodes). The caller ends the backward if these
-// were its last gradients. A nested backward (torch.utils.checkpoint's reentrant variant) can
-// still bring a gradient this task does not list: then this is not called unless a hooked
-// parameter would otherwise fail.
+// second forward before this backward made other nodes) and this task lists it. The caller ends
+// the backward if these were its last gradients. Called at a planned backward's first gradient
+// of the group, so a nested backward (torch.utils.checkpoint's reentrant variant) that runs the
+// whole group judges by its own nodes; one that runs part of the group would zero the rest.
 void ParamGroup::Impl::arrive_unreached(size_t current) {
   const auto* nodes = torch::autograd::get_current_graph_task_nodes_in_graph();
   if (nodes == nullptr || reduce_nodes[current] == nullptr || nodes->count(reduce_nodes[current]) == 0)
