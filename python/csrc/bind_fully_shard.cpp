@@ -85,7 +85,10 @@ void bind_fully_shard(py::module& m) {
       .def("set_gradient_scaling_factor", &fs::ParamGroup::set_gradient_scaling_factor, py::arg("factor"))
       .def("index_of", &fs::ParamGroup::index_of, py::arg("param"))
       .def_property_readonly("parameters", &fs::ParamGroup::parameters)
-      .def_static("is_managed", &fs::ParamGroup::is_managed, py::arg("param"));
+      .def_static("is_managed", &fs::ParamGroup::is_managed, py::arg("param"))
+      .def_static(
+          "is_recomputation", &fs::ParamGroup::is_recomputation,
+          "Whether a backward runs on this thread now (a forward then is checkpoint's recomputation).");
 }
 
 }  // namespace hp_python

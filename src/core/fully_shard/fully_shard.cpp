@@ -139,7 +139,7 @@ void install_hooks(const Owner& owner, const std::shared_ptr<State>& state) {
   hm.add_input_hook([s = state, reads_rows_by_id](std::vector<at::Tensor> inputs) {
     for (auto& t : inputs) t = cast_input(t, s->mp_policy);
     s->group->pre_forward(reads_rows_by_id && !inputs.empty() ? inputs[0] : at::Tensor());
-    prefetch(s->forward_prefetch);
+    if (!ParamGroup::is_recomputation()) prefetch(s->forward_prefetch);
     return inputs;
   });
   hm.add_output_hook([s = state](std::vector<at::Tensor> outputs) {

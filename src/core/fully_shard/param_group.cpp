@@ -245,51 +245,88 @@ void ParamGroup::Impl::free_buffers() {
   unsharded = false;
 }
 
-namespace {
-
-// Autograd runs no backward on this thread (a forward now is not checkpoint's recomputation).
-bool outside_backward() { return torch::autograd::get_current_graph_task_nodes_in_graph() == nullptr; }
-
-}  // namespace
+bool ParamGroup::is_recomputation() {
+  return torch::autograd::get_current_graph_task_nodes_in_graph() != nullptr;
+}
 
 // A pass ends when every user has run, or with its backward. One that skipped a user ends with
-// neither if it had no backward: its views were made without grad (an evaluation), and this
-// forward needs gradients; or its backward began and failed (this forward is outside any
-// backward, so not torch.utils.checkpoint's recomputation). A new pass begins.
+// neither if it had no backward: its views were made without grad (an evaluation, or the part of
+// the group a reentrant checkpoint runs), and this forward needs gradients; or its backward began
+// and failed. A new pass begins.
 bool ParamGroup::Impl::pass_left_open() const {
   if (!gathered_with_grad) return torch::autograd::GradMode::is_enabled();
-  return backward_began && outside_backward();
+  return backward_began;
+}
+
+void ParamGroup::Impl::gather_for_forward(const at::Tensor& rows) {
+  if (unsharded && shards_changed()) {  // gathered ahead (unshard), then changed in place
+    ++stats.regathered;
+    free_buffers();
+  }
+  if (rows_by_id && rows.defined() && !unsharded && !gather_in_flight) {
+    gather_rows(rows);
+  } else {
+    finish_gather();
+  }
+}
+
+void ParamGroup::Impl::prefetch_next_backward(const std::shared_ptr<Impl>& self) {
+  if (backward_prefetched) return;
+  backward_prefetched = true;
+  // An embedding's backward reads no weight: a row-sparse group is not gathered for it.
+  auto next = order->next_backward(self);
+  if (next && next->row_sparse_cols == 0) next->start_gather();
+}
+
+// The pass order and the next forward's prefetch are the forward's: a recomputation leaves them.
+const std::vector<at::Tensor>& ParamGroup::Impl::recompute(const std::shared_ptr<Impl>& group,
+                                                           const at::Tensor& rows) {
+  auto& s = *group;
+  s.gather_for_forward(rows);
+  s.backward_began = true;
+  s.prefetch_next_backward(group);
+  if (s.gathered_with_grad && !s.views_spent) return s.gathered;
+  s.reached_later = true;
+  std::vector<at::Tensor> views;
+  for (const auto& b : s.buffers) views.push_back(b.detach());
+  s.gathered = Impl::attach_reduction(group, std::move(views));
+  s.gathered_with_grad = torch::autograd::GradMode::is_enabled();
+  s.views_spent = false;
+  // The backward running now (the reentrant variant's outer one) is the one that ends the
+  // group's: its nested backwards each reach only their own part.
+  if (s.gathered_with_grad) queue_end_of_backward(group);
+  return s.gathered;
 }
 
 const std::vector<at::Tensor>& ParamGroup::pre_forward(const at::Tensor& rows) {
   auto& s = *impl_;
+  if (is_recomputation()) return Impl::recompute(impl_, rows);
+  // Views with grad after a part of the pass ran without: a reentrant checkpoint's, perhaps.
+  const bool after_part_without_grad =
+      s.forward_calls > 0 && !s.gathered_with_grad && torch::autograd::GradMode::is_enabled();
   if (s.forward_calls > 0 && s.pass_left_open()) s.forward_calls = 0;
   if (s.forward_calls > 0) return s.gathered;
-  // A pass outside any backward (not checkpoint's recomputation) has its own backward to come,
-  // even if the last one never ended the group's (its parameters frozen).
+  // A new pass has its own backward to come, even if the last one never ended the group's (its
+  // parameters frozen).
   s.backward_began = false;
-  if (outside_backward()) s.backward_prefetched = false;
+  s.backward_prefetched = false;
   s.order->first_use.record(impl_);
-  if (s.unsharded && s.shards_changed()) {  // gathered ahead (unshard), then changed in place
-    ++s.stats.regathered;
-    s.free_buffers();
-  }
-  if (s.rows_by_id && rows.defined() && !s.unsharded && !s.gather_in_flight) {
-    s.gather_rows(rows);
-  } else {
-    s.finish_gather();
-  }
+  s.gather_for_forward(rows);
   // A group that gathers rows by id is not prefetched: its forward gathers only the rows it reads.
   if (auto next = s.order->next_forward(impl_); next && !next->rows_by_id) next->start_gather();
+  s.reached_later = after_part_without_grad;
   std::vector<at::Tensor> views;
   for (const auto& b : s.buffers) views.push_back(b.detach());
   s.gathered = Impl::attach_reduction(impl_, std::move(views));
   s.gathered_with_grad = torch::autograd::GradMode::is_enabled();
+  s.views_spent = false;
   return s.gathered;
 }
 
 void ParamGroup::post_forward() {
   auto& s = *impl_;
+  // A recomputation's group stays gathered: the backward frees it when the group's is over.
+  if (is_recomputation()) return;
   if (++s.forward_calls < s.users) return;
   s.forward_calls = 0;
   s.order->last_use.record(impl_);
@@ -313,11 +350,7 @@ std::vector<at::Tensor> ParamGroup::register_pre_backward(std::vector<at::Tensor
             if (self->row_sparse_cols == 0) self->finish_gather();
             // Once per backward of the group: a module of it that runs its backward late (the
             // root's embedding, last) must not gather a group whose backward is over.
-            if (!self->backward_prefetched) {
-              self->backward_prefetched = true;
-              auto next = self->order->next_backward(self);
-              if (next && next->row_sparse_cols == 0) next->start_gather();
-            }
+            self->prefetch_next_backward(self);
           }
           if (then) then();
           return grad;

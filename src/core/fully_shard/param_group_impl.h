@@ -49,6 +49,11 @@ struct ParamGroup::Impl {
   bool rows_by_id = false;      // row-sparse, and a forward's ids index this rank's rows
   int64_t users = 1, forward_calls = 0;
   bool gathered_with_grad = false;  // this pass's views: made with grad mode on
+  bool views_spent = false;         // their backward is over (a recomputation makes new ones)
+  // A backward may reach this pass's parameters through graphs made later (reentrant
+  // checkpoint's recomputation): those it does not reach are judged at its end, not at the
+  // group's first gradient.
+  bool reached_later = false;
   std::shared_ptr<detail::PassOrder> order = std::make_shared<detail::PassOrder>();
   int64_t position = 0;  // in its root's groups (the same on every rank): names its ops
   int64_t serial = 0;    // groups made in this process before it (the same on every rank)
@@ -78,11 +83,19 @@ struct ParamGroup::Impl {
   std::vector<bool> reached;
   bool arriving_unreached = false;  // arrive_unreached is running: its caller ends the backward
   bool reduced_whole = false;       // a whole-group reduce-scatter has been agreed with the peers
+  bool end_queued = false;          // this backward's end will bring its missing gradients
   size_t next_bucket = 0;
 
   explicit Impl(dtensor::DeviceMesh m) : mesh(std::move(m)) {}
   void start_gather();
   void finish_gather();
+  // A forward's gather: the rows of `rows` (row-sparse), or the whole group, gathered again if
+  // its shards changed in place since.
+  void gather_for_forward(const at::Tensor& rows);
+  // checkpoint's recomputation of a forward, inside the backward (ParamGroup::post_forward).
+  static const std::vector<at::Tensor>& recompute(const std::shared_ptr<Impl>& group, const at::Tensor& rows);
+  // Starts the gather of the group whose backward follows this one's, once per backward.
+  void prefetch_next_backward(const std::shared_ptr<Impl>& self);
   void gather_rows(const at::Tensor& ids);
   void free_buffers();
   // Whether this unfinished pass will not end by itself (pre_forward then begins a new one).
@@ -94,8 +107,10 @@ struct ParamGroup::Impl {
   // one of them (one reduce-scatter), or as they come, in buckets.
   static std::vector<at::Tensor> attach_reduction(const std::shared_ptr<Impl>& group,
                                                   std::vector<at::Tensor> views);
-  // Whether this pass reduces in buckets: a cap, several parameters, dense.
+  // Whether this pass reduces in buckets: a cap (or reached_later), several parameters, dense.
   bool reduces_in_buckets() const;
+  // The bytes at which a bucket leaves (none without a cap).
+  int64_t bucket_cap() const;
   // The bucketed reduction's state for a backward (the forward sets it up).
   void begin_backward_pass();
   // The whole group's gradients (autograd has them all): reduced in one reduce-scatter.
@@ -123,6 +138,8 @@ struct ParamGroup::Impl {
   void arrive_zeros(size_t i);
   // At the end of the backward: the parameters that got no gradient reduce zeros.
   void arrive_missing();
+  // Queues arrive_missing at the end of the backward running now (once per backward).
+  static void queue_end_of_backward(const std::shared_ptr<Impl>& group);
   // Whether the group holds sums kept while sync was off (held_sums.h).
   bool holds_sums() const;
   // Reduce-scatters the sums kept while sync was off, if this backward did not reach the group.

@@ -14,8 +14,9 @@
 // issues the same reduce-scatters in the same order whatever order its gradients come in. A
 // parameter that a later backward does not reach reduces zeros at the group's first gradient
 // (autograd's graph task lists the nodes it will run), so a rank that skips a layer starts the
-// group's buckets with the others; in the first backward, at its end (the engine's final
-// callback). The shards' .grad wait for their bucket at the end
+// group's buckets with the others; in the first backward, or when a reentrant checkpoint may
+// reach the group through graphs it makes later, at its end (the engine's final callback, of the
+// backward that recomputes). The shards' .grad wait for their bucket at the end
 // of the backward (nn/pending_gradient.h). A parameter with gradient hooks ends its bucket; its
 // node waits for the bucket and returns the reduced gradient, so autograd runs the hooks on it.
 // A hooked parameter the backward does not reach has its hooks run on its reduced gradient when
@@ -70,21 +71,29 @@ int ParamGroup::Impl::wants(size_t i) const {
   return !params[i].requires_grad() ? 0 : has_hooks(params[i]) ? 2 : 1;
 }
 
+// Views a backward may reach through several graphs (reentrant checkpoint's) reduce in buckets
+// even without a cap (one bucket: the one message's layout): one node per parameter, not one
+// that runs when one graph has produced the whole group.
 bool ParamGroup::Impl::reduces_in_buckets() const {
-  return bucket_cap_bytes > 0 && params.size() > 1 && row_sparse_cols == 0;
+  return (bucket_cap_bytes > 0 || reached_later) && params.size() > 1 && row_sparse_cols == 0;
+}
+
+int64_t ParamGroup::Impl::bucket_cap() const {
+  return bucket_cap_bytes > 0 ? bucket_cap_bytes : std::numeric_limits<int64_t>::max();
 }
 
 std::vector<at::Tensor> ParamGroup::Impl::attach_reduction(const std::shared_ptr<Impl>& group,
                                                            std::vector<at::Tensor> views) {
   std::weak_ptr<Impl> weak = group;
   auto& s = *group;
+  s.end_queued = false;
   if (s.pending.size() != s.params.size()) s.pending.assign(s.params.size(), at::Tensor());
   if (!s.reduces_in_buckets()) {
     return hyper_parallel::detail::attach_backward(
         s.params, std::move(views),
         [weak](std::vector<at::Tensor> grads) {
           auto self = alive(weak);
-          note_or_queue_held_sums(self);
+          queue_end_of_backward(self);
           auto out = self->reduce(std::move(grads));
           self->end_backward();
           return out;
@@ -99,12 +108,7 @@ std::vector<at::Tensor> ParamGroup::Impl::attach_reduction(const std::shared_ptr
         {s.params[i]}, {std::move(views[i])},
         [weak, i](std::vector<at::Tensor> grads) {
           auto self = alive(weak);
-          if (self->arrivals == 0) {
-            torch::autograd::Engine::get_default_engine().queue_callback([weak] {
-              if (auto group = weak.lock()) group->arrive_missing();
-            });
-            note_or_queue_held_sums(self);
-          }
+          if (self->arrivals == 0) queue_end_of_backward(self);
           return std::vector<at::Tensor>{self->arrive(i, std::move(grads[0]))};
         },
         "FullyShardReduceScatterBackward", /*materialize_grads=*/true,
@@ -176,8 +180,7 @@ at::Tensor ParamGroup::Impl::arrive(size_t i, at::Tensor grad) {
       unsent.push_back(i);
       // A full bucket leaves, unless what is still to come is small: it would leave alone and
       // wait for its start behind this one on the link. A parameter with hooks ends its bucket.
-      if (hooked ||
-          (unsent_bytes >= bucket_cap_bytes && expected_bytes - arrived_bytes() >= bucket_cap_bytes / 4))
+      if (hooked || (unsent_bytes >= bucket_cap() && expected_bytes - arrived_bytes() >= bucket_cap() / 4))
         send_unsent();
     }
     // Its hooks see the reduced gradient: autograd gets it here, and runs them.
@@ -249,9 +252,10 @@ void ParamGroup::Impl::send(const std::vector<size_t>& indices, comm::Agreement 
 // Judged by the running graph task's nodes, and only when `current`'s node is this pass's (a
 // second forward before this backward made other nodes) and this task lists it. The caller ends
 // the backward if these were its last gradients. Called at a planned backward's first gradient
-// of the group, so a nested backward (torch.utils.checkpoint's reentrant variant) that runs the
-// whole group judges by its own nodes; one that runs part of the group would zero the rest.
+// of the group. Not for views a backward may reach through graphs made later (reentrant
+// checkpoint's nested backwards each list only their own part): the end of the backward judges.
 void ParamGroup::Impl::arrive_unreached(size_t current) {
+  if (reached_later) return;
   const auto* nodes = torch::autograd::get_current_graph_task_nodes_in_graph();
   if (nodes == nullptr || reduce_nodes[current] == nullptr || nodes->count(reduce_nodes[current]) == 0)
     return;
@@ -269,6 +273,22 @@ void ParamGroup::Impl::arrive_unreached(size_t current) {
 void ParamGroup::Impl::arrive_zeros(size_t i) {
   reached[i] = false;
   arrive(i, at::zeros(buffers[i].sizes(), buffers[i].options()));
+}
+
+// At a group's first gradient of a backward, or when a recomputation inside it makes the views
+// whose gradients it reduces (reentrant checkpoint's: its nested backwards each reach only their
+// part): the end of the backward running now brings the gradients that did not arrive, and, if it
+// syncs, the held sums of the groups it did not reach.
+void ParamGroup::Impl::queue_end_of_backward(const std::shared_ptr<Impl>& group) {
+  if (group->end_queued) return;
+  group->end_queued = true;
+  if (group->reduces_in_buckets()) {
+    std::weak_ptr<Impl> weak = group;
+    torch::autograd::Engine::get_default_engine().queue_callback([weak] {
+      if (auto g = weak.lock()) g->arrive_missing();
+    });
+  }
+  note_or_queue_held_sums(group);
 }
 
 void ParamGroup::Impl::arrive_missing() {
@@ -299,6 +319,8 @@ void ParamGroup::Impl::end_backward() {
   forward_calls = 0;
   backward_prefetched = false;
   backward_began = false;
+  views_spent = true;
+  end_queued = false;
   free_buffers();  // the group's last backward use is over
 }
 

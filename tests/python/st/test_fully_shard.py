@@ -4,13 +4,15 @@ accumulation without sync (with a hooked parameter, and a group, that only the u
 micro-batches reach), tensor parallelism on a 2 x 2 mesh; implicit prefetch and unshard(async_op);
 an embedding's row-sparse gradient reduce-scatter; comm_fusion's one message against buckets; the
 module's new methods; every option that cannot apply is a clear error; the original's import
-paths."""
+paths; torch.utils.checkpoint (both variants, around whole modules and parts of them) against
+the same run without it."""
 
 import copy
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
 from torch import nn
 
 import hyper_parallel
@@ -381,3 +383,107 @@ def test_the_originals_import_paths():
     from hyper_parallel.core.fully_shard import HSDPModule, fully_shard as f  # noqa: F401
     from hyper_parallel.platform.torch.fully_shard.utils import MixedPrecisionPolicy as M, OffloadPolicy  # noqa: F401
     assert f is fully_shard and M is MixedPrecisionPolicy and HSDPModule is FSDPModule
+
+
+class Checkpointed(Net):
+    """Net whose blocks run under torch.utils.checkpoint: each whole block, only its up layer, or
+    up and down in regions of their own (one group, two nested backwards when reentrant)."""
+
+    def __init__(self, regions, use_reentrant):
+        super().__init__()
+        self.regions, self.use_reentrant = regions, use_reentrant
+
+    def forward(self, x):
+        def ckpt(fn, *args):
+            return checkpoint(fn, *args, use_reentrant=self.use_reentrant) if self.regions else fn(*args)
+
+        for b in self.blocks:
+            if self.regions in (None, "block"):
+                x = ckpt(b, x)
+            else:
+                h = torch.relu(ckpt(b.up, x))
+                x = x + (ckpt(b.down, h) if self.regions == "up, down" else b.down(h))
+        return self.head(self.norm(x))
+
+
+def train_checkpointed(regions, use_reentrant, sharded, **options):
+    """3 AdamW steps (the input requires grad: a reentrant checkpoint's gradients need it); the
+    losses, the parameters and each step's gathers and reduce-scatters."""
+    ws, r = dist.get_world_size(), dist.get_rank()
+    net = Checkpointed(regions, use_reentrant)
+    if sharded:
+        shard(net, mesh=dp_mesh(), **options)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    losses, counts = [], []
+    for s in range(3):
+        x = batch(s, ws)
+        x = (x[r * ROWS_PER_RANK:][:ROWS_PER_RANK] if sharded else x).requires_grad_()
+        opt.zero_grad()
+        comm.reset_collective_counts()
+        loss = net(x).pow(2).mean()
+        loss.backward()
+        counts.append((comm.collective_count("all_gather"), comm.collective_count("reduce_scatter")))
+        opt.step()
+        losses.append(loss.detach())
+    params = [full_tensor(p) for p in net.parameters()] if sharded else [p.detach() for p in net.parameters()]
+    return losses, params, counts
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+@pytest.mark.parametrize("regions", ["block", "up", "up, down"])
+def test_activation_checkpointing_trains_as_without_it_with_no_more_collectives(regions, use_reentrant):
+    """The recomputation in the backward uses the gathered parameters (gathered again if they were
+    resharded) and its gradients reach the group's one reduction: bitwise the run without
+    checkpointing, with the same reduce-scatters and no more gathers, in buckets and in one
+    message."""
+    _, reference, _ = train_checkpointed(None, False, sharded=False)
+    for reshard in (True, False):
+        for comm_fusion in (False, True):
+            options = dict(reshard_after_forward=reshard, comm_fusion=comm_fusion)
+            _, plain, plain_counts = train_checkpointed(None, False, sharded=True, **options)
+            _, params, counts = train_checkpointed(regions, use_reentrant, sharded=True, **options)
+            for p, q in zip(params, reference):
+                torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+            assert all(torch.equal(p, q) for p, q in zip(params, plain)), (reshard, comm_fusion)
+            # A group that a reentrant checkpoint runs in part stays gathered to its backward.
+            assert [rs for _, rs in counts] == [rs for _, rs in plain_counts], (reshard, comm_fusion)
+            assert all(ag <= plain_ag for (ag, _), (plain_ag, _) in zip(counts, plain_counts))
+            if not (use_reentrant and regions == "up"):
+                assert counts == plain_counts, (reshard, comm_fusion)
+
+
+def accumulate_checkpointed(regions, use_reentrant, mesh, comm_fusion):
+    """3 micro-batches, the last synced, with a hooked parameter in each block; the gradients and
+    the reduce-scatters and all-reduces."""
+    ws, r = dist.get_world_size(), dist.get_rank()
+    net = Checkpointed(regions, use_reentrant)
+    shard(net, mesh=mesh, comm_fusion=comm_fusion)
+    net.blocks[0].up.weight.register_hook(lambda g: g * 2)
+    net.blocks[1].down.bias.register_hook(lambda g: g * 3)
+    comm.reset_collective_counts()
+    for m in range(3):
+        net.set_requires_gradient_sync(m == 2)
+        net(batch(m, ws)[r * ROWS_PER_RANK:][:ROWS_PER_RANK].requires_grad_()).pow(2).mean().backward()
+    counts = (comm.collective_count("reduce_scatter"), comm.collective_count("all_reduce"))
+    return [full_tensor(p, p.grad) for p in net.parameters()], counts
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_activation_checkpointing_with_accumulation_hooks_and_hsdp(use_reentrant):
+    """Held sums, hooked parameters (their bucket ends with them) and HSDP's all-reduces under
+    checkpointing: bitwise the gradients without it, with the same reductions."""
+    ws = dist.get_world_size()
+    meshes = [dp_mesh()]
+    if ws == 4:
+        meshes.append(init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")))
+    for mesh in meshes:
+        plain, plain_counts = accumulate_checkpointed(None, False, mesh, comm_fusion=False)
+        for regions in ("block", "up", "up, down"):
+            grads, counts = accumulate_checkpointed(regions, use_reentrant, mesh, comm_fusion=False)
+            assert all(torch.equal(a, b) for a, b in zip(grads, plain)), regions
+            assert counts == plain_counts, regions
+        # Without a cap a reentrant checkpoint's group reduces in buckets: a hooked parameter
+        # ends its own.
+        fused, _ = accumulate_checkpointed(None, False, mesh, comm_fusion=True)
+        grads, _ = accumulate_checkpointed("up, down", use_reentrant, mesh, comm_fusion=True)
+        assert all(torch.equal(a, b) for a, b in zip(grads, fused))
