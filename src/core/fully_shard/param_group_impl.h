@@ -77,6 +77,7 @@ struct ParamGroup::Impl {
   // This backward's started bucket of each parameter, and the parameter's place in it.
   std::vector<std::shared_ptr<detail::ReduceInFlight>> reduce_of;
   std::vector<int64_t> offset_of;
+  std::vector<size_t> slot_of;  // the parameter's place among its bucket's
   // This pass's autograd node of each parameter, and whether this backward reaches it (one it
   // does not reach arrives with zeros, at the latest at the end of the backward).
   std::vector<torch::autograd::Node*> reduce_nodes;
@@ -134,8 +135,9 @@ struct ParamGroup::Impl {
   // When hooked parameter `current`'s planned bucket is held back: the parameters this backward
   // does not reach reduce zeros now.
   void arrive_unreached(size_t current);
-  // Parameter i, which this backward does not reach, arrives with a zero gradient.
-  void arrive_zeros(size_t i);
+  // Parameter i, which this backward does not reach, arrives without a gradient (its bucket
+  // carries zeros and a flag saying it has none).
+  void arrive_without_gradient(size_t i);
   // At the end of the backward: the parameters that got no gradient reduce zeros.
   void arrive_missing();
   // Queues arrive_missing at the end of the backward running now (once per backward).
@@ -157,7 +159,8 @@ struct ParamGroup::Impl {
   // (comm::OpSignature::content): ranks moving different parameters of one size, or parameters
   // that want different things from the backward (a rank's own bucket plan), get an error.
   int64_t content_of(const std::vector<size_t>& indices) const;
-  // Starts the reduce-scatter of parameters `indices` (gradients by parameter index).
+  // Starts the reduce-scatter of parameters `indices` (gradients by parameter index; an
+  // undefined one: none on this rank).
   std::shared_ptr<detail::ReduceInFlight> start_reduce(const std::vector<size_t>& indices,
                                                        std::vector<at::Tensor>& grads,
                                                        comm::Agreement agreement);
@@ -165,10 +168,11 @@ struct ParamGroup::Impl {
   // `offset`) is waited for (nn/pending_gradient.h); with run_hooks, its hooks first see it, as
   // in its AccumulateGrad (for a parameter autograd does not reach).
   void defer_to_grad(const std::shared_ptr<detail::ReduceInFlight>& reduced, size_t i, int64_t offset,
-                     bool run_hooks);
+                     size_t slot, bool run_hooks);
   // Parameter i's reduced shard gradient from `reduce`, which reduced it at element `offset`.
+  // Undefined if no rank had a gradient for it (`slot`: its place in the reduction).
   static at::Tensor shard_gradient(const std::shared_ptr<detail::ReduceInFlight>& reduce,
-                                   const at::Tensor& param, int64_t offset, int64_t elements);
+                                   const at::Tensor& param, int64_t offset, int64_t elements, size_t slot);
 };
 
 }  // namespace hyper_parallel::fully_shard

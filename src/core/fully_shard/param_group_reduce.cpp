@@ -3,6 +3,7 @@
 // reduce_bucket_cap_bytes).
 //
 // Unfused meaning, either way:  grad(shard_i) = reduce_scatter(dW_i, dim 0) / dp   for every i
+// (dW_i of a rank that has none: zeros; no rank has one: grad(shard_i) is left as it was)
 // Who waits on whom (buckets): each parameter's gradient reaches its own autograd node, which
 // runs as soon as the gradient is complete (the highest priority among ready nodes, as
 // AccumulateGrad's). In the first synced backward the gradients not yet sent leave in one
@@ -12,16 +13,16 @@
 // laid out in parameter order, are the plan: a later backward starts a planned bucket once all
 // its gradients are in and the ones before it have started, without a round trip, so every rank
 // issues the same reduce-scatters in the same order whatever order its gradients come in. A
-// parameter that a later backward does not reach reduces zeros at the group's first gradient
+// parameter that a later backward does not reach arrives without one at the group's first gradient
 // (autograd's graph task lists the nodes it will run), so a rank that skips a layer starts the
 // group's buckets with the others; in the first backward, or when a reentrant checkpoint may
 // reach the group through graphs it makes later, at its end (the engine's final callback, of the
 // backward that recomputes). The shards' .grad wait for their bucket at the end
 // of the backward (nn/pending_gradient.h). A parameter with gradient hooks ends its bucket; its
 // node waits for the bucket and returns the reduced gradient, so autograd runs the hooks on it.
-// A hooked parameter the backward does not reach has its hooks run on its reduced gradient when
-// its .grad is completed. A whole-group reduction agrees with the peers once: the later ones have
-// its shape.
+// A hooked parameter the backward does not reach has its hooks run on its reduced gradient (if
+// any rank had one) when its .grad is completed. A whole-group reduction agrees with the peers once: the
+// later ones have its shape.
 #include <algorithm>
 #include <limits>
 
@@ -98,7 +99,7 @@ std::vector<at::Tensor> ParamGroup::Impl::attach_reduction(const std::shared_ptr
           self->end_backward();
           return out;
         },
-        "FullyShardReduceScatterBackward");
+        "FullyShardReduceScatterBackward", /*materialize_grads=*/false);
   }
   if (!torch::autograd::GradMode::is_enabled()) return views;
   s.begin_backward_pass();
@@ -111,7 +112,7 @@ std::vector<at::Tensor> ParamGroup::Impl::attach_reduction(const std::shared_ptr
           if (self->arrivals == 0) queue_end_of_backward(self);
           return std::vector<at::Tensor>{self->arrive(i, std::move(grads[0]))};
         },
-        "FullyShardReduceScatterBackward", /*materialize_grads=*/true,
+        "FullyShardReduceScatterBackward", /*materialize_grads=*/false,
         /*sequence_nr=*/std::numeric_limits<uint64_t>::max())[0]);
     s.reduce_nodes[i] = out.back().grad_fn().get();
   }
@@ -124,6 +125,7 @@ void ParamGroup::Impl::begin_backward_pass() {
   arrived_grads.assign(n, at::Tensor());
   reduce_of.assign(n, nullptr);
   offset_of.assign(n, 0);
+  slot_of.assign(n, 0);
   reduce_nodes.assign(n, nullptr);
   reached.assign(n, true);
   // A backward that failed part-way leaves no arrivals and no half-recorded plan behind.
@@ -166,7 +168,7 @@ at::Tensor ParamGroup::Impl::arrive(size_t i, at::Tensor grad) {
                     "reduce_bucket_cap_bytes to 0");
   at::Tensor out;
   if (!sync) {
-    accumulate(i, grad);
+    if (grad.defined()) accumulate(i, grad);
   } else {
     arrived_grads[i] = std::move(grad);
     if (!bucket_plan.empty()) {
@@ -207,8 +209,8 @@ at::Tensor ParamGroup::Impl::hooked_gradient(size_t i) {
               " (a parameter with gradient hooks) to have started when its gradient arrived, got it "
               "waiting for gradients that came before it in the first backward; set "
               "reduce_bucket_cap_bytes to 0 for a backward whose order changes");
-  return shard_gradient(reduce_of[i], params[i], offset_of[i],
-                        layout.local_elements(static_cast<int64_t>(i)));
+  return shard_gradient(reduce_of[i], params[i], offset_of[i], layout.local_elements(static_cast<int64_t>(i)),
+                        slot_of[i]);
 }
 
 int64_t ParamGroup::Impl::reduce_bytes(size_t i) const {
@@ -238,13 +240,15 @@ void ParamGroup::Impl::send_unsent() {
 void ParamGroup::Impl::send(const std::vector<size_t>& indices, comm::Agreement agreement) {
   const auto reduced = start_reduce(indices, arrived_grads, agreement);
   int64_t offset = 0;
-  for (const auto i : indices) {
+  for (size_t slot = 0; slot < indices.size(); ++slot) {
+    const auto i = indices[slot];
     reduce_of[i] = reduced;
     offset_of[i] = offset;
+    slot_of[i] = slot;
     // Autograd does not reach a hooked parameter that got here unreached: its hooks run on the
     // reduced gradient here (a sequence-parallel weight's TP sum is such a hook; its sum may be
     // its rank's only part, from unsynced micro-batches or other ranks' gradients).
-    if (planned_wants[i] == 1 || !reached[i]) defer_to_grad(reduced, i, offset, planned_wants[i] == 2);
+    if (planned_wants[i] == 1 || !reached[i]) defer_to_grad(reduced, i, offset, slot, planned_wants[i] == 2);
     offset += layout.padded_elements(static_cast<int64_t>(i));
   }
 }
@@ -264,15 +268,16 @@ void ParamGroup::Impl::arrive_unreached(size_t current) {
     if (planned_wants[i] == 0 || arrived[i] || reduce_nodes[i] == nullptr ||
         nodes->count(reduce_nodes[i]) > 0)
       continue;
-    arrive_zeros(i);
+    arrive_without_gradient(i);
   }
   arriving_unreached = false;
 }
 
-// Its hooks are not run (autograd does not reach it): its reduced zeros are deferred to .grad.
-void ParamGroup::Impl::arrive_zeros(size_t i) {
+// Its hooks are not run (autograd does not reach it): its reduced gradient (the other ranks', or
+// none) is deferred to .grad.
+void ParamGroup::Impl::arrive_without_gradient(size_t i) {
   reached[i] = false;
-  arrive(i, at::zeros(buffers[i].sizes(), buffers[i].options()));
+  arrive(i, at::Tensor());
 }
 
 // At a group's first gradient of a backward, or when a recomputation inside it makes the views
@@ -296,7 +301,7 @@ void ParamGroup::Impl::arrive_missing() {
   for (size_t i = 0; arrivals > 0 && i < params.size(); ++i) {
     if (planned_wants[i] != 0 && !arrived[i]) missing.push_back(i);
   }
-  for (const auto i : missing) arrive_zeros(i);
+  for (const auto i : missing) arrive_without_gradient(i);
 }
 
 void ParamGroup::Impl::end_backward() {
@@ -346,40 +351,52 @@ void ParamGroup::Impl::reduce_held_sums() {
   if (indices.empty()) return;
   const auto reduced = start_reduce(indices, grads, comm::Agreement::kPerOp);
   int64_t offset = 0;
-  for (const auto i : indices) {
-    defer_to_grad(reduced, i, offset, /*run_hooks=*/wants(i) == 2);
+  for (size_t slot = 0; slot < indices.size(); ++slot) {
+    const auto i = indices[slot];
+    defer_to_grad(reduced, i, offset, slot, /*run_hooks=*/wants(i) == 2);
     offset += layout.padded_elements(static_cast<int64_t>(i));
   }
 }
 
 void ParamGroup::Impl::defer_to_grad(const std::shared_ptr<detail::ReduceInFlight>& reduced, size_t i,
-                                     int64_t offset, bool run_hooks) {
+                                     int64_t offset, size_t slot, bool run_hooks) {
   const auto elements = layout.local_elements(static_cast<int64_t>(i));
   nn::defer_gradient(
       params[i],
-      [reduced, param = params[i], offset, elements] {
-        return shard_gradient(reduced, param, offset, elements);
+      [reduced, param = params[i], offset, elements, slot] {
+        return shard_gradient(reduced, param, offset, elements, slot);
       },
       run_hooks);
 }
 
 // Every rank's blocks of parameters `indices`' gradients (plus the sums kept while sync was off),
-// in the reduce dtype, one parameter after the other: the reduce-scatter's input.
+// in the reduce dtype, one parameter after the other, then a flag per parameter: the
+// reduce-scatter's input. Reduced, a flag says whether any rank had a gradient for it; if none
+// had (a layer every rank skipped), its .grad is left as it was, as in one process (and as
+// DDP and FSDP2 leave it), so an optimizer skips it.
 std::shared_ptr<detail::ReduceInFlight> ParamGroup::Impl::start_reduce(const std::vector<size_t>& indices,
                                                                        std::vector<at::Tensor>& grads,
                                                                        comm::Agreement agreement) {
   detail::bound_reduces_in_flight(this);
-  const auto& first = grads[indices[0]];
+  const auto& first = buffers[indices[0]];
   const auto dtype = reduce_dtype.value_or(first.scalar_type());
+  // A dense reduction's blocks end with one flag per parameter (row-sparse: one parameter,
+  // whose rows must stay whole).
+  const int64_t flags = row_sparse_cols > 0 ? 0 : static_cast<int64_t>(indices.size());
   int64_t elements = 0;
   for (const auto i : indices) elements += layout.padded_elements(static_cast<int64_t>(i));
-  auto input = at::zeros({shard_group.size(), elements}, first.options().dtype(dtype));
+  auto input = at::zeros({shard_group.size(), elements + flags}, first.options().dtype(dtype));
   int64_t offset = 0;
-  for (const auto i : indices) {
+  for (size_t slot = 0; slot < indices.size(); ++slot) {
+    const auto i = indices[slot];
     const auto padded = layout.padded_elements(static_cast<int64_t>(i));
-    auto total = grads[i].to(dtype);
-    if (pending[i].defined()) total = total + pending[i].to(dtype);
-    input.narrow(1, offset, padded).copy_(layout.padded_blocks(total, static_cast<int64_t>(i)));
+    at::Tensor total;  // none: this rank has no gradient for it (it reduces zeros)
+    if (grads[i].defined()) total = grads[i].to(dtype);
+    if (pending[i].defined()) total = total.defined() ? total + pending[i].to(dtype) : pending[i].to(dtype);
+    if (total.defined()) {
+      input.narrow(1, offset, padded).copy_(layout.padded_blocks(total, static_cast<int64_t>(i)));
+      if (flags > 0) input.select(1, elements + static_cast<int64_t>(slot)).fill_(1);
+    }
     pending[i] = at::Tensor();
     grads[i] = at::Tensor();
     offset += padded;
@@ -399,13 +416,18 @@ std::shared_ptr<detail::ReduceInFlight> ParamGroup::Impl::start_reduce(const std
   }
   in_flight->replicate = replicate_group;
   in_flight->scale = scale;
+  in_flight->flags = flags;
   detail::track_reduce_in_flight(this, in_flight);
   return in_flight;
 }
 
 at::Tensor ParamGroup::Impl::shard_gradient(const std::shared_ptr<detail::ReduceInFlight>& reduce,
-                                            const at::Tensor& param, int64_t offset, int64_t elements) {
-  return reduce->wait().narrow(0, offset, elements).view(param.sizes()).to(param.scalar_type()).clone();
+                                            const at::Tensor& param, int64_t offset, int64_t elements,
+                                            size_t slot) {
+  const auto& reduced = reduce->wait();
+  // No rank had a gradient for it (a layer every rank skipped): none, as in one process.
+  if (reduce->flags > 0 && !reduce->reached_anywhere[slot]) return {};
+  return reduced.narrow(0, offset, elements).view(param.sizes()).to(param.scalar_type()).clone();
 }
 
 // The whole group's gradients in one reduce-scatter; each shard's gradient is handed to
@@ -414,7 +436,9 @@ at::Tensor ParamGroup::Impl::shard_gradient(const std::shared_ptr<detail::Reduce
 std::vector<at::Tensor> ParamGroup::Impl::reduce(std::vector<at::Tensor> grads) {
   std::vector<at::Tensor> out(params.size());
   if (!sync) {
-    for (size_t i = 0; i < grads.size(); ++i) accumulate(i, grads[i]);
+    for (size_t i = 0; i < grads.size(); ++i) {
+      if (grads[i].defined()) accumulate(i, grads[i]);
+    }
     return out;
   }
   // The group's first reduce-scatter is agreed with the peers; the later ones have its shape.
@@ -426,9 +450,10 @@ std::vector<at::Tensor> ParamGroup::Impl::reduce(std::vector<at::Tensor> grads) 
   for (size_t i = 0; i < params.size(); ++i) {
     if (params[i].requires_grad()) {
       if (hooked) {
-        out[i] = shard_gradient(reduced, params[i], offset, layout.local_elements(static_cast<int64_t>(i)));
+        out[i] =
+            shard_gradient(reduced, params[i], offset, layout.local_elements(static_cast<int64_t>(i)), i);
       } else {
-        defer_to_grad(reduced, i, offset, /*run_hooks=*/false);
+        defer_to_grad(reduced, i, offset, i, /*run_hooks=*/false);
       }
     }
     offset += layout.padded_elements(static_cast<int64_t>(i));

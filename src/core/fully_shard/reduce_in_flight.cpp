@@ -56,6 +56,11 @@ const at::Tensor& ReduceInFlight::wait() {
   auto reduced = unreduced.defined() ? unreduced : pending.wait();
   if (replicate && replicate->size() > 1)
     reduced = comm::all_reduce(reduced, comm::ReduceOp::kAvg, *replicate, content);
+  if (flags > 0) {
+    const auto any = reduced.narrow(0, reduced.numel() - flags, flags).ne(0).contiguous();
+    const auto* bits = any.data_ptr<bool>();
+    reached_anywhere.assign(bits, bits + flags);
+  }
   result = scale == 1.0 ? reduced : reduced * scale;
   return result;
 }

@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <memory>
 #include <optional>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 
@@ -23,6 +24,10 @@ struct ReduceInFlight {
   std::optional<comm::Group> replicate;
   int64_t content = 0;  // the reduce-scatter's, for the all-reduce (comm::OpSignature::content)
   double scale = 1.0;
+  // The last `flags` elements of every rank's block: per parameter, 1 where this rank has a
+  // gradient for it, 0 where it has none; reduced, whether any rank has one.
+  int64_t flags = 0;
+  std::vector<bool> reached_anywhere;  // per parameter of the reduction, once waited for
   at::Tensor result;
 
   /// This rank's reduced flat gradients (waits for them the first time). The replicate

@@ -53,7 +53,7 @@ std::optional<Entry> take(const c10::TensorImpl* param) {
 void apply(Entry& e) {
   auto sum = e.wait();
   auto impl = e.param.lock();
-  if (!impl) return;
+  if (!impl || !sum.defined()) return;  // undefined: no contribution (no hook sees it)
   at::Tensor param(std::move(impl));
   if (e.run_hooks) sum = torch::autograd::AccumulateGrad::callHooks(param, std::move(sum));
   at::NoGradGuard no_grad;

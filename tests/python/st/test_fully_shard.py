@@ -5,7 +5,7 @@ micro-batches reach), tensor parallelism on a 2 x 2 mesh; implicit prefetch and 
 an embedding's row-sparse gradient reduce-scatter; comm_fusion's one message against buckets; the
 module's new methods; every option that cannot apply is a clear error; the original's import
 paths; torch.utils.checkpoint (both variants, around whole modules and parts of them) against
-the same run without it."""
+the same run without it; a layer no rank reaches keeps .grad None, as in one process."""
 
 import copy
 
@@ -323,6 +323,41 @@ def test_sums_of_a_group_the_synced_backward_does_not_reach_are_reduced_with_it(
     net(batch(3, ws)[r * ROWS_PER_RANK:][:ROWS_PER_RANK], True).pow(2).mean().backward()
     expect_reference_gradients()
 
+
+
+@pytest.mark.parametrize("comm_fusion", [False, True])
+def test_a_layer_every_rank_skips_keeps_no_gradient_and_adamw_leaves_it(comm_fusion):
+    """spare shares its group with layer; steps 1 and 2 skip it on every rank: its .grad stays
+    None, as in one process, so AdamW neither decays nor moves it."""
+    ws, r = dist.get_world_size(), dist.get_rank()
+    reference = WithSpare()
+    net = fully_shard(copy.deepcopy(reference), mesh=dp_mesh(), comm_fusion=comm_fusion)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (reference, net)]
+    for s in range(3):
+        for opt in opts:
+            opt.zero_grad(set_to_none=True)
+        reference(batch(s, ws), s == 0).pow(2).mean().backward()
+        net(batch(s, ws)[r * ROWS_PER_RANK:][:ROWS_PER_RANK], s == 0).pow(2).mean().backward()
+        for p, q in zip(net.parameters(), reference.parameters()):
+            assert (p.grad is None) == (q.grad is None)
+        for opt in opts:
+            opt.step()
+    for p, q in zip(net.parameters(), reference.parameters()):
+        torch.testing.assert_close(full_tensor(p), q.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_reentrant_checkpoint_whose_input_needs_no_grad_leaves_its_parameters_without_gradients():
+    """torch's reentrant checkpoint gives no gradient to a region none of whose inputs requires
+    grad (the first block's up layer, on the raw input): its parameters keep .grad None, as in
+    one process, while the rest of their group gets its gradients."""
+    ws, r = dist.get_world_size(), dist.get_rank()
+    reference = Checkpointed("up", use_reentrant=True)
+    net = shard(copy.deepcopy(reference), mesh=dp_mesh())
+    with pytest.warns(UserWarning, match="None of the inputs have requires_grad=True"):
+        reference(batch(0, ws)).pow(2).mean().backward()
+        net(batch(0, ws)[r * ROWS_PER_RANK:][:ROWS_PER_RANK]).pow(2).mean().backward()
+    for (name, p), q in zip(net.named_parameters(), reference.parameters()):
+        assert (p.grad is None) == (q.grad is None) == name.startswith("blocks.0.up."), name
 
 def test_module_methods_and_their_errors():
     net = shard(Net(), mesh=dp_mesh())

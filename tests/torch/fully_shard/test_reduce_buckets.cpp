@@ -8,6 +8,7 @@
 // a parameter only the unsynced micro-batches reach, a sequence-parallel norm's TP sum among
 // them) and HSDP.
 #include <functional>
+#include <map>
 #include <string>
 
 #include <gtest/gtest.h>
@@ -528,15 +529,15 @@ at::Tensor rows_of_this_rank(const at::Tensor& global) {
   return global.narrow(0, hp_test::rank() * kRowsPerRank, kRowsPerRank);
 }
 
-// `net`'s gradients, gathered, are the one-process `reference`'s (both undefined where it has none).
+// `net`'s gradients, gathered, are the one-process `reference`'s (both absent where it has none).
 void expect_gradients_like(torch::nn::Module& net, torch::nn::Module& reference, const std::string& what) {
-  const auto ref = reference.parameters();
-  const auto grads = hp::tensor_parallel::full_named_parameters(net, /*gradients=*/true);
-  ASSERT_EQ(grads.size(), ref.size());
-  for (size_t i = 0; i < ref.size(); ++i) {
-    ASSERT_EQ(grads[i].second.defined(), ref[i].grad().defined()) << what << ", " << grads[i].first;
-    if (ref[i].grad().defined())
-      hp_test::expect_close(grads[i].second, ref[i].grad(), what + ", " + grads[i].first);
+  const auto listed = hp::tensor_parallel::full_named_parameters(net, /*gradients=*/true);
+  const std::map<std::string, at::Tensor> grads(listed.begin(), listed.end());
+  for (const auto& item : reference.named_parameters()) {
+    const auto& expected = item.value().grad();
+    const auto it = grads.find(item.key());
+    ASSERT_EQ(it != grads.end(), expected.defined()) << what << ", " << item.key();
+    if (expected.defined()) hp_test::expect_close(it->second, expected, what + ", " + item.key());
   }
 }
 
@@ -765,4 +766,40 @@ TEST(ReduceBuckets, ANegativeCapIsAValueError) {
   expect_error<c10::ValueError>(
       [&] { fs::fully_shard(*net.first, with_cap(-1)); },
       "expected reduce_bucket_cap_bytes >= 0 (0: one reduce-scatter per group), got -1");
+}
+
+// A layer every rank skips in a step (the spare layers, steps 1 and 2): no rank has a gradient
+// for it, so its .grad stays as it was (none after zero_grad), as in one process, its hook does
+// not run, and AdamW leaves it. They used to get zeros, which AdamW's decay and moments moved.
+// One that some ranks reach still averages with the others' zeros (the tests above).
+TEST(ReduceBuckets, ALayerEveryRankSkipsKeepsNoGradientAsInOneProcess) {
+  for (int64_t cap : {int64_t{0}, int64_t{1}, int64_t{600}}) {
+    SCOPED_TRACE("reduce_bucket_cap_bytes " + std::to_string(cap));
+    Net reference, net;
+    shard(net, with_cap(cap));
+    int64_t hook_calls = 0;
+    net.second->spare->weight.register_hook([&hook_calls](const at::Tensor& g) {
+      ++hook_calls;
+      return g;
+    });
+    torch::optim::AdamW reference_opt(reference.parameters(), torch::optim::AdamWOptions(1e-2));
+    torch::optim::AdamW opt(net.parameters(), torch::optim::AdamWOptions(1e-2));
+    for (int64_t s = 0; s < 4; ++s) {
+      const bool use_spare = s == 0 || s == 3;
+      const std::string what = "step " + std::to_string(s);
+      reference.zero_grad(/*set_to_none=*/true);
+      net.zero_grad(/*set_to_none=*/true);
+      reference.forward(full_batch(s), use_spare).pow(2).mean().backward();
+      hook_calls = 0;
+      net.forward(rows_of_this_rank(full_batch(s)), use_spare).pow(2).mean().backward();
+      EXPECT_EQ(hook_calls, use_spare ? 1 : 0) << what;
+      expect_gradients_like(net, reference, what);
+      reference_opt.step();
+      opt.step();
+    }
+    const auto params = full_params(net), expected = reference.parameters();
+    ASSERT_EQ(params.size(), expected.size());
+    for (size_t i = 0; i < params.size(); ++i)
+      hp_test::expect_close(params[i], expected[i].detach(), "parameter " + std::to_string(i));
+  }
 }

@@ -17,7 +17,8 @@
 namespace hyper_parallel::nn {
 
 /// Blocks until a contribution's transfer is done; returns the tensor that .grad must hold in
-/// place of the rank's part (the sum of every rank's part).
+/// place of the rank's part (the sum of every rank's part), or an undefined one: no rank had a
+/// part, and .grad stays as it is (no hook runs).
 using WaitForGradient = std::function<at::Tensor()>;
 
 /// Called by a gradient hook of `param` during the backward, before AccumulateGrad adds the
