@@ -278,34 +278,68 @@ void ParamGroup::Impl::prefetch_next_backward(const std::shared_ptr<Impl>& self)
   if (next && next->row_sparse_cols == 0) next->start_gather();
 }
 
-// The pass order and the next forward's prefetch are the forward's: a recomputation leaves them.
+// The gathered buffers as views without autograd (a forward without grad).
+std::vector<at::Tensor> ParamGroup::Impl::plain_views() const {
+  std::vector<at::Tensor> views;
+  for (const auto& b : buffers) views.push_back(b.detach());
+  return views;
+}
+
+// A pass with grad whose module now runs without (the region of a reentrant checkpoint, whose
+// recomputation's nested backward brings that part's gradients): the parameters the backward
+// does not reach are judged at its end, and a whole-group node (no cap) hands its gradients to
+// the per-parameter arrivals, which that part's views add to.
+void ParamGroup::Impl::note_part_without_grad() {
+  if (part_without_grad) return;
+  part_without_grad = true;
+  const bool whole_group_node = !reduces_in_buckets();
+  reached_later = true;
+  if (whole_group_node && reduces_in_buckets()) begin_backward_pass();
+}
+
+// checkpoint's recomputation (a forward with grad inside the backward). The pass order and the
+// next forward's prefetch are the forward's: it leaves them.
 const std::vector<at::Tensor>& ParamGroup::Impl::recompute(const std::shared_ptr<Impl>& group,
                                                            const at::Tensor& rows) {
   auto& s = *group;
   s.gather_for_forward(rows);
+  if (!torch::autograd::GradMode::is_enabled()) {  // not checkpoint's (a hook's forward): no pass
+    s.gathered = s.plain_views();
+    return s.gathered;
+  }
   s.backward_began = true;
   s.prefetch_next_backward(group);
-  if (s.gathered_with_grad && !s.views_spent) return s.gathered;
-  s.reached_later = true;
-  std::vector<at::Tensor> views;
-  for (const auto& b : s.buffers) views.push_back(b.detach());
-  s.gathered = Impl::attach_reduction(group, std::move(views));
-  s.gathered_with_grad = torch::autograd::GradMode::is_enabled();
-  s.views_spent = false;
-  // The backward running now (the reentrant variant's outer one) is the one that ends the
-  // group's: its nested backwards each reach only their own part.
-  if (s.gathered_with_grad) queue_end_of_backward(group);
+  if (!s.grad_views.empty() && (!s.part_without_grad || !s.reduces_in_buckets())) {
+    s.gathered = s.grad_views;  // the non-reentrant variant reads only its saved tensors
+    return s.gathered;
+  }
+  if (s.grad_views.empty()) {
+    // The reentrant variant ran the whole pass without grad: views with grad start this
+    // backward's reduction, which its nested backwards each reach in part.
+    s.reached_later = s.part_without_grad = true;
+    s.gathered = Impl::attach_reduction(group, s.plain_views());
+    s.grad_views = s.gathered;
+  } else {
+    // The part of the pass that ran without grad: views of its own, whose gradients (from the
+    // nested backward) add to the pass's arrivals.
+    s.gathered = Impl::attach_per_parameter(group, s.plain_views());
+  }
+  // The backward running now (the reentrant variant's outer one) ends the group's.
+  queue_end_of_backward(group);
   return s.gathered;
 }
 
 const std::vector<at::Tensor>& ParamGroup::pre_forward(const at::Tensor& rows) {
   auto& s = *impl_;
   if (is_recomputation()) return Impl::recompute(impl_, rows);
+  const bool grad = torch::autograd::GradMode::is_enabled();
   // Views with grad after a part of the pass ran without: a reentrant checkpoint's, perhaps.
-  const bool after_part_without_grad =
-      s.forward_calls > 0 && !s.gathered_with_grad && torch::autograd::GradMode::is_enabled();
+  const bool after_part_without_grad = s.forward_calls > 0 && !s.gathered_with_grad && grad;
   if (s.forward_calls > 0 && s.pass_left_open()) s.forward_calls = 0;
-  if (s.forward_calls > 0) return s.gathered;
+  if (s.forward_calls > 0) {
+    if (s.gathered_with_grad && !grad) s.note_part_without_grad();
+    return s.gathered;
+  }
   // A new pass has its own backward to come, even if the last one never ended the group's (its
   // parameters frozen).
   s.backward_began = false;
@@ -314,19 +348,25 @@ const std::vector<at::Tensor>& ParamGroup::pre_forward(const at::Tensor& rows) {
   s.gather_for_forward(rows);
   // A group that gathers rows by id is not prefetched: its forward gathers only the rows it reads.
   if (auto next = s.order->next_forward(impl_); next && !next->rows_by_id) next->start_gather();
-  s.reached_later = after_part_without_grad;
-  std::vector<at::Tensor> views;
-  for (const auto& b : s.buffers) views.push_back(b.detach());
-  s.gathered = Impl::attach_reduction(impl_, std::move(views));
-  s.gathered_with_grad = torch::autograd::GradMode::is_enabled();
-  s.views_spent = false;
+  // A pass without grad (an evaluation) leaves the state of the last one with grad, whose
+  // backward may still come (and recompute).
+  if (grad) s.reached_later = s.part_without_grad = after_part_without_grad;
+  s.gathered = Impl::attach_reduction(impl_, s.plain_views());
+  if (grad) s.grad_views = s.gathered;
+  s.gathered_with_grad = grad;
   return s.gathered;
 }
 
 void ParamGroup::post_forward() {
   auto& s = *impl_;
-  // A recomputation's group stays gathered: the backward frees it when the group's is over.
-  if (is_recomputation()) return;
+  if (is_recomputation()) {
+    // A recomputation's group stays gathered: the backward frees it when the group's is over. A
+    // forward without grad in a backward (a hook's) reshards a group whose backward is not under
+    // way, as a forward would.
+    if (!torch::autograd::GradMode::is_enabled() && s.reshard_after_forward && !s.backward_began)
+      s.free_buffers();
+    return;
+  }
   if (++s.forward_calls < s.users) return;
   s.forward_calls = 0;
   s.order->last_use.record(impl_);

@@ -49,11 +49,13 @@ struct ParamGroup::Impl {
   bool rows_by_id = false;      // row-sparse, and a forward's ids index this rank's rows
   int64_t users = 1, forward_calls = 0;
   bool gathered_with_grad = false;  // this pass's views: made with grad mode on
-  bool views_spent = false;         // their backward is over (a recomputation makes new ones)
-  // A backward may reach this pass's parameters through graphs made later (reentrant
-  // checkpoint's recomputation): those it does not reach are judged at its end, not at the
-  // group's first gradient.
-  bool reached_later = false;
+  // The views of the last pass with grad, until its backward is over (a recomputation reuses
+  // them; a pass without grad in between leaves them).
+  std::vector<at::Tensor> grad_views;
+  // That pass ran part of the group without grad (a reentrant checkpoint's region), or it is a
+  // reentrant recomputation's: a backward may reach its parameters through graphs made later,
+  // so those it does not reach are judged at its end, not at the group's first gradient.
+  bool part_without_grad = false, reached_later = false;
   std::shared_ptr<detail::PassOrder> order = std::make_shared<detail::PassOrder>();
   int64_t position = 0;  // in its root's groups (the same on every rank): names its ops
   int64_t serial = 0;    // groups made in this process before it (the same on every rank)
@@ -95,6 +97,8 @@ struct ParamGroup::Impl {
   void gather_for_forward(const at::Tensor& rows);
   // checkpoint's recomputation of a forward, inside the backward (ParamGroup::post_forward).
   static const std::vector<at::Tensor>& recompute(const std::shared_ptr<Impl>& group, const at::Tensor& rows);
+  std::vector<at::Tensor> plain_views() const;
+  void note_part_without_grad();
   // Starts the gather of the group whose backward follows this one's, once per backward.
   void prefetch_next_backward(const std::shared_ptr<Impl>& self);
   void gather_rows(const at::Tensor& ids);
@@ -108,6 +112,13 @@ struct ParamGroup::Impl {
   // one of them (one reduce-scatter), or as they come, in buckets.
   static std::vector<at::Tensor> attach_reduction(const std::shared_ptr<Impl>& group,
                                                   std::vector<at::Tensor> views);
+  // Views whose gradients each reach arrive (one node per parameter).
+  static std::vector<at::Tensor> attach_per_parameter(const std::shared_ptr<Impl>& group,
+                                                      std::vector<at::Tensor> views);
+  // A whole-group node's gradients, when part of its pass reduces per parameter: each defined
+  // one arrives.
+  static std::vector<at::Tensor> arrive_each(const std::shared_ptr<Impl>& self,
+                                             std::vector<at::Tensor> grads);
   // Whether this pass reduces in buckets: a cap (or reached_later), several parameters, dense.
   bool reduces_in_buckets() const;
   // The bytes at which a bucket leaves (none without a cap).

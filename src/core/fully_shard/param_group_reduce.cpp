@@ -87,13 +87,16 @@ std::vector<at::Tensor> ParamGroup::Impl::attach_reduction(const std::shared_ptr
                                                            std::vector<at::Tensor> views) {
   std::weak_ptr<Impl> weak = group;
   auto& s = *group;
-  s.end_queued = false;
   if (s.pending.size() != s.params.size()) s.pending.assign(s.params.size(), at::Tensor());
+  if (!torch::autograd::GradMode::is_enabled()) return views;
+  s.end_queued = false;
   if (!s.reduces_in_buckets()) {
     return hyper_parallel::detail::attach_backward(
         s.params, std::move(views),
         [weak](std::vector<at::Tensor> grads) {
           auto self = alive(weak);
+          // Part of the pass ran in a reentrant checkpoint: this graph brings only the rest.
+          if (self->reduces_in_buckets()) return self->arrive_each(self, std::move(grads));
           queue_end_of_backward(self);
           auto out = self->reduce(std::move(grads));
           self->end_backward();
@@ -101,8 +104,14 @@ std::vector<at::Tensor> ParamGroup::Impl::attach_reduction(const std::shared_ptr
         },
         "FullyShardReduceScatterBackward", /*materialize_grads=*/false);
   }
-  if (!torch::autograd::GradMode::is_enabled()) return views;
   s.begin_backward_pass();
+  return attach_per_parameter(group, std::move(views));
+}
+
+std::vector<at::Tensor> ParamGroup::Impl::attach_per_parameter(const std::shared_ptr<Impl>& group,
+                                                               std::vector<at::Tensor> views) {
+  std::weak_ptr<Impl> weak = group;
+  auto& s = *group;
   std::vector<at::Tensor> out;
   for (size_t i = 0; i < s.params.size(); ++i) {
     out.push_back(hyper_parallel::detail::attach_backward(
@@ -147,6 +156,17 @@ void ParamGroup::Impl::begin_backward_pass() {
   // makes another.
   if (now_wants != planned_wants) bucket_plan.clear();
   planned_wants = std::move(now_wants);
+}
+
+std::vector<at::Tensor> ParamGroup::Impl::arrive_each(const std::shared_ptr<Impl>& self,
+                                                      std::vector<at::Tensor> grads) {
+  if (self->arrivals == 0) queue_end_of_backward(self);
+  std::vector<at::Tensor> out(grads.size());
+  for (size_t i = 0; i < grads.size(); ++i) {
+    if (grads[i].defined() && self->planned_wants[i] != 0 && !self->arrived[i])
+      out[i] = self->arrive(i, std::move(grads[i]));
+  }
+  return out;
 }
 
 void ParamGroup::Impl::accumulate(size_t i, const at::Tensor& grad) {
@@ -324,7 +344,7 @@ void ParamGroup::Impl::end_backward() {
   forward_calls = 0;
   backward_prefetched = false;
   backward_began = false;
-  views_spent = true;
+  grad_views.clear();
   end_queued = false;
   free_buffers();  // the group's last backward use is over
 }

@@ -324,7 +324,6 @@ def test_sums_of_a_group_the_synced_backward_does_not_reach_are_reduced_with_it(
     expect_reference_gradients()
 
 
-
 @pytest.mark.parametrize("comm_fusion", [False, True])
 def test_a_layer_every_rank_skips_keeps_no_gradient_and_adamw_leaves_it(comm_fusion):
     """spare shares its group with layer; steps 1 and 2 skip it on every rank: its .grad stays
@@ -358,6 +357,7 @@ def test_a_reentrant_checkpoint_whose_input_needs_no_grad_leaves_its_parameters_
         net(batch(0, ws)[r * ROWS_PER_RANK:][:ROWS_PER_RANK]).pow(2).mean().backward()
     for (name, p), q in zip(net.named_parameters(), reference.parameters()):
         assert (p.grad is None) == (q.grad is None) == name.startswith("blocks.0.up."), name
+
 
 def test_module_methods_and_their_errors():
     net = shard(Net(), mesh=dp_mesh())
@@ -421,8 +421,9 @@ def test_the_originals_import_paths():
 
 
 class Checkpointed(Net):
-    """Net whose blocks run under torch.utils.checkpoint: each whole block, only its up layer, or
-    up and down in regions of their own (one group, two nested backwards when reentrant)."""
+    """Net whose blocks run under torch.utils.checkpoint: each whole block, only its up or down
+    layer, or up and down in regions of their own (one group, two nested backwards when
+    reentrant)."""
 
     def __init__(self, regions, use_reentrant):
         super().__init__()
@@ -436,8 +437,8 @@ class Checkpointed(Net):
             if self.regions in (None, "block"):
                 x = ckpt(b, x)
             else:
-                h = torch.relu(ckpt(b.up, x))
-                x = x + (ckpt(b.down, h) if self.regions == "up, down" else b.down(h))
+                h = torch.relu(ckpt(b.up, x) if "up" in self.regions else b.up(x))
+                x = x + (ckpt(b.down, h) if "down" in self.regions else b.down(h))
         return self.head(self.norm(x))
 
 
@@ -465,7 +466,7 @@ def train_checkpointed(regions, use_reentrant, sharded, **options):
 
 
 @pytest.mark.parametrize("use_reentrant", [False, True])
-@pytest.mark.parametrize("regions", ["block", "up", "up, down"])
+@pytest.mark.parametrize("regions", ["block", "up", "down", "up, down"])
 def test_activation_checkpointing_trains_as_without_it_with_no_more_collectives(regions, use_reentrant):
     """The recomputation in the backward uses the gathered parameters (gathered again if they were
     resharded) and its gradients reach the group's one reduction: bitwise the run without
@@ -513,7 +514,7 @@ def test_activation_checkpointing_with_accumulation_hooks_and_hsdp(use_reentrant
         meshes.append(init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")))
     for mesh in meshes:
         plain, plain_counts = accumulate_checkpointed(None, False, mesh, comm_fusion=False)
-        for regions in ("block", "up", "up, down"):
+        for regions in ("block", "up", "down", "up, down"):
             grads, counts = accumulate_checkpointed(regions, use_reentrant, mesh, comm_fusion=False)
             assert all(torch.equal(a, b) for a, b in zip(grads, plain)), regions
             assert counts == plain_counts, regions
@@ -522,3 +523,48 @@ def test_activation_checkpointing_with_accumulation_hooks_and_hsdp(use_reentrant
         fused, _ = accumulate_checkpointed(None, False, mesh, comm_fusion=True)
         grads, _ = accumulate_checkpointed("up, down", use_reentrant, mesh, comm_fusion=True)
         assert all(torch.equal(a, b) for a, b in zip(grads, fused))
+
+
+def train_with_an_extra_forward(regions, use_reentrant, comm_fusion, where):
+    """3 AdamW steps with a forward without grad (an evaluation, or logging) either between the
+    forward and its backward, or inside the backward (a hook on the input's gradient); the
+    parameters, the collectives of each step and whether each group is left gathered."""
+    ws, r = dist.get_world_size(), dist.get_rank()
+    net = shard(Checkpointed(regions, use_reentrant), mesh=dp_mesh(), comm_fusion=comm_fusion)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    counts = []
+    for s in range(3):
+        x = batch(s, ws)[r * ROWS_PER_RANK:][:ROWS_PER_RANK].requires_grad_()
+        opt.zero_grad()
+        comm.reset_collective_counts()
+        loss = net(x).pow(2).mean()
+        if where == "between":
+            with torch.no_grad():
+                net(x)
+        else:
+            x.register_hook(lambda g: (torch.no_grad()(net)(x), g)[1])
+        loss.backward()
+        counts.append((comm.collective_count("all_gather"), comm.collective_count("reduce_scatter")))
+        opt.step()
+    gathered = [m._fsdp_group.is_unsharded for m in (net, *net.blocks)]
+    return [full_tensor(p) for p in net.parameters()], counts, gathered
+
+
+@pytest.mark.parametrize("where", ["between", "in a hook"])
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_a_forward_without_grad_beside_checkpointing_leaves_training_as_it_is(use_reentrant, where):
+    """The backward recomputes the pass it belongs to, not the evaluation after it; a forward
+    without grad inside the backward is not a recomputation: it reshards what it gathered."""
+    for comm_fusion in (False, True):
+        plain = train_with_an_extra_forward(None, False, comm_fusion, where)
+        for regions in ("block", "up", "down"):
+            params, counts, gathered = train_with_an_extra_forward(regions, use_reentrant, comm_fusion, where)
+            assert all(torch.equal(p, q) for p, q in zip(params, plain[0])), (regions, comm_fusion)
+            assert [rs for _, rs in counts] == [rs for _, rs in plain[1]], (regions, comm_fusion)
+            if where == "in a hook":
+                # The hook's forward gathers a group whose backward ended before it (as here, in
+                # a nested backward), and reshards it; one whose backward is under way is used.
+                assert all(ag <= plain_ag + 3 for (ag, _), (plain_ag, _) in zip(counts, plain[1]))
+            elif not (use_reentrant and regions == "up"):
+                assert counts == plain[1], (regions, comm_fusion)
+            assert gathered == plain[2] == [False] * 3, (regions, comm_fusion)

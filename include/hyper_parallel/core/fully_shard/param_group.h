@@ -70,16 +70,17 @@ class ParamGroup {
   /// A managed module's forward ended: once all `users` have, the group reshards (if
   /// reshard_after_forward) and the next pre_forward starts a new pass.
   ///
-  /// A forward inside a backward is torch.utils.checkpoint's recomputation (is_recomputation):
-  /// it gathers the group if it was resharded, starts the gather of the group whose backward
-  /// comes next, and keeps the group gathered until its backward ends. Its pre_forward returns
-  /// the views of the forward it recomputes if they were made with grad (the non-reentrant
-  /// variant reads only the recomputed graph's saved tensors); otherwise (the reentrant variant
-  /// ran that forward without grad) new views, whose gradients this backward reduces as the
-  /// forward's would have been, judging the parameters it does not reach at its end.
+  /// A forward with grad inside a backward is torch.utils.checkpoint's recomputation: it gathers
+  /// the group if it was resharded, starts the gather of the group whose backward comes next,
+  /// and keeps the group gathered until its backward ends. Its pre_forward returns the views of
+  /// the pass it recomputes (the non-reentrant variant reads only the recomputed graph's saved
+  /// tensors), or, for a part that pass ran without grad (the reentrant variant), views whose
+  /// gradients, from the nested backward, join that pass's reduction; the parameters the
+  /// backward does not reach are then judged at its end. A forward without grad inside a
+  /// backward (a hook's) is not one: it reshards a group whose backward is not under way.
   void post_forward();
-  /// Whether a backward runs on this thread now: a forward then is checkpoint's recomputation,
-  /// which gathers no group ahead for a later forward (set_modules_to_forward_prefetch).
+  /// Whether a backward runs on this thread now (a forward then is a recomputation, or a hook's):
+  /// it gathers no group ahead for a later forward (set_modules_to_forward_prefetch).
   static bool is_recomputation();
   /// `outputs` of a managed module, each passed through a node whose backward gathers the group
   /// again (if it was resharded) before the module's own backward reads its parameters, then
