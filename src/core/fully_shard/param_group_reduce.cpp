@@ -226,9 +226,12 @@ void ParamGroup::Impl::send_planned() {
 
 at::Tensor ParamGroup::Impl::hooked_gradient(size_t i) {
   TORCH_CHECK(reduce_of[i] != nullptr, "fully_shard: expected the bucket of ", names[i],
-              " (a parameter with gradient hooks) to have started when its gradient arrived, got it "
-              "waiting for gradients that came before it in the first backward; set "
-              "reduce_bucket_cap_bytes to 0 for a backward whose order changes");
+              " (a parameter with gradient hooks) to have started when its gradient arrived, got it ",
+              reached_later ? "waiting for parameters that a part of the group's forward run without grad "
+                              "(a reentrant checkpoint's region) may still reach; use "
+                              "torch.utils.checkpoint with use_reentrant=False"
+                            : "waiting for gradients that came before it in the first backward; set "
+                              "reduce_bucket_cap_bytes to 0 for a backward whose order changes");
   return shard_gradient(reduce_of[i], params[i], offset_of[i], layout.local_elements(static_cast<int64_t>(i)),
                         slot_of[i]);
 }
@@ -360,15 +363,17 @@ bool ParamGroup::Impl::holds_sums() const {
 void ParamGroup::Impl::reduce_held_sums() {
   // arrivals > 0: reached, its own end of backward reduces them; no pending: never ran a forward.
   if (!sync || arrivals > 0 || pending.size() != params.size()) return;
+  // Every parameter that wants a gradient, whichever this rank holds a sum for (another rank may
+  // hold one: its flag tells), so that every rank's message has one layout.
   std::vector<size_t> indices;
-  std::vector<at::Tensor> grads(params.size());
+  bool held = false;
   for (size_t i = 0; i < params.size(); ++i) {
-    if (!pending[i].defined() || !params[i].requires_grad()) continue;
+    if (!params[i].requires_grad()) continue;
     indices.push_back(i);
-    grads[i] = std::move(pending[i]);
-    pending[i] = at::Tensor();
+    held = held || pending[i].defined();
   }
-  if (indices.empty()) return;
+  if (!held) return;
+  std::vector<at::Tensor> grads(params.size());
   const auto reduced = start_reduce(indices, grads, comm::Agreement::kPerOp);
   int64_t offset = 0;
   for (size_t slot = 0; slot < indices.size(); ++slot) {

@@ -324,6 +324,45 @@ def test_sums_of_a_group_the_synced_backward_does_not_reach_are_reduced_with_it(
     expect_reference_gradients()
 
 
+class Branchy(nn.Module):
+    """g (a then b, or a alone) under a head; a rank's mode picks what it runs."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.g, self.head = nn.ModuleList([nn.Linear(DIM, DIM), nn.Linear(DIM, DIM)]), nn.Linear(DIM, DIM)
+
+    def forward(self, x, mode):
+        if mode != "head only":
+            x = self.g[0](x)
+            x = self.g[1](x) if mode == "a, b" else x
+        return self.head(x)
+
+
+@pytest.mark.parametrize("comm_fusion", [False, True])
+def test_sums_held_for_parameters_some_ranks_reached_are_reduced_with_one_layout(comm_fusion):
+    """An unsynced micro-batch reaches b on rank 0 only, the synced one reaches only the head:
+    the group of a and b reduces its held sums in one message of the same layout on every rank
+    (b's averaged with the others' zeros), as the average of the ranks' one-process gradients."""
+    ws, r = dist.get_world_size(), dist.get_rank()
+    modes = ["a, b" if q == 0 else "a" for q in range(ws)]
+    reference = Branchy()
+    net = copy.deepcopy(reference)
+    # Kept gathered: a rank that skips b leaves the pass open (every rank must run the same
+    # modules for the backward's gathers to match).
+    options = dict(mesh=dp_mesh(), comm_fusion=comm_fusion, reshard_after_forward=False)
+    fully_shard(net.g, **options)
+    fully_shard(net, **options)
+    for m, mode_of in enumerate((modes, ["head only"] * ws)):
+        for q in range(ws):
+            x = batch(m, ws)[q * ROWS_PER_RANK:][:ROWS_PER_RANK]
+            (reference(x, mode_of[q]).pow(2).mean() / ws).backward()
+        net.set_requires_gradient_sync(m == 1)
+        net(batch(m, ws)[r * ROWS_PER_RANK:][:ROWS_PER_RANK], mode_of[r]).pow(2).mean().backward()
+    for p, q in zip(net.parameters(), reference.parameters()):
+        torch.testing.assert_close(full_tensor(p, p.grad), q.grad, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("comm_fusion", [False, True])
 def test_a_layer_every_rank_skips_keeps_no_gradient_and_adamw_leaves_it(comm_fusion):
     """spare shares its group with layer; steps 1 and 2 skip it on every rank: its .grad stays
@@ -568,3 +607,22 @@ def test_a_forward_without_grad_beside_checkpointing_leaves_training_as_it_is(us
             elif not (use_reentrant and regions == "up"):
                 assert counts == plain[1], (regions, comm_fusion)
             assert gathered == plain[2] == [False] * 3, (regions, comm_fusion)
+
+
+class ReentrantLayer(WithSpare):
+    def forward(self, x, use_spare):
+        x = checkpoint(self.layer, x, use_reentrant=True)
+        return self.spare(x) if use_spare else x
+
+
+def test_a_hooked_bucket_waiting_for_a_reentrant_region_is_an_error_that_says_so():
+    """layer.weight (hooked) shares its planned bucket with spare, which a step skips: under a
+    reentrant checkpoint its bucket cannot start when its gradient arrives (spare might still
+    come through the nested backward); every rank raises, naming the way out."""
+    ws, r = dist.get_world_size(), dist.get_rank()
+    net = fully_shard(ReentrantLayer(), mesh=dp_mesh())
+    net.layer.weight.register_hook(lambda g: g * 2)
+    x = batch(0, ws)[r * ROWS_PER_RANK:][:ROWS_PER_RANK].requires_grad_()
+    net(x, True).pow(2).mean().backward()
+    with pytest.raises(RuntimeError, match="a reentrant checkpoint's region.*use_reentrant=False"):
+        net(x, False).pow(2).mean().backward()
