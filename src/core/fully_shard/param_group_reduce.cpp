@@ -364,15 +364,14 @@ void ParamGroup::Impl::reduce_held_sums() {
   // arrivals > 0: reached, its own end of backward reduces them; no pending: never ran a forward.
   if (!sync || arrivals > 0 || pending.size() != params.size()) return;
   // Every parameter that wants a gradient, whichever this rank holds a sum for (another rank may
-  // hold one: its flag tells), so that every rank's message has one layout.
+  // hold one: its flag tells), so that every rank's message has one layout; sent by every rank
+  // that holds any sum, a frozen parameter's included (it keeps that sum).
+  if (!holds_sums()) return;
   std::vector<size_t> indices;
-  bool held = false;
   for (size_t i = 0; i < params.size(); ++i) {
-    if (!params[i].requires_grad()) continue;
-    indices.push_back(i);
-    held = held || pending[i].defined();
+    if (params[i].requires_grad()) indices.push_back(i);
   }
-  if (!held) return;
+  if (indices.empty()) return;
   std::vector<at::Tensor> grads(params.size());
   const auto reduced = start_reduce(indices, grads, comm::Agreement::kPerOp);
   int64_t offset = 0;
@@ -466,10 +465,19 @@ std::vector<at::Tensor> ParamGroup::Impl::reduce(std::vector<at::Tensor> grads) 
     }
     return out;
   }
+  // A frozen parameter keeps its sum until a synced backward after it is unfrozen (as in buckets,
+  // whose plan leaves it out): the message carries its slot without it.
+  std::vector<at::Tensor> kept(params.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (!params[i].requires_grad()) std::swap(kept[i], pending[i]);
+  }
   // The group's first reduce-scatter is agreed with the peers; the later ones have its shape.
   const auto reduced = start_reduce(
       all_params(), grads, reduced_whole ? comm::Agreement::kAgreedInAdvance : comm::Agreement::kPerOp);
   reduced_whole = true;
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (kept[i].defined()) pending[i] = std::move(kept[i]);
+  }
   const bool hooked = std::any_of(params.begin(), params.end(), has_hooks);
   int64_t offset = 0;
   for (size_t i = 0; i < params.size(); ++i) {

@@ -363,6 +363,36 @@ def test_sums_held_for_parameters_some_ranks_reached_are_reduced_with_one_layout
         torch.testing.assert_close(full_tensor(p, p.grad), q.grad, rtol=1e-5, atol=1e-6)
 
 
+def accumulate_with_a_frozen_layer(comm_fusion):
+    """Unsynced: rank 0 runs a and b, the others a; a is frozen for the synced micro-batch (the
+    head only), then unfrozen for the next (a and b everywhere). The gradients after each."""
+    ws, r = dist.get_world_size(), dist.get_rank()
+    net = Branchy()
+    options = dict(mesh=dp_mesh(), comm_fusion=comm_fusion, reshard_after_forward=False)
+    fully_shard(net.g, **options)
+    fully_shard(net, **options)
+    grads = []
+    for m, mode in enumerate(("a, b" if r == 0 else "a", "head only", "a, b")):
+        for p in net.g[0].parameters():
+            p.requires_grad_(m != 1)
+        net.set_requires_gradient_sync(m > 0)
+        net(batch(m, ws)[r * ROWS_PER_RANK:][:ROWS_PER_RANK], mode).pow(2).mean().backward()
+        if m > 0:
+            grads.append([None if p.grad is None else full_tensor(p, p.grad) for p in net.parameters()])
+    return grads
+
+
+def test_a_parameter_frozen_between_micro_batches_keeps_its_sum_alike_in_either_mode():
+    """Every rank that holds a sum sends the held sums' message (rank 1 holds only the frozen
+    a's), and a frozen parameter keeps its sum until a synced backward after it is unfrozen, in
+    one message as in buckets."""
+    fused, buckets = accumulate_with_a_frozen_layer(True), accumulate_with_a_frozen_layer(False)
+    for step_fused, step_buckets in zip(fused, buckets):
+        for f, b in zip(step_fused, step_buckets):
+            assert (f is None and b is None) or torch.equal(f, b)
+    assert fused[0][0] is None and fused[0][2] is not None  # a frozen: no .grad yet; b's sum
+
+
 @pytest.mark.parametrize("comm_fusion", [False, True])
 def test_a_layer_every_rank_skips_keeps_no_gradient_and_adamw_leaves_it(comm_fusion):
     """spare shares its group with layer; steps 1 and 2 skip it on every rank: its .grad stays
