@@ -4,7 +4,8 @@
 // rank, whichever order its unsynced backwards reached them in). A synced backward reduces a
 // group's sums with its own gradients; one that does not reach the group at all reduces them at
 // its end, so the optimizer step sees every micro-batch and no sum is carried into a later step.
-// Backward's thread only.
+// Backward's thread only. held_sums.cpp also holds ParamGroup::Impl's side of it (holds_sums,
+// reduce_held_sums).
 
 #include <memory>
 

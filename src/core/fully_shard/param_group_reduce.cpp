@@ -352,36 +352,6 @@ void ParamGroup::Impl::end_backward() {
   free_buffers();  // the group's last backward use is over
 }
 
-bool ParamGroup::Impl::holds_sums() const {
-  return std::any_of(pending.begin(), pending.end(), [](const at::Tensor& t) { return t.defined(); });
-}
-
-// A group this synced backward did not reach holds the sums of the unsynced ones: reduced now,
-// as its next synced backward would (agreed per op: ranks must hold the same sums), so this
-// step's optimizer sees every micro-batch. Autograd reaches none of these parameters: their
-// hooks run on the reduced gradient when .grad is completed.
-void ParamGroup::Impl::reduce_held_sums() {
-  // arrivals > 0: reached, its own end of backward reduces them; no pending: never ran a forward.
-  if (!sync || arrivals > 0 || pending.size() != params.size()) return;
-  // Every parameter that wants a gradient, whichever this rank holds a sum for (another rank may
-  // hold one: its flag tells), so that every rank's message has one layout; sent by every rank
-  // that holds any sum, a frozen parameter's included (it keeps that sum).
-  if (!holds_sums()) return;
-  std::vector<size_t> indices;
-  for (size_t i = 0; i < params.size(); ++i) {
-    if (params[i].requires_grad()) indices.push_back(i);
-  }
-  if (indices.empty()) return;
-  std::vector<at::Tensor> grads(params.size());
-  const auto reduced = start_reduce(indices, grads, comm::Agreement::kPerOp);
-  int64_t offset = 0;
-  for (size_t slot = 0; slot < indices.size(); ++slot) {
-    const auto i = indices[slot];
-    defer_to_grad(reduced, i, offset, slot, /*run_hooks=*/wants(i) == 2);
-    offset += layout.padded_elements(static_cast<int64_t>(i));
-  }
-}
-
 void ParamGroup::Impl::defer_to_grad(const std::shared_ptr<detail::ReduceInFlight>& reduced, size_t i,
                                      int64_t offset, size_t slot, bool run_hooks) {
   const auto elements = layout.local_elements(static_cast<int64_t>(i));
