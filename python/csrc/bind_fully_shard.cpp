@@ -42,11 +42,15 @@ void bind_fully_shard(py::module& m) {
           py::arg("reduce_bucket_cap_bytes") = py::none())
       .def(
           "pre_forward",
-          [](fs::ParamGroup& group, const std::optional<at::Tensor>& rows) -> const std::vector<at::Tensor>& {
-            return group.pre_forward(rows.value_or(at::Tensor()));
+          [](fs::ParamGroup& group, const std::optional<at::Tensor>& rows,
+             const std::vector<std::shared_ptr<fs::ParamGroup>>& prefetch) -> const std::vector<at::Tensor>& {
+            return group.pre_forward(rows.value_or(at::Tensor()), [&prefetch] {
+              for (const auto& g : prefetch) g->unshard(/*async_op=*/true);
+            });
           },
-          py::arg("rows") = py::none(),
-          "The gathered parameters (collective on the first call of a pass); rows: an embedding's ids.")
+          py::arg("rows") = py::none(), py::arg("prefetch") = std::vector<std::shared_ptr<fs::ParamGroup>>(),
+          "The gathered parameters (collective on the first call of a pass); rows: an embedding's ids; "
+          "prefetch: groups whose gathers start then (not in a recomputation).")
       .def("post_forward", &fs::ParamGroup::post_forward)
       .def(
           "register_pre_backward",
@@ -85,10 +89,7 @@ void bind_fully_shard(py::module& m) {
       .def("set_gradient_scaling_factor", &fs::ParamGroup::set_gradient_scaling_factor, py::arg("factor"))
       .def("index_of", &fs::ParamGroup::index_of, py::arg("param"))
       .def_property_readonly("parameters", &fs::ParamGroup::parameters)
-      .def_static("is_managed", &fs::ParamGroup::is_managed, py::arg("param"))
-      .def_static(
-          "is_recomputation", &fs::ParamGroup::is_recomputation,
-          "Whether a backward runs on this thread now (a forward then is checkpoint's recomputation).");
+      .def_static("is_managed", &fs::ParamGroup::is_managed, py::arg("param"));
 }
 
 }  // namespace hp_python

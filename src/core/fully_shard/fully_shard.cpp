@@ -138,8 +138,8 @@ void install_hooks(const Owner& owner, const std::shared_ptr<State>& state) {
   const bool reads_rows_by_id = dynamic_cast<nn::EmbeddingImpl*>(owner.module) != nullptr;
   hm.add_input_hook([s = state, reads_rows_by_id](std::vector<at::Tensor> inputs) {
     for (auto& t : inputs) t = cast_input(t, s->mp_policy);
-    s->group->pre_forward(reads_rows_by_id && !inputs.empty() ? inputs[0] : at::Tensor());
-    if (!ParamGroup::is_recomputation()) prefetch(s->forward_prefetch);
+    s->group->pre_forward(reads_rows_by_id && !inputs.empty() ? inputs[0] : at::Tensor(),
+                          [&s] { prefetch(s->forward_prefetch); });
     return inputs;
   });
   hm.add_output_hook([s = state](std::vector<at::Tensor> outputs) {

@@ -245,9 +245,12 @@ void ParamGroup::Impl::free_buffers() {
   unsharded = false;
 }
 
-bool ParamGroup::is_recomputation() {
-  return torch::autograd::get_current_graph_task_nodes_in_graph() != nullptr;
-}
+namespace {
+
+// A backward runs on this thread: a forward now is a recomputation (or a hook's, without grad).
+bool in_backward() { return torch::autograd::get_current_graph_task_nodes_in_graph() != nullptr; }
+
+}  // namespace
 
 // A pass ends when every user has run, or with its backward. One that skipped a user ends with
 // neither if it had no backward: its views were made without grad (an evaluation, or the part of
@@ -329,9 +332,17 @@ const std::vector<at::Tensor>& ParamGroup::Impl::recompute(const std::shared_ptr
   return s.gathered;
 }
 
-const std::vector<at::Tensor>& ParamGroup::pre_forward(const at::Tensor& rows) {
-  auto& s = *impl_;
-  if (is_recomputation()) return Impl::recompute(impl_, rows);
+const std::vector<at::Tensor>& ParamGroup::pre_forward(const at::Tensor& rows,
+                                                       const std::function<void()>& prefetch) {
+  if (in_backward()) return Impl::recompute(impl_, rows);
+  const auto& gathered = Impl::forward_pass(impl_, rows);
+  if (prefetch) prefetch();
+  return gathered;
+}
+
+const std::vector<at::Tensor>& ParamGroup::Impl::forward_pass(const std::shared_ptr<Impl>& group,
+                                                              const at::Tensor& rows) {
+  auto& s = *group;
   const bool grad = torch::autograd::GradMode::is_enabled();
   // Views with grad after a part of the pass ran without: a reentrant checkpoint's, perhaps.
   const bool after_part_without_grad = s.forward_calls > 0 && !s.gathered_with_grad && grad;
@@ -344,14 +355,14 @@ const std::vector<at::Tensor>& ParamGroup::pre_forward(const at::Tensor& rows) {
   // parameters frozen).
   s.backward_began = false;
   s.backward_prefetched = false;
-  s.order->first_use.record(impl_);
+  s.order->first_use.record(group);
   s.gather_for_forward(rows);
   // A group that gathers rows by id is not prefetched: its forward gathers only the rows it reads.
-  if (auto next = s.order->next_forward(impl_); next && !next->rows_by_id) next->start_gather();
+  if (auto next = s.order->next_forward(group); next && !next->rows_by_id) next->start_gather();
   // A pass without grad (an evaluation) leaves the state of the last one with grad, whose
   // backward may still come (and recompute).
   if (grad) s.reached_later = s.part_without_grad = after_part_without_grad;
-  s.gathered = Impl::attach_reduction(impl_, s.plain_views());
+  s.gathered = Impl::attach_reduction(group, s.plain_views());
   if (grad) s.grad_views = s.gathered;
   s.gathered_with_grad = grad;
   return s.gathered;
@@ -359,7 +370,7 @@ const std::vector<at::Tensor>& ParamGroup::pre_forward(const at::Tensor& rows) {
 
 void ParamGroup::post_forward() {
   auto& s = *impl_;
-  if (is_recomputation()) {
+  if (in_backward()) {
     // A recomputation's group stays gathered: the backward frees it when the group's is over. A
     // forward without grad in a backward (a hook's) reshards a group whose backward is not under
     // way, as a forward would.

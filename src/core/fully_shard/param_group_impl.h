@@ -95,6 +95,9 @@ struct ParamGroup::Impl {
   // A forward's gather: the rows of `rows` (row-sparse), or the whole group, gathered again if
   // its shards changed in place since.
   void gather_for_forward(const at::Tensor& rows);
+  // A forward outside any backward: the gathered views of its pass (ParamGroup::pre_forward).
+  static const std::vector<at::Tensor>& forward_pass(const std::shared_ptr<Impl>& group,
+                                                     const at::Tensor& rows);
   // checkpoint's recomputation of a forward, inside the backward (ParamGroup::post_forward).
   static const std::vector<at::Tensor>& recompute(const std::shared_ptr<Impl>& group, const at::Tensor& rows);
   std::vector<at::Tensor> plain_views() const;

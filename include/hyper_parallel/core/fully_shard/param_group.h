@@ -65,8 +65,11 @@ class ParamGroup {
   /// gathers): the gathered parameters, differentiable (their gradient is reduce-scattered into
   /// the shards), in the managed order. `rows`: for a row-sparse group, the rows of its one
   /// parameter this forward reads (an embedding's ids): unless a gather of it is under way, only
-  /// those travel (comm/gather_rows.h), and the other rows read NaN. Collective.
-  const std::vector<at::Tensor>& pre_forward(const at::Tensor& rows = {});
+  /// those travel (comm/gather_rows.h), and the other rows read NaN. Then runs `prefetch` (e.g.
+  /// the gathers of set_modules_to_forward_prefetch), unless this forward is a recomputation (see
+  /// post_forward), which gathers no group ahead for a later forward. Collective.
+  const std::vector<at::Tensor>& pre_forward(const at::Tensor& rows = {},
+                                             const std::function<void()>& prefetch = {});
   /// A managed module's forward ended: once all `users` have, the group reshards (if
   /// reshard_after_forward) and the next pre_forward starts a new pass.
   ///
@@ -79,9 +82,6 @@ class ParamGroup {
   /// backward does not reach are then judged at its end. A forward without grad inside a
   /// backward (a hook's) is not one: it reshards a group whose backward is not under way.
   void post_forward();
-  /// Whether a backward runs on this thread now (a forward then is a recomputation, or a hook's):
-  /// it gathers no group ahead for a later forward (set_modules_to_forward_prefetch).
-  static bool is_recomputation();
   /// `outputs` of a managed module, each passed through a node whose backward gathers the group
   /// again (if it was resharded) before the module's own backward reads its parameters, then
   /// runs `then` (e.g. gathering the modules to prefetch).

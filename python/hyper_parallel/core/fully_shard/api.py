@@ -187,12 +187,9 @@ def _install_hooks(group, owners, mp_policy: MixedPrecisionPolicy, fsdp_module):
         def pre_hook(mod, args, names=names):
             # An embedding's forward reads the rows of its ids (a row-sparse group gathers those).
             ids = args[0] if isinstance(mod, nn.Embedding) and args and isinstance(args[0], torch.Tensor) else None
-            gathered = group.pre_forward(ids)
+            gathered = group.pre_forward(ids, getattr(fsdp_module, "_fsdp_forward_prefetch", []))
             for name, index in names:
                 mod._parameters[name] = gathered[index]
-            if not _C.FullyShardParamGroup.is_recomputation():  # checkpoint's, in the backward
-                for other in getattr(fsdp_module, "_fsdp_forward_prefetch", []):
-                    other.unshard(True)
             if mp_policy.param_dtype is not None and mp_policy.cast_forward_inputs:
                 return tuple(a.to(mp_policy.param_dtype) if isinstance(a, torch.Tensor) and a.is_floating_point()
                              else a for a in args)
