@@ -69,12 +69,11 @@ bool ParamGroup::Impl::holds_sums() const {
 // step's optimizer sees every micro-batch. Autograd reaches none of these parameters: their
 // hooks run on the reduced gradient when .grad is completed.
 void ParamGroup::Impl::reduce_held_sums() {
-  // arrivals > 0: reached, its own end of backward reduces them; no pending: never ran a forward.
-  if (!sync || arrivals > 0 || pending.size() != params.size()) return;
-  // Every parameter that wants a gradient, whichever this rank holds a sum for (another rank may
-  // hold one: its flag tells), so that every rank's message has one layout; sent by every rank
-  // that holds any sum, a frozen parameter's included (it keeps that sum).
-  if (!holds_sums()) return;
+  // arrivals > 0: reached, its own end of backward reduces them. Sent by every rank that holds
+  // any sum, a frozen parameter's included (it keeps that sum), for every parameter that wants a
+  // gradient, whichever this rank holds a sum for (another rank may hold one: its flag tells), so
+  // that every rank's message has one layout.
+  if (!sync || arrivals > 0 || !holds_sums()) return;
   std::vector<size_t> indices;
   for (size_t i = 0; i < params.size(); ++i) {
     if (params[i].requires_grad()) indices.push_back(i);
