@@ -39,8 +39,10 @@ struct World {
   std::shared_ptr<::gloo::transport::Device> device;
   std::shared_ptr<detail::GroupImpl> group;
   int64_t groups_created = 0;  // sub-groups, same count on every rank (collective contract)
-  // Adopted backends (the world joined from torch among them) and their groups.
-  std::map<const c10d::ProcessGroup*, std::weak_ptr<detail::GroupImpl>> adopted;
+  // Adopted backends (the world joined from torch among them) and their groups, kept until
+  // destroy_process_group: a group's call order, tags and link estimate outlive the handles, which
+  // each rank may drop at a different time (Python's collector decides when).
+  std::map<const c10d::ProcessGroup*, std::shared_ptr<detail::GroupImpl>> adopted;
 };
 
 World& world_state() {
@@ -256,7 +258,7 @@ Group adopt_group(c10::intrusive_ptr<c10d::ProcessGroup> backend, std::vector<in
   TORCH_CHECK_VALUE(backend, "hyper_parallel::comm::adopt_group: expected a process group, got None");
   auto& w = world_state();
   std::lock_guard<std::mutex> lock(w.mutex);
-  if (auto existing = w.adopted[backend.get()].lock()) return Group(existing);
+  if (auto it = w.adopted.find(backend.get()); it != w.adopted.end()) return Group(it->second);
   TORCH_CHECK_VALUE(static_cast<int64_t>(global_ranks.size()) == backend->getSize(),
                     "hyper_parallel::comm::adopt_group: expected one global rank per member of the group (",
                     backend->getSize(), "), got ", global_ranks.size());

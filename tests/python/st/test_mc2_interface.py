@@ -260,3 +260,17 @@ def test_meshes_and_groups_are_duck_typed(new_group):
     with pytest.raises(TypeError, match=r"MC2Linear \(in_features=512, out_features=256\): the group given to "
                                         r"configure_mc2 cannot run the fused op: .*got str"):
         bad(torch.randn(2, 4, 512).bfloat16())
+
+
+@multirank
+def test_a_torch_group_keeps_one_call_order_whichever_ranks_hold_it():
+    """The core adopts a torch group once, for the life of the world: its call order (and its
+    link estimate, which auto chunking measures) do not restart on a rank that dropped its handle
+    while another rank kept one, as Python's collector may arrange."""
+    import hyper_parallel._C as C
+
+    group = dist.new_group(list(range(WORLD)))
+    held = C.as_group(group) if dist.get_rank() == 0 else None
+    for _ in range(3):
+        assert C.all_reduce(torch.ones(2), C.ReduceOp.SUM, group).tolist() == [WORLD, WORLD]
+    del held

@@ -95,8 +95,9 @@ void destroy_process_group();
 /// torch.distributed.new_group in Python): this library's ops use `backend` itself, and no second
 /// group is created. `global_ranks[i]` is group rank i's global rank; this rank must be one of
 /// them. The group is called `name` followed by its ranks (e.g. "torch:3[0, 1]"). Adopting the
-/// same backend again returns the same Group, so every use shares one call order and one set of
-/// tags. The world joined by init_process_group_from is already adopted.
+/// same backend again returns the same Group, so every use shares one call order, one set of tags
+/// and one link estimate; the library keeps it (and `backend`) until destroy_process_group. The
+/// world joined by init_process_group_from is already adopted.
 Group adopt_group(c10::intrusive_ptr<c10d::ProcessGroup> backend, std::vector<int64_t> global_ranks,
                   const std::string& name);
 /// The c10d process group `group` runs on, e.g. to hand an adopted group back to the front end
