@@ -32,9 +32,17 @@ void Transfer::set_posted(c10::intrusive_ptr<c10d::Work> w, std::exception_ptr e
 
 c10::intrusive_ptr<c10d::Work> Transfer::wait_posted() {
   std::unique_lock<std::mutex> lock(mutex);
-  cv.wait(lock, [&] { return posted; });
+  TORCH_CHECK(cv.wait_for(lock, timeout, [&] { return posted; }),
+              "expected the transport to accept it within ", timeout.count(),
+              " ms (HP_TIMEOUT_S), got no answer");
   if (error) std::rethrow_exception(error);
   return work;
+}
+
+void Transfer::wait_completed() {
+  // Gloo's wait with a timeout throws "Timed out waiting ... ms" and fails the group's other
+  // pending transfers, so none completes later into a freed buffer.
+  wait_posted()->wait(timeout);
 }
 
 }  // namespace detail
@@ -61,7 +69,7 @@ class TransferWork final : public detail::WorkImpl {
         transfer_->cv.wait(lock, [&] { return transfer_->done; });
         if (transfer_->error) std::rethrow_exception(transfer_->error);
       } else {
-        transfer_->wait_posted()->wait();
+        transfer_->wait_completed();
       }
     } catch (const std::exception& e) {
       const auto op = detail::FlightRecorder::current();
@@ -128,7 +136,9 @@ Work post_transfer(bool is_send, const at::Tensor& tensor, int64_t peer, const G
   }
   const int64_t bytes = static_cast<int64_t>(tensor.nbytes());
   const int64_t post_us = traceable && trace::enabled() ? trace::detail::now_us() : -1;
-  auto transfer = std::make_shared<Transfer>();
+  TORCH_INTERNAL_ASSERT(group.timeout().count() > 0, "post_transfer: group ", group.name(),
+                        " has no timeout");
+  auto transfer = std::make_shared<Transfer>(group.timeout());
   auto wire = as_wire_tensor(tensor);
   const auto& backend = group.impl().backend;
   if (is_send && bytes >= SendPoster::kMinBytes) {

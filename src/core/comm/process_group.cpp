@@ -204,6 +204,9 @@ void init_process_group_from(c10::intrusive_ptr<c10d::ProcessGroup> world_backen
                     "process group, got None");
   TORCH_CHECK_VALUE(store, "hyper_parallel::comm::init_process_group_from: expected a store, got None");
   const int64_t rank = world_backend->getRank(), size = world_backend->getSize();
+  // Without HP_TIMEOUT_S, transfers wait as long as the front end's own collectives do: its store
+  // carries the timeout its world was made with (torch's: 30 min unless given).
+  const auto store_timeout = std::chrono::duration_cast<std::chrono::milliseconds>(store->getTimeout());
   // Keys of this library's sub-groups live under a prefix of their own in the shared store.
   w.store = c10::make_intrusive<c10d::PrefixStore>("hyper_parallel", std::move(store));
   auto iface = options.interface() ? options.interface() : env("HP_SOCKET_IFNAME");
@@ -221,7 +224,9 @@ void init_process_group_from(c10::intrusive_ptr<c10d::ProcessGroup> world_backen
   impl->rank = rank;
   for (int64_t r = 0; r < size; ++r) impl->global_ranks.push_back(r);
   impl->name = "world";
-  impl->timeout = options.timeout().value_or(default_timeout());
+  impl->timeout = options.timeout()                                   ? *options.timeout()
+                  : env("HP_TIMEOUT_S") || store_timeout.count() <= 0 ? default_timeout()
+                                                                      : store_timeout;
   w.adopted.clear();
   w.adopted[impl->backend.get()] = impl;
   w.group = std::move(impl);

@@ -36,7 +36,7 @@ void TraceWaiters::run(int64_t lane) {
     }
     std::exception_ptr error;
     try {
-      job.transfer->wait_posted()->wait();
+      job.transfer->wait_completed();
     } catch (...) {
       error = std::current_exception();
     }

@@ -2,6 +2,7 @@
 // Internal: one transfer between two ranks, from the moment it is handed to the transport
 // (posted, by the calling thread or by the send poster) to its completion.
 
+#include <chrono>
 #include <condition_variable>
 #include <exception>
 #include <mutex>
@@ -20,11 +21,17 @@ struct Transfer {
   bool posted = false;
   bool done = false;  // completion observed by a trace waiter (tracing only)
   std::exception_ptr error;
+  // How long a wait for this transfer may take: its group's (HP_TIMEOUT_S). The transport's own
+  // timeout may be longer: a group adopted from torch.distributed keeps torch's (30 min).
+  std::chrono::milliseconds timeout{0};
 
+  explicit Transfer(std::chrono::milliseconds t) : timeout(t) {}
   /// Records the transport's work, or the failure to post it, and wakes whoever waits for it.
   void set_posted(c10::intrusive_ptr<c10d::Work> w, std::exception_ptr e);
   /// The posted work; rethrows a failure to post.
   c10::intrusive_ptr<c10d::Work> wait_posted();
+  /// Waits for the transport to complete it, for at most `timeout`; throws on failure or timeout.
+  void wait_completed();
 };
 
 /// Posts a send or receive of `tensor` with `tag` on `group` and wraps it as a Work whose

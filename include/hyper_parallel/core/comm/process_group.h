@@ -77,8 +77,9 @@ void init_process_group(const InitOptions& options = {});
 /// Joins a world that c10d already made, e.g. the one torch.distributed.init_process_group("gloo")
 /// created in Python: the world group runs on `world` itself (no second rendezvous), and
 /// sub-groups (new_group, DeviceMesh) are made on `store` (e.g. torch.distributed's default
-/// store) with a Gloo transport of their own. Rank, world size and timeout come from `world`
-/// and `options` (interface as in init_process_group). The Python front end calls this; it is
+/// store) with a Gloo transport of their own. Rank and world size come from `world`; the timeout
+/// from `options`, else HP_TIMEOUT_S, else `store` (the one its world was made with); the
+/// interface as in init_process_group. The Python front end calls this; it is
 /// the one entry point that names a c10d type, only to pass it through.
 void init_process_group_from(c10::intrusive_ptr<c10d::ProcessGroup> world,
                              c10::intrusive_ptr<c10d::Store> store, const InitOptions& options = {});
