@@ -9,7 +9,6 @@
 #include <ATen/native/Resize.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/grad_mode.h>
-#include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/variable.h>
 
 #include <hyper_parallel/core/comm/chunks.h>
@@ -245,13 +244,6 @@ void ParamGroup::Impl::free_buffers() {
   unsharded = false;
 }
 
-namespace {
-
-// A backward runs on this thread: a forward now is a recomputation (or a hook's, without grad).
-bool in_backward() { return torch::autograd::get_current_graph_task_nodes_in_graph() != nullptr; }
-
-}  // namespace
-
 // A pass ends when every user has run, or with its backward. One that skipped a user ends with
 // neither if it had no backward: its views were made without grad (an evaluation, or the part of
 // the group a reentrant checkpoint runs), and this forward needs gradients; or its backward began
@@ -288,53 +280,9 @@ std::vector<at::Tensor> ParamGroup::Impl::plain_views() const {
   return views;
 }
 
-// A pass with grad whose module now runs without (the region of a reentrant checkpoint, whose
-// recomputation's nested backward brings that part's gradients): the parameters the backward
-// does not reach are judged at its end, and a whole-group node (no cap) hands its gradients to
-// the per-parameter arrivals, which that part's views add to.
-void ParamGroup::Impl::note_part_without_grad() {
-  if (part_without_grad) return;
-  part_without_grad = true;
-  const bool whole_group_node = !reduces_in_buckets();
-  reached_later = true;
-  if (whole_group_node && reduces_in_buckets()) begin_backward_pass();
-}
-
-// checkpoint's recomputation (a forward with grad inside the backward). The pass order and the
-// next forward's prefetch are the forward's: it leaves them.
-const std::vector<at::Tensor>& ParamGroup::Impl::recompute(const std::shared_ptr<Impl>& group,
-                                                           const at::Tensor& rows) {
-  auto& s = *group;
-  s.gather_for_forward(rows);
-  if (!torch::autograd::GradMode::is_enabled()) {  // not checkpoint's (a hook's forward): no pass
-    s.gathered = s.plain_views();
-    return s.gathered;
-  }
-  s.backward_began = true;
-  s.prefetch_next_backward(group);
-  if (!s.grad_views.empty() && (!s.part_without_grad || !s.reduces_in_buckets())) {
-    s.gathered = s.grad_views;  // the non-reentrant variant reads only its saved tensors
-    return s.gathered;
-  }
-  if (s.grad_views.empty()) {
-    // The reentrant variant ran the whole pass without grad: views with grad start this
-    // backward's reduction, which its nested backwards each reach in part.
-    s.reached_later = s.part_without_grad = true;
-    s.gathered = Impl::attach_reduction(group, s.plain_views());
-    s.grad_views = s.gathered;
-  } else {
-    // The part of the pass that ran without grad: views of its own, whose gradients (from the
-    // nested backward) add to the pass's arrivals.
-    s.gathered = Impl::attach_per_parameter(group, s.plain_views());
-  }
-  // The backward running now (the reentrant variant's outer one) ends the group's.
-  queue_end_of_backward(group);
-  return s.gathered;
-}
-
 const std::vector<at::Tensor>& ParamGroup::pre_forward(const at::Tensor& rows,
                                                        const std::function<void()>& prefetch) {
-  if (in_backward()) return Impl::recompute(impl_, rows);
+  if (Impl::in_backward()) return Impl::recompute(impl_, rows);
   const auto& gathered = Impl::forward_pass(impl_, rows);
   if (prefetch) prefetch();
   return gathered;
@@ -370,7 +318,7 @@ const std::vector<at::Tensor>& ParamGroup::Impl::forward_pass(const std::shared_
 
 void ParamGroup::post_forward() {
   auto& s = *impl_;
-  if (in_backward()) {
+  if (Impl::in_backward()) {
     // A recomputation's group stays gathered: the backward frees it when the group's is over. A
     // forward without grad in a backward (a hook's) reshards a group whose backward is not under
     // way, as a forward would.

@@ -1,6 +1,8 @@
 #pragma once
-// Internal: a fully_shard group's state, shared by its gathers (param_group.cpp) and its
-// gradient reductions (param_group_reduce.cpp).
+// Internal: a fully_shard group's state, shared by its gathers (param_group.cpp), its gradient
+// reductions (param_group_reduce.cpp), the parameters a backward does not reach
+// (unreached_parameters.cpp), its recomputation under activation checkpointing
+// (recomputation.cpp) and its held sums (held_sums.cpp).
 
 #include <cstdint>
 #include <memory>
@@ -98,7 +100,10 @@ struct ParamGroup::Impl {
   // A forward outside any backward: the gathered views of its pass (ParamGroup::pre_forward).
   static const std::vector<at::Tensor>& forward_pass(const std::shared_ptr<Impl>& group,
                                                      const at::Tensor& rows);
-  // checkpoint's recomputation of a forward, inside the backward (ParamGroup::post_forward).
+  // A backward runs on this thread: a forward now is a recomputation (recomputation.cpp), or a
+  // hook's without grad.
+  static bool in_backward();
+  // checkpoint's recomputation of a forward, inside the backward (ParamGroup::pre_forward).
   static const std::vector<at::Tensor>& recompute(const std::shared_ptr<Impl>& group, const at::Tensor& rows);
   std::vector<at::Tensor> plain_views() const;
   void note_part_without_grad();

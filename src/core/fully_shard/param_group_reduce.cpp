@@ -12,25 +12,18 @@
 // dtype, size: ranks whose buckets differ in size get an error). Those buckets, each
 // laid out in parameter order, are the plan: a later backward starts a planned bucket once all
 // its gradients are in and the ones before it have started, without a round trip, so every rank
-// issues the same reduce-scatters in the same order whatever order its gradients come in. A
-// parameter that a later backward does not reach arrives without one at the group's first gradient
-// (autograd's graph task lists the nodes it will run), so a rank that skips a layer starts the
-// group's buckets with the others; in the first backward, or when a reentrant checkpoint may
-// reach the group through graphs it makes later, at its end (the engine's final callback, of the
-// backward that recomputes). The shards' .grad wait for their bucket at the end
-// of the backward (nn/pending_gradient.h). A parameter with gradient hooks ends its bucket; its
-// node waits for the bucket and returns the reduced gradient, so autograd runs the hooks on it.
-// A hooked parameter the backward does not reach has its hooks run on its reduced gradient (if
-// any rank had one) when its .grad is completed. A whole-group reduction agrees with the peers once: the
-// later ones have its shape.
+// issues the same reduce-scatters in the same order whatever order its gradients come in (a
+// parameter the backward does not reach: unreached_parameters.cpp). The shards' .grad wait for
+// their bucket at the end of the backward (nn/pending_gradient.h). A parameter with gradient
+// hooks ends its bucket; its node waits for the bucket and returns the reduced gradient, so
+// autograd runs the hooks on it. A whole-group reduction agrees with the peers once: the later
+// ones have its shape.
 #include <algorithm>
 #include <limits>
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
-#include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
-#include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/csrc/autograd/variable.h>
 
@@ -39,7 +32,6 @@
 #include <hyper_parallel/core/nn/pending_gradient.h>
 
 #include "../autograd/attach_backward.h"
-#include "held_sums.h"
 #include "param_group_impl.h"
 #include "reduce_in_flight.h"
 
@@ -55,16 +47,6 @@ std::shared_ptr<ParamGroup::Impl> alive(const std::weak_ptr<ParamGroup::Impl>& w
 }
 
 bool has_hooks(const at::Tensor& param) { return !torch::autograd::impl::hooks(param).empty(); }
-
-// At a group's first gradient of a backward: without sync, it will hold sums; with sync, the
-// groups this backward does not reach reduce theirs at its end.
-void note_or_queue_held_sums(const std::shared_ptr<ParamGroup::Impl>& group) {
-  if (group->sync) {
-    detail::queue_reduce_of_held_sums();
-  } else {
-    detail::note_held_sums(group);
-  }
-}
 
 }  // namespace
 
@@ -274,57 +256,6 @@ void ParamGroup::Impl::send(const std::vector<size_t>& indices, comm::Agreement 
     if (planned_wants[i] == 1 || !reached[i]) defer_to_grad(reduced, i, offset, slot, planned_wants[i] == 2);
     offset += layout.padded_elements(static_cast<int64_t>(i));
   }
-}
-
-// Judged by the running graph task's nodes, and only when `current`'s node is this pass's (a
-// second forward before this backward made other nodes) and this task lists it. The caller ends
-// the backward if these were its last gradients. Called at a planned backward's first gradient
-// of the group. Not for views a backward may reach through graphs made later (reentrant
-// checkpoint's nested backwards each list only their own part): the end of the backward judges.
-void ParamGroup::Impl::arrive_unreached(size_t current) {
-  if (reached_later) return;
-  const auto* nodes = torch::autograd::get_current_graph_task_nodes_in_graph();
-  if (nodes == nullptr || reduce_nodes[current] == nullptr || nodes->count(reduce_nodes[current]) == 0)
-    return;
-  arriving_unreached = true;
-  for (size_t i = 0; i < params.size(); ++i) {
-    if (planned_wants[i] == 0 || arrived[i] || reduce_nodes[i] == nullptr ||
-        nodes->count(reduce_nodes[i]) > 0)
-      continue;
-    arrive_without_gradient(i);
-  }
-  arriving_unreached = false;
-}
-
-// Its hooks are not run (autograd does not reach it): its reduced gradient (the other ranks', or
-// none) is deferred to .grad.
-void ParamGroup::Impl::arrive_without_gradient(size_t i) {
-  reached[i] = false;
-  arrive(i, at::Tensor());
-}
-
-// At a group's first gradient of a backward, or when a recomputation inside it makes the views
-// whose gradients it reduces (reentrant checkpoint's: its nested backwards each reach only their
-// part): the end of the backward running now brings the gradients that did not arrive, and, if it
-// syncs, the held sums of the groups it did not reach.
-void ParamGroup::Impl::queue_end_of_backward(const std::shared_ptr<Impl>& group) {
-  if (group->end_queued) return;
-  group->end_queued = true;
-  if (group->reduces_in_buckets()) {
-    std::weak_ptr<Impl> weak = group;
-    torch::autograd::Engine::get_default_engine().queue_callback([weak] {
-      if (auto g = weak.lock()) g->arrive_missing();
-    });
-  }
-  note_or_queue_held_sums(group);
-}
-
-void ParamGroup::Impl::arrive_missing() {
-  std::vector<size_t> missing;
-  for (size_t i = 0; arrivals > 0 && i < params.size(); ++i) {
-    if (planned_wants[i] != 0 && !arrived[i]) missing.push_back(i);
-  }
-  for (const auto i : missing) arrive_without_gradient(i);
 }
 
 void ParamGroup::Impl::end_backward() {

@@ -1,0 +1,68 @@
+// A fully_shard group's forward run again inside the backward: activation checkpointing's
+// recomputation. Both variants of torch.utils.checkpoint are supported.
+//
+// The non-reentrant variant runs the forward with grad inside the backward and reads only the
+// tensors the recomputation saves: the group's views of its last pass with grad are reused, and
+// the group stays gathered until its backward ends. The reentrant variant runs its region without
+// grad in the forward, and its backward as a nested one: the part of a pass that ran without grad
+// makes views of its own, whose gradients join the pass's arrivals, and the end of the group's
+// backward is queued on the outer backward (unreached_parameters.cpp). A recomputation records
+// no pass order and prefetches no later forward; it prefetches the group whose backward comes
+// next. A forward without grad inside a backward (a hook's) is not a recomputation.
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/grad_mode.h>
+#include <torch/csrc/autograd/graph_task.h>
+
+#include "param_group_impl.h"
+
+namespace hyper_parallel::fully_shard {
+
+bool ParamGroup::Impl::in_backward() {
+  return torch::autograd::get_current_graph_task_nodes_in_graph() != nullptr;
+}
+
+// A pass with grad whose module now runs without (the region of a reentrant checkpoint, whose
+// recomputation's nested backward brings that part's gradients): the parameters the backward
+// does not reach are judged at its end, and a whole-group node (no cap) hands its gradients to
+// the per-parameter arrivals, which that part's views add to.
+void ParamGroup::Impl::note_part_without_grad() {
+  if (part_without_grad) return;
+  part_without_grad = true;
+  const bool whole_group_node = !reduces_in_buckets();
+  reached_later = true;
+  if (whole_group_node && reduces_in_buckets()) begin_backward_pass();
+}
+
+// checkpoint's recomputation (a forward with grad inside the backward). The pass order and the
+// next forward's prefetch are the forward's: it leaves them.
+const std::vector<at::Tensor>& ParamGroup::Impl::recompute(const std::shared_ptr<Impl>& group,
+                                                           const at::Tensor& rows) {
+  auto& s = *group;
+  s.gather_for_forward(rows);
+  if (!torch::autograd::GradMode::is_enabled()) {  // not checkpoint's (a hook's forward): no pass
+    s.gathered = s.plain_views();
+    return s.gathered;
+  }
+  s.backward_began = true;
+  s.prefetch_next_backward(group);
+  if (!s.grad_views.empty() && (!s.part_without_grad || !s.reduces_in_buckets())) {
+    s.gathered = s.grad_views;  // the non-reentrant variant reads only its saved tensors
+    return s.gathered;
+  }
+  if (s.grad_views.empty()) {
+    // The reentrant variant ran the whole pass without grad: views with grad start this
+    // backward's reduction, which its nested backwards each reach in part.
+    s.reached_later = s.part_without_grad = true;
+    s.gathered = Impl::attach_reduction(group, s.plain_views());
+    s.grad_views = s.gathered;
+  } else {
+    // The part of the pass that ran without grad: views of its own, whose gradients (from the
+    // nested backward) add to the pass's arrivals.
+    s.gathered = Impl::attach_per_parameter(group, s.plain_views());
+  }
+  // The backward running now (the reentrant variant's outer one) ends the group's.
+  queue_end_of_backward(group);
+  return s.gathered;
+}
+
+}  // namespace hyper_parallel::fully_shard
