@@ -33,8 +33,8 @@ void Transfer::set_posted(c10::intrusive_ptr<c10d::Work> w, std::exception_ptr e
 c10::intrusive_ptr<c10d::Work> Transfer::wait_posted() {
   std::unique_lock<std::mutex> lock(mutex);
   TORCH_CHECK(cv.wait_for(lock, timeout, [&] { return posted; }),
-              "expected the transport to accept it within ", timeout.count(),
-              " ms (HP_TIMEOUT_S), got no answer");
+              "expected the transport to accept it within the group's timeout of ", timeout.count(),
+              " ms, got no answer");
   if (error) std::rethrow_exception(error);
   return work;
 }

@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <thread>
 
@@ -32,6 +33,7 @@ using detail::parse_int;
 
 // Every environment variable this file reads is init_process_group's (or its adopting twin's).
 constexpr const char* kInit = "hyper_parallel::comm::init_process_group";
+constexpr std::chrono::milliseconds kDefaultTimeout = std::chrono::seconds(300);
 
 struct World {
   std::mutex mutex;
@@ -39,10 +41,13 @@ struct World {
   std::shared_ptr<::gloo::transport::Device> device;
   std::shared_ptr<detail::GroupImpl> group;
   int64_t groups_created = 0;  // sub-groups, same count on every rank (collective contract)
-  // Adopted backends (the world joined from torch among them) and their groups, kept until
-  // destroy_process_group: a group's call order, tags and link estimate outlive the handles, which
-  // each rank may drop at a different time (Python's collector decides when).
+  // Adopted backends (the world joined from torch among them) and their groups, kept while the
+  // front end keeps the backend: a group's call order, tags and link estimate outlive the
+  // handles, which each rank may drop at a different time (Python's collector decides when).
   std::map<const c10d::ProcessGroup*, std::shared_ptr<detail::GroupImpl>> adopted;
+  // The timeout every adopted group waits with, if init_process_group_from's options or
+  // HP_TIMEOUT_S set one; else each waits with its backend's own.
+  std::optional<std::chrono::milliseconds> adopted_timeout;
 };
 
 World& world_state() {
@@ -96,13 +101,27 @@ void wait_until_listening(const std::string& host, int64_t port, std::chrono::mi
   freeaddrinfo(res);
 }
 
-std::chrono::milliseconds default_timeout() {
+std::optional<std::chrono::milliseconds> timeout_set(const InitOptions& options, const char* fn) {
+  if (options.timeout()) {
+    TORCH_CHECK_VALUE(options.timeout()->count() > 0, "hyper_parallel::comm::", fn,
+                      ": expected a timeout > 0, got ", options.timeout()->count(), " ms");
+    return options.timeout();
+  }
   if (auto v = env("HP_TIMEOUT_S")) {
     int64_t s = parse_int(*v, "HP_TIMEOUT_S", kInit);
-    TORCH_CHECK(s > 0, "hyper_parallel::comm::init_process_group: expected HP_TIMEOUT_S > 0, got ", s);
+    TORCH_CHECK(s > 0, "hyper_parallel::comm::", fn, ": expected HP_TIMEOUT_S > 0, got ", s);
     return std::chrono::seconds(s);
   }
-  return std::chrono::seconds(300);
+  return std::nullopt;
+}
+
+// The timeout a backend another front end made waits with (torch: the one given to
+// init_process_group or new_group, 30 min unless given), or `fallback` if it tells none.
+std::chrono::milliseconds own_timeout(const c10d::ProcessGroup& backend, std::chrono::milliseconds fallback) {
+  const auto* gloo = dynamic_cast<const c10d::ProcessGroupGloo*>(&backend);
+  if (gloo == nullptr) return fallback;
+  const auto timeout = const_cast<c10d::ProcessGroupGloo*>(gloo)->getOptions()->timeout;
+  return timeout.count() > 0 ? timeout : fallback;
 }
 
 detail::GroupImpl& require_world(const char* fn) {
@@ -161,7 +180,7 @@ void init_process_group(const InitOptions& options) {
   }
   TORCH_CHECK(*port > 0 && *port < 65536,
               "hyper_parallel::comm::init_process_group: expected MASTER_PORT in [1, 65535], got ", *port);
-  auto timeout = options.timeout().value_or(default_timeout());
+  auto timeout = timeout_set(options, "init_process_group").value_or(kDefaultTimeout);
 
   if (*rank != 0) wait_until_listening(*addr, *port, timeout);
   c10d::TCPStoreOptions store_options;
@@ -204,9 +223,6 @@ void init_process_group_from(c10::intrusive_ptr<c10d::ProcessGroup> world_backen
                     "process group, got None");
   TORCH_CHECK_VALUE(store, "hyper_parallel::comm::init_process_group_from: expected a store, got None");
   const int64_t rank = world_backend->getRank(), size = world_backend->getSize();
-  // Without HP_TIMEOUT_S, transfers wait as long as the front end's own collectives do: its store
-  // carries the timeout its world was made with (torch's: 30 min unless given).
-  const auto store_timeout = std::chrono::duration_cast<std::chrono::milliseconds>(store->getTimeout());
   // Keys of this library's sub-groups live under a prefix of their own in the shared store.
   w.store = c10::make_intrusive<c10d::PrefixStore>("hyper_parallel", std::move(store));
   auto iface = options.interface() ? options.interface() : env("HP_SOCKET_IFNAME");
@@ -224,9 +240,9 @@ void init_process_group_from(c10::intrusive_ptr<c10d::ProcessGroup> world_backen
   impl->rank = rank;
   for (int64_t r = 0; r < size; ++r) impl->global_ranks.push_back(r);
   impl->name = "world";
-  impl->timeout = options.timeout()                                   ? *options.timeout()
-                  : env("HP_TIMEOUT_S") || store_timeout.count() <= 0 ? default_timeout()
-                                                                      : store_timeout;
+  // Without a timeout of ours, transfers wait as long as the front end's own collectives do.
+  w.adopted_timeout = timeout_set(options, "init_process_group_from");
+  impl->timeout = w.adopted_timeout.value_or(own_timeout(*impl->backend, kDefaultTimeout));
   w.adopted.clear();
   w.adopted[impl->backend.get()] = impl;
   w.group = std::move(impl);
@@ -255,6 +271,7 @@ void destroy_process_group() {
   w.store.reset();
   w.groups_created = 0;
   w.adopted.clear();
+  w.adopted_timeout.reset();
 }
 
 Group adopt_group(c10::intrusive_ptr<c10d::ProcessGroup> backend, std::vector<int64_t> global_ranks,
@@ -262,8 +279,19 @@ Group adopt_group(c10::intrusive_ptr<c10d::ProcessGroup> backend, std::vector<in
   auto& world_impl = require_world("adopt_group");
   TORCH_CHECK_VALUE(backend, "hyper_parallel::comm::adopt_group: expected a process group, got None");
   auto& w = world_state();
+  std::vector<std::shared_ptr<detail::GroupImpl>> released;  // destroyed after the lock is
   std::lock_guard<std::mutex> lock(w.mutex);
   if (auto it = w.adopted.find(backend.get()); it != w.adopted.end()) return Group(it->second);
+  // A group that neither its front end (torch.distributed.destroy_process_group) nor any handle
+  // holds any more cannot be passed again: its threads and connections are released.
+  for (auto it = w.adopted.begin(); it != w.adopted.end();) {
+    if (it->second.use_count() == 1 && it->second->backend.use_count() == 1) {
+      released.push_back(std::move(it->second));
+      it = w.adopted.erase(it);
+    } else {
+      ++it;
+    }
+  }
   TORCH_CHECK_VALUE(static_cast<int64_t>(global_ranks.size()) == backend->getSize(),
                     "hyper_parallel::comm::adopt_group: expected one global rank per member of the group (",
                     backend->getSize(), "), got ", global_ranks.size());
@@ -276,7 +304,7 @@ Group adopt_group(c10::intrusive_ptr<c10d::ProcessGroup> backend, std::vector<in
   std::ostringstream full_name;
   full_name << name << c10::IntArrayRef(impl->global_ranks);
   impl->name = full_name.str();
-  impl->timeout = world_impl.timeout;
+  impl->timeout = w.adopted_timeout.value_or(own_timeout(*backend, world_impl.timeout));
   impl->backend = std::move(backend);
   w.adopted[impl->backend.get()] = impl;
   return Group(std::move(impl));

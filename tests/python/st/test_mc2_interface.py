@@ -274,3 +274,25 @@ def test_a_torch_group_keeps_one_call_order_whichever_ranks_hold_it():
     for _ in range(3):
         assert C.all_reduce(torch.ones(2), C.ReduceOp.SUM, group).tolist() == [WORLD, WORLD]
     del held
+
+
+@multirank
+def test_a_torch_group_destroyed_by_torch_releases_its_threads():
+    """Once torch.distributed.destroy_process_group(group) and every handle let a group go, the
+    core lets go of it too: a loop of short-lived groups keeps its threads (and connections)."""
+    import hyper_parallel._C as C
+
+    def threads():
+        return len(os.listdir("/proc/self/task"))
+
+    def one_short_lived_group():
+        group = dist.new_group(list(range(WORLD)))
+        assert C.all_reduce(torch.ones(1), C.ReduceOp.SUM, group).item() == WORLD
+        dist.destroy_process_group(group)
+
+    for _ in range(2):
+        one_short_lived_group()
+    before = threads()
+    for _ in range(8):
+        one_short_lived_group()
+    assert threads() <= before

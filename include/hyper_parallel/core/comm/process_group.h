@@ -78,8 +78,9 @@ void init_process_group(const InitOptions& options = {});
 /// created in Python: the world group runs on `world` itself (no second rendezvous), and
 /// sub-groups (new_group, DeviceMesh) are made on `store` (e.g. torch.distributed's default
 /// store) with a Gloo transport of their own. Rank and world size come from `world`; the timeout
-/// from `options`, else HP_TIMEOUT_S, else `store` (the one its world was made with); the
-/// interface as in init_process_group. The Python front end calls this; it is
+/// of the world and of every group adopted later from `options`, else HP_TIMEOUT_S, else each
+/// backend's own (torch's: the one given to init_process_group or new_group); the interface as
+/// in init_process_group. The Python front end calls this; it is
 /// the one entry point that names a c10d type, only to pass it through.
 void init_process_group_from(c10::intrusive_ptr<c10d::ProcessGroup> world,
                              c10::intrusive_ptr<c10d::Store> store, const InitOptions& options = {});
@@ -97,8 +98,9 @@ void destroy_process_group();
 /// group is created. `global_ranks[i]` is group rank i's global rank; this rank must be one of
 /// them. The group is called `name` followed by its ranks (e.g. "torch:3[0, 1]"). Adopting the
 /// same backend again returns the same Group, so every use shares one call order, one set of tags
-/// and one link estimate; the library keeps it (and `backend`) until destroy_process_group. The
-/// world joined by init_process_group_from is already adopted.
+/// and one link estimate: the library keeps it (and `backend`) until destroy_process_group, or
+/// until neither the front end nor any handle holds `backend`. The world joined by
+/// init_process_group_from is already adopted.
 Group adopt_group(c10::intrusive_ptr<c10d::ProcessGroup> backend, std::vector<int64_t> global_ranks,
                   const std::string& name);
 /// The c10d process group `group` runs on, e.g. to hand an adopted group back to the front end

@@ -60,6 +60,15 @@ TEST(ProcessGroupErrors, MissingOrBadEnvironment) {
     HP_EXPECT_THROW_MSG(hp::comm::init_process_group(), "expected MASTER_PORT in [1, 65535], got 70000");
   }
   {
+    ScopedEnv rank("RANK", "0"), size("WORLD_SIZE", "1"), addr("MASTER_ADDR", "127.0.0.1"),
+        port("MASTER_PORT", "29500");
+    HP_EXPECT_THROW_MSG(
+        hp::comm::init_process_group(hp::comm::InitOptions().timeout(std::chrono::seconds(0))),
+        "init_process_group: expected a timeout > 0, got 0 ms");
+    ScopedEnv timeout("HP_TIMEOUT_S", "0");
+    HP_EXPECT_THROW_MSG(hp::comm::init_process_group(), "expected HP_TIMEOUT_S > 0, got 0");
+  }
+  {
     // Launchers other than hp-run: mpirun's variables are read when RANK is absent.
     ScopedEnv ompi("OMPI_COMM_WORLD_RANK", "3"), size("WORLD_SIZE", "2");
     HP_EXPECT_THROW_MSG(hp::comm::init_process_group(), "expected rank in [0, 2), got 3");
