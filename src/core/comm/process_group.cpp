@@ -15,6 +15,7 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupWrapper.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <hyper_parallel/core/comm/lifecycle.h>
@@ -23,6 +24,7 @@
 #include "env.h"
 #include "flight_recorder.h"
 #include "group_impl.h"
+#include "worker_thread.h"
 
 namespace hyper_parallel::comm {
 namespace {
@@ -117,11 +119,24 @@ std::optional<std::chrono::milliseconds> timeout_set(const InitOptions& options,
 
 // The timeout a backend another front end made waits with (torch: the one given to
 // init_process_group or new_group, 30 min unless given), or `fallback` if it tells none.
-std::chrono::milliseconds own_timeout(const c10d::ProcessGroup& backend, std::chrono::milliseconds fallback) {
-  const auto* gloo = dynamic_cast<const c10d::ProcessGroupGloo*>(&backend);
+std::chrono::milliseconds own_timeout(c10::intrusive_ptr<c10d::ProcessGroup> backend,
+                                      std::chrono::milliseconds fallback) {
+  // TORCH_DISTRIBUTED_DEBUG=DETAIL wraps each of torch's groups in a checking one.
+  if (auto* wrapper = dynamic_cast<c10d::ProcessGroupWrapper*>(backend.get()))
+    backend = wrapper->getWrappedPg();
+  auto* gloo = dynamic_cast<c10d::ProcessGroupGloo*>(backend.get());
   if (gloo == nullptr) return fallback;
-  const auto timeout = const_cast<c10d::ProcessGroupGloo*>(gloo)->getOptions()->timeout;
+  const auto timeout = gloo->getOptions()->timeout;
   return timeout.count() > 0 ? timeout : fallback;
+}
+
+// Destroys groups on a thread of this library's own: a ProcessGroupGloo's destructor joins its
+// threads, which may be the caller (a callback of its work) or wait for the caller (Python's
+// lock, which a callback needs).
+void release_on_own_thread(std::vector<std::shared_ptr<detail::GroupImpl>> groups) {
+  if (groups.empty()) return;
+  static auto* releaser = new detail::WorkerThread();  // never freed: it may outlive statics
+  releaser->submit([groups = std::move(groups)]() mutable { groups.clear(); });
 }
 
 detail::GroupImpl& require_world(const char* fn) {
@@ -204,6 +219,7 @@ void init_process_group(const InitOptions& options) {
   for (int64_t r = 0; r < *size; ++r) impl->global_ranks.push_back(r);
   impl->name = "world";
   impl->timeout = timeout;
+  w.adopted_timeout = timeout;  // a C++ world's groups all wait with its timeout
   w.group = std::move(impl);
   w.groups_created = 0;
   trace::detail::start(*rank);
@@ -242,7 +258,7 @@ void init_process_group_from(c10::intrusive_ptr<c10d::ProcessGroup> world_backen
   impl->name = "world";
   // Without a timeout of ours, transfers wait as long as the front end's own collectives do.
   w.adopted_timeout = timeout_set(options, "init_process_group_from");
-  impl->timeout = w.adopted_timeout.value_or(own_timeout(*impl->backend, kDefaultTimeout));
+  impl->timeout = w.adopted_timeout.value_or(own_timeout(impl->backend, kDefaultTimeout));
   w.adopted.clear();
   w.adopted[impl->backend.get()] = impl;
   w.group = std::move(impl);
@@ -279,8 +295,8 @@ Group adopt_group(c10::intrusive_ptr<c10d::ProcessGroup> backend, std::vector<in
   auto& world_impl = require_world("adopt_group");
   TORCH_CHECK_VALUE(backend, "hyper_parallel::comm::adopt_group: expected a process group, got None");
   auto& w = world_state();
-  std::vector<std::shared_ptr<detail::GroupImpl>> released;  // destroyed after the lock is
-  std::lock_guard<std::mutex> lock(w.mutex);
+  std::vector<std::shared_ptr<detail::GroupImpl>> released;
+  std::unique_lock<std::mutex> lock(w.mutex);
   if (auto it = w.adopted.find(backend.get()); it != w.adopted.end()) return Group(it->second);
   // A group that neither its front end (torch.distributed.destroy_process_group) nor any handle
   // holds any more cannot be passed again: its threads and connections are released.
@@ -304,9 +320,11 @@ Group adopt_group(c10::intrusive_ptr<c10d::ProcessGroup> backend, std::vector<in
   std::ostringstream full_name;
   full_name << name << c10::IntArrayRef(impl->global_ranks);
   impl->name = full_name.str();
-  impl->timeout = w.adopted_timeout.value_or(own_timeout(*backend, world_impl.timeout));
+  impl->timeout = w.adopted_timeout.value_or(own_timeout(backend, world_impl.timeout));
   impl->backend = std::move(backend);
   w.adopted[impl->backend.get()] = impl;
+  lock.unlock();
+  release_on_own_thread(std::move(released));
   return Group(std::move(impl));
 }
 

@@ -21,8 +21,8 @@ struct Transfer {
   bool posted = false;
   bool done = false;  // completion observed by a trace waiter (tracing only)
   std::exception_ptr error;
-  // How long a wait for this transfer may take: its group's (HP_TIMEOUT_S). The transport's own
-  // timeout may be longer: a group adopted from torch.distributed keeps torch's (30 min).
+  // How long a wait for this transfer may take: its group's (Group::timeout), handed to the
+  // transport's wait, whose own default may differ.
   std::chrono::milliseconds timeout{0};
 
   explicit Transfer(std::chrono::milliseconds t) : timeout(t) {}

@@ -12,13 +12,15 @@ trace_dir=$(mktemp -d)
 trap 'rm -rf "$out" "$trace_dir"' EXIT
 # case: group, torch's world timeout (s), new_group's ("-": torch's default), "store" to give
 # init_process_group a store with a timeout of its own, HP_TIMEOUT_S ("-" for unset), HP_TRACE
-# (a traced transfer is waited for by a thread of its own)
-for case in "world 1800 - - 8 -" "subgroup 1800 - - 8 -" "world 8 - store - -" "subgroup 1800 8 - - -" \
-  "world 1800 - - 8 $trace_dir"; do
-  read -r group world_timeout subgroup_timeout store hp_timeout trace <<<"$case"
+# (a traced transfer is waited for by a thread of its own), TORCH_DISTRIBUTED_DEBUG (DETAIL wraps
+# torch's groups)
+for case in "world 1800 - - 8 - -" "subgroup 1800 - - 8 - -" "world 8 - store - - -" \
+  "subgroup 1800 8 - - - -" "subgroup 1800 8 - - - DETAIL" "world 1800 - - 8 $trace_dir -"; do
+  read -r group world_timeout subgroup_timeout store hp_timeout trace debug <<<"$case"
   [[ $hp_timeout == - ]] && hp_timeout=
   [[ $trace == - ]] && trace=
-  HP_TIMEOUT_S=$hp_timeout HP_TRACE=$trace "$hp_run" --nproc-per-node 2 --timeout 90 -- \
+  [[ $debug == - ]] && debug=OFF
+  HP_TIMEOUT_S=$hp_timeout HP_TRACE=$trace TORCH_DISTRIBUTED_DEBUG=$debug "$hp_run" --nproc-per-node 2 --timeout 90 -- \
     /usr/bin/python3 "$script" "$group" "$world_timeout" "$subgroup_timeout" "$store" >"$out" 2>&1
   if ! grep -q "python_timeout $group: PASS" "$out"; then
     echo "FAIL: $case"

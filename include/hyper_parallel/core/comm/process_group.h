@@ -39,8 +39,9 @@ struct InitOptions {
   TORCH_ARG(std::optional<std::string>, master_addr) = std::nullopt;
   /// Rendezvous port; default: MASTER_PORT.
   TORCH_ARG(std::optional<int64_t>, master_port) = std::nullopt;
-  /// How long rendezvous and every transfer may wait for a peer.
-  /// Default: HP_TIMEOUT_S seconds if set, else 300 s.
+  /// How long rendezvous and every transfer may wait for a peer, on every group (> 0).
+  /// Default: HP_TIMEOUT_S seconds if set, else 300 s (init_process_group_from: else each
+  /// group's backend's own).
   TORCH_ARG(std::optional<std::chrono::milliseconds>, timeout) = std::nullopt;
   /// Network interface for the transport; default: HP_SOCKET_IFNAME, else the local
   /// address whose route reaches master_addr.
@@ -99,8 +100,9 @@ void destroy_process_group();
 /// them. The group is called `name` followed by its ranks (e.g. "torch:3[0, 1]"). Adopting the
 /// same backend again returns the same Group, so every use shares one call order, one set of tags
 /// and one link estimate: the library keeps it (and `backend`) until destroy_process_group, or
-/// until neither the front end nor any handle holds `backend`. The world joined by
-/// init_process_group_from is already adopted.
+/// until neither the front end nor any handle holds `backend`. Its transfers wait with the
+/// world's timeout if one was set (InitOptions, HP_TIMEOUT_S, or any C++ world's), else with
+/// `backend`'s own. The world joined by init_process_group_from is already adopted.
 Group adopt_group(c10::intrusive_ptr<c10d::ProcessGroup> backend, std::vector<int64_t> global_ranks,
                   const std::string& name);
 /// The c10d process group `group` runs on, e.g. to hand an adopted group back to the front end

@@ -18,7 +18,7 @@ at::Tensor SharedGather::lookup(const at::Tensor& x, int64_t sequence_dim, const
   const bool same = storage && storage.get() == x.storage().unsafeGetStorageImpl() &&
                     offset_ == x.storage_offset() && sizes_ == x.sizes().vec() &&
                     strides_ == x.strides().vec() && version_ == x._version() &&
-                    sequence_dim_ == sequence_dim && group_ == &group.impl();
+                    sequence_dim_ == sequence_dim && group_.is_member() && &group_.impl() == &group.impl();
   const bool served = std::find(served_.begin(), served_.end(), layer) != served_.end();
   if (!same || served) return at::Tensor();
   served_.push_back(layer);
@@ -35,7 +35,7 @@ void SharedGather::remember(const at::Tensor& x, int64_t sequence_dim, const com
   strides_ = x.strides().vec();
   version_ = x._version();
   sequence_dim_ = sequence_dim;
-  group_ = &group.impl();
+  group_ = group;  // a copy: no later group takes its address while it is remembered
   gathered_ = std::move(gathered);
 }
 

@@ -34,7 +34,7 @@ class SharedGather {
   c10::weak_intrusive_ptr<c10::StorageImpl> storage_{c10::intrusive_ptr<c10::StorageImpl>()};
   int64_t offset_ = 0, version_ = -1, sequence_dim_ = -1;
   std::vector<int64_t> sizes_, strides_;
-  const void* group_ = nullptr;
+  comm::Group group_;
   at::Tensor gathered_;
   std::vector<const void*> served_;  // the layer that gathered, then those that reused it
 };
