@@ -57,7 +57,7 @@ void bind_groups(py::module& m) {
       },
       py::arg("process_group"), py::arg("store"), py::arg("timeout_s") = py::none());
   m.def("is_initialized", &comm::is_initialized);
-  m.def("destroy_process_group", &comm::destroy_process_group);
+  m.def("destroy_process_group", &comm::destroy_process_group, py::call_guard<py::gil_scoped_release>());
   m.def("world", &comm::world);
   m.def("global_rank", &comm::global_rank);
   m.def("world_size", &comm::world_size);

@@ -281,13 +281,20 @@ int64_t world_size() { return static_cast<int64_t>(require_world("world_size").g
 void destroy_process_group() {
   trace::flush();
   auto& w = world_state();
-  std::lock_guard<std::mutex> lock(w.mutex);
-  w.group.reset();
-  w.device.reset();
-  w.store.reset();
-  w.groups_created = 0;
-  w.adopted.clear();
-  w.adopted_timeout.reset();
+  std::vector<std::shared_ptr<detail::GroupImpl>> adopted;
+  {
+    std::lock_guard<std::mutex> lock(w.mutex);
+    w.group.reset();
+    w.device.reset();
+    w.store.reset();
+    w.groups_created = 0;
+    for (auto& entry : w.adopted) adopted.push_back(std::move(entry.second));
+    w.adopted.clear();
+    w.adopted_timeout.reset();
+  }
+  // Outside the lock (and, from Python, without Python's lock): a group's destructor joins its
+  // threads, whose callbacks may need either.
+  adopted.clear();
 }
 
 Group adopt_group(c10::intrusive_ptr<c10d::ProcessGroup> backend, std::vector<int64_t> global_ranks,
@@ -295,11 +302,17 @@ Group adopt_group(c10::intrusive_ptr<c10d::ProcessGroup> backend, std::vector<in
   auto& world_impl = require_world("adopt_group");
   TORCH_CHECK_VALUE(backend, "hyper_parallel::comm::adopt_group: expected a process group, got None");
   auto& w = world_state();
-  std::vector<std::shared_ptr<detail::GroupImpl>> released;
   std::unique_lock<std::mutex> lock(w.mutex);
   if (auto it = w.adopted.find(backend.get()); it != w.adopted.end()) return Group(it->second);
+  TORCH_CHECK_VALUE(static_cast<int64_t>(global_ranks.size()) == backend->getSize(),
+                    "hyper_parallel::comm::adopt_group: expected one global rank per member of the group (",
+                    backend->getSize(), "), got ", global_ranks.size());
+  TORCH_CHECK_VALUE(backend->getRank() >= 0 && global_ranks[backend->getRank()] == world_impl.rank,
+                    "hyper_parallel::comm::adopt_group: expected this rank (global ", world_impl.rank,
+                    ") at its group rank ", backend->getRank(), " of ", c10::IntArrayRef(global_ranks));
   // A group that neither its front end (torch.distributed.destroy_process_group) nor any handle
   // holds any more cannot be passed again: its threads and connections are released.
+  std::vector<std::shared_ptr<detail::GroupImpl>> released;
   for (auto it = w.adopted.begin(); it != w.adopted.end();) {
     if (it->second.use_count() == 1 && it->second->backend.use_count() == 1) {
       released.push_back(std::move(it->second));
@@ -308,12 +321,6 @@ Group adopt_group(c10::intrusive_ptr<c10d::ProcessGroup> backend, std::vector<in
       ++it;
     }
   }
-  TORCH_CHECK_VALUE(static_cast<int64_t>(global_ranks.size()) == backend->getSize(),
-                    "hyper_parallel::comm::adopt_group: expected one global rank per member of the group (",
-                    backend->getSize(), "), got ", global_ranks.size());
-  TORCH_CHECK_VALUE(backend->getRank() >= 0 && global_ranks[backend->getRank()] == world_impl.rank,
-                    "hyper_parallel::comm::adopt_group: expected this rank (global ", world_impl.rank,
-                    ") at its group rank ", backend->getRank(), " of ", c10::IntArrayRef(global_ranks));
   auto impl = std::make_shared<detail::GroupImpl>();
   impl->rank = backend->getRank();
   impl->global_ranks = std::move(global_ranks);

@@ -99,10 +99,11 @@ void destroy_process_group();
 /// group is created. `global_ranks[i]` is group rank i's global rank; this rank must be one of
 /// them. The group is called `name` followed by its ranks (e.g. "torch:3[0, 1]"). Adopting the
 /// same backend again returns the same Group, so every use shares one call order, one set of tags
-/// and one link estimate: the library keeps it (and `backend`) until destroy_process_group, or
-/// until neither the front end nor any handle holds `backend`. Its transfers wait with the
-/// world's timeout if one was set (InitOptions, HP_TIMEOUT_S, or any C++ world's), else with
-/// `backend`'s own. The world joined by init_process_group_from is already adopted.
+/// and one link estimate: the library keeps it (and `backend`) until destroy_process_group, or,
+/// once neither the front end nor any handle (the library's own included) holds `backend`,
+/// until the next adoption of another group. Its transfers wait with the world's timeout if one
+/// was set (InitOptions, HP_TIMEOUT_S, or any C++ world's), else with `backend`'s own (a Gloo
+/// backend's; another's: the world's). The world joined by init_process_group_from is already adopted.
 Group adopt_group(c10::intrusive_ptr<c10d::ProcessGroup> backend, std::vector<int64_t> global_ranks,
                   const std::string& name);
 /// The c10d process group `group` runs on, e.g. to hand an adopted group back to the front end
