@@ -14,6 +14,8 @@
 #include <hyper_parallel/core/comm/link_probe.h>
 #include <hyper_parallel/core/comm/process_group.h>
 
+#include "worker_thread.h"
+
 namespace hyper_parallel::comm::detail {
 
 struct GroupImpl {
@@ -31,6 +33,14 @@ struct GroupImpl {
   // number of the first, and a digest of their signatures. Only the issuing thread touches them.
   int64_t unagreed_ops = 0, unagreed_first_seq = -1;
   uint64_t unagreed_digest = 0;
+  // Completes this group's asynchronous collectives in the order they were started (a
+  // PendingAllReduce's second phase: wait for the partials, sum, send the result). One per group,
+  // so that a small all-reduce on one group (a tensor-parallel gradient sum) never queues behind a
+  // large one on another (a data-parallel bucket) still waiting for its partials; it ends with the
+  // group. It posts transfers only for ops the issuing thread has started (and reserved tags
+  // for), so the one-thread-per-group rule of op.h holds. Gloo's send and receive works do not
+  // report completion until waited for, so polling cannot replace it.
+  WorkerThread completion_thread;
 };
 
 }  // namespace hyper_parallel::comm::detail

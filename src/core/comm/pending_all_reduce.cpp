@@ -19,8 +19,8 @@
 #include <hyper_parallel/core/comm/trace.h>
 #include <hyper_parallel/core/comm/work.h>
 
-#include "completion_thread.h"
 #include "flight_recorder.h"
+#include "group_impl.h"
 #include "pending_all_reduce_state.h"
 #include "test_hooks.h"
 
@@ -101,25 +101,25 @@ void complete_on_completion_thread(const std::shared_ptr<PendingAllReduceState>&
   // until the work ends (a hang or a failure there names this op and the peer), and the trace's
   // op, so that the transfers posted there are this op's.
   const bool skipped = test_hooks::transfers_skipped();
-  completion_thread(state->group.impl())
-      .submit([state, work = std::move(work), skipped, region = current_region(),
-               record = scope.keep_record_open(), op = trace::detail::current_op()] {
-        std::exception_ptr failure;
-        FlightRecorder::set_current(record);
-        try {
-          CommRegion counted_in(region);
-          trace::detail::CurrentOpGuard traced_as(op);
-          at::NoGradGuard no_grad;
-          std::optional<test_hooks::SkipTransfers> skip;
-          if (skipped) skip.emplace();
-          work(*state);
-        } catch (...) {
-          failure = std::current_exception();
-        }
-        if (record) FlightRecorder::get().end(record, failure == nullptr);
-        FlightRecorder::set_current(nullptr);
-        state->complete(std::move(failure));
-      });
+  state->group.impl().completion_thread.submit([state, work = std::move(work), skipped,
+                                                region = current_region(), record = scope.keep_record_open(),
+                                                op = trace::detail::current_op()] {
+    std::exception_ptr failure;
+    FlightRecorder::set_current(record);
+    try {
+      CommRegion counted_in(region);
+      trace::detail::CurrentOpGuard traced_as(op);
+      at::NoGradGuard no_grad;
+      std::optional<test_hooks::SkipTransfers> skip;
+      if (skipped) skip.emplace();
+      work(*state);
+    } catch (...) {
+      failure = std::current_exception();
+    }
+    if (record) FlightRecorder::get().end(record, failure == nullptr);
+    FlightRecorder::set_current(nullptr);
+    state->complete(std::move(failure));
+  });
 }
 
 std::shared_ptr<PendingAllReduceState> start_reduction(const at::Tensor& buffer, ReduceOp op,

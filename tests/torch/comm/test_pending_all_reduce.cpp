@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <filesystem>
 #include <map>
 #include <numeric>
 #include <string>
@@ -207,6 +208,40 @@ TEST(PendingAllReduce, TheFlightRecorderKeepsTheOpOpenUntilItCompletes) {
   }
   const auto line = last_all_reduce();
   EXPECT_NE(line.find("— done"), std::string::npos) << line;
+}
+
+int64_t thread_count() {
+  int64_t n = 0;
+  for ([[maybe_unused]] const auto& entry : std::filesystem::directory_iterator("/proc/self/task")) ++n;
+  return n;
+}
+
+// Each group's started collectives complete on a thread of that group's; a loop of short-lived
+// groups must not leave one thread per group behind. Eight groups live at once, so that they have
+// distinct addresses (the threads were once kept per address).
+TEST(PendingAllReduce, AGroupsCompletionThreadEndsWithTheGroup) {
+  if (hp_test::world_size() < 2) GTEST_SKIP() << "a group of one rank completes at once";
+  std::vector<int64_t> ranks(static_cast<size_t>(hp_test::world_size()));
+  std::iota(ranks.begin(), ranks.end(), 0);
+  comm::start_all_reduce(at::ones({8}), comm::ReduceOp::kSum, world()).wait();
+  const int64_t before = thread_count();
+  {
+    std::vector<comm::Group> groups;
+    for (int i = 0; i < 8; ++i) groups.push_back(comm::new_group(ranks));
+    for (const auto& group : groups) {
+      auto buffer = at::ones({8});
+      comm::start_all_reduce(buffer, comm::ReduceOp::kSum, group).wait();
+      EXPECT_EQ(buffer[0].item<float>(), float(hp_test::world_size()));
+    }
+    EXPECT_GT(thread_count(), before);
+  }
+  // A group may die on its completion thread (its last handle is the finished job's): wait.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (thread_count() > before && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  EXPECT_LE(thread_count(), before) << "threads left behind by eight destroyed groups";
+  comm::barrier(world());
 }
 
 TEST(PendingAllReduce, RejectsWhatItCannotReduce) {
