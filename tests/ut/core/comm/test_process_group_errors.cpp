@@ -1,7 +1,11 @@
-// Errors a user can cause before any process group exists (single process, no launcher).
+// Errors a user can cause around process groups, in one process (no launcher), and what a world of
+// one decides for the groups it adopts.
 #include <cstdlib>
 
 #include <gtest/gtest.h>
+
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
 #include <hyper_parallel/core/comm.h>
 #include <hyper_parallel/core/dtensor.h>
@@ -95,6 +99,25 @@ TEST(ProcessGroupErrors, SingleProcessWorldFromOptions) {
   HP_EXPECT_THROW_MSG(hp::dtensor::init_device_mesh("cuda", {1}), "device_type 'cuda' is not supported");
   hp::comm::destroy_process_group();
   EXPECT_FALSE(hp::comm::is_initialized());
+}
+
+TEST(ProcessGroupErrors, AGroupAdoptedByACppWorldWaitsWithTheWorldsTimeout) {
+  hp::comm::init_process_group(hp::comm::InitOptions()
+                                   .rank(0)
+                                   .world_size(1)
+                                   .master_addr("127.0.0.1")
+                                   .master_port(0 + 29000 + (getpid() + 500) % 1000)
+                                   .timeout(std::chrono::seconds(20)));
+  // A Gloo backend made elsewhere, with a timeout of its own.
+  auto options = c10d::ProcessGroupGloo::Options::create(std::chrono::seconds(3));
+  options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+  auto backend =
+      c10::make_intrusive<c10d::ProcessGroupGloo>(c10::make_intrusive<c10d::HashStore>(), 0, 1, options);
+  auto group = hp::comm::adopt_group(backend, {0}, "other");
+  EXPECT_EQ(group.timeout(), std::chrono::milliseconds(20000));
+  auto x = at::arange(4, at::kFloat);
+  EXPECT_TRUE(hp::comm::all_reduce(x, hp::comm::ReduceOp::kSum, group).equal(x));
+  hp::comm::destroy_process_group();
 }
 
 }  // namespace
