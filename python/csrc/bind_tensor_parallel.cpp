@@ -126,7 +126,8 @@ void bind_plain_styles(py::module& m) {
       .def("prepare_input",
            [](const tp::ColwiseParallel& s, const at::Tensor& x, const std::string& kind,
               const dtensor::DeviceMesh& mesh) { return s.prepare_input(x, module_kind_arg(kind), mesh); })
-      .def("prepare_output", &tp::ColwiseParallel::prepare_output);
+      .def("prepare_output", &tp::ColwiseParallel::prepare_output, py::arg("output"), py::arg("mesh"),
+           py::arg("features") = std::nullopt);
   py::class_<tp::RowwiseParallel, ParallelStyle, std::shared_ptr<tp::RowwiseParallel>>(m, "RowwiseParallel")
       .def(py::init([](dtensor::Placement in, dtensor::Placement out, bool local) {
              return tp::RowwiseParallel(
@@ -139,7 +140,8 @@ void bind_plain_styles(py::module& m) {
               const std::optional<at::Tensor>& b, const dtensor::DeviceMesh& mesh) {
              return s.forward_linear(x, w, b.value_or(at::Tensor()), mesh);
            })
-      .def("forward_embedding", &tp::RowwiseParallel::forward_embedding);
+      .def("forward_embedding", &tp::RowwiseParallel::forward_embedding, py::arg("ids"), py::arg("weight"),
+           py::arg("vocab_size"), py::arg("mesh"), py::arg("padding_idx") = std::nullopt);
   py::class_<tp::SequenceParallel, ParallelStyle, std::shared_ptr<tp::SequenceParallel>>(m,
                                                                                          "SequenceParallel")
       .def(py::init([](int64_t seq, bool local) {

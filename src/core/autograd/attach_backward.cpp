@@ -43,6 +43,7 @@ class FunctionalBackward final : public torch::autograd::Node {
   std::string name() const override { return name_; }
   void release_variables() override { fn_ = nullptr; }
   bool released() const { return fn_ == nullptr; }
+  std::shared_ptr<void> annotation;  // annotate_node's
 
  private:
   BackwardFn fn_;
@@ -85,6 +86,18 @@ std::vector<at::Tensor> attach_backward(const std::vector<at::Tensor>& inputs,
 bool backward_released(const torch::autograd::Node& node) {
   const auto* functional = dynamic_cast<const FunctionalBackward*>(&node);
   return functional != nullptr && functional->released();
+}
+
+bool annotate_node(torch::autograd::Node& node, std::shared_ptr<void> value) {
+  auto* functional = dynamic_cast<FunctionalBackward*>(&node);
+  if (functional == nullptr) return false;
+  functional->annotation = std::move(value);
+  return true;
+}
+
+std::shared_ptr<void> node_annotation(const torch::autograd::Node& node) {
+  const auto* functional = dynamic_cast<const FunctionalBackward*>(&node);
+  return functional != nullptr ? functional->annotation : nullptr;
 }
 
 at::Tensor attach_backward(const at::Tensor& input, at::Tensor output,

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -33,6 +34,12 @@ std::vector<at::Tensor> attach_backward(const std::vector<at::Tensor>& inputs,
 /// Whether `node` is one made by attach_backward whose backward has run and released its state
 /// (a graph kept alive after its backward without retain_graph).
 bool backward_released(const torch::autograd::Node& node);
+
+/// Lets a node made by attach_backward carry `value` for whoever walks the graph later (a
+/// DTensor's tag, for the tensors computed from the tagged one). False if `node` is not one.
+bool annotate_node(torch::autograd::Node& node, std::shared_ptr<void> value);
+/// The value annotate_node gave `node`, else null.
+std::shared_ptr<void> node_annotation(const torch::autograd::Node& node);
 
 /// Single-input, single-output convenience.
 at::Tensor attach_backward(const at::Tensor& input, at::Tensor output,

@@ -1,9 +1,14 @@
 #include <hyper_parallel/core/dtensor/dtensor.h>
 
+#include <deque>
+#include <functional>
 #include <sstream>
+#include <unordered_set>
+#include <utility>
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/autograd/function.h>
 
 #include <hyper_parallel/core/comm/collectives.h>
 
@@ -13,13 +18,56 @@
 
 namespace hyper_parallel::dtensor {
 
+// What a DTensor's producer (from_local, redistribute, distribute_tensor) needs in backward
+// beside the gradient autograd sums into its local tensor: the gradients its consumers declared
+// in other placements (to_local(grad_placements): a column-parallel matmul's Partial input
+// gradient). They cannot join autograd's sum, which holds one placement, so they wait here, one
+// sum per placements, and the producer's backward converts each once: a Partial sum then
+// reduce-scatters once, however many column layers read the DTensor.
 struct DTensor::GradSlot {
-  std::optional<Placements> placements;
+  using Convert = std::function<at::Tensor(const at::Tensor& grad, const Placements& from)>;
+  std::vector<std::pair<Placements, at::Tensor>> declared;
+
+  void add(const Placements& placements, const at::Tensor& grad) {
+    for (auto& [pl, sum] : declared) {
+      if (pl == placements) {
+        sum = sum + grad;
+        return;
+      }
+    }
+    declared.emplace_back(placements, grad);
+  }
+
+  /// `grad` (in the DTensor's own gradient placements `own`; undefined if no consumer sent one
+  /// that way) plus every declared gradient, each converted by `convert`. Undefined if none came.
+  at::Tensor converge(const at::Tensor& grad, const Placements& own, const Convert& convert) {
+    at::Tensor total = grad.defined() ? convert(grad, own) : at::Tensor();
+    auto taken = std::move(declared);
+    declared.clear();
+    for (auto& [pl, sum] : taken) {
+      auto part = convert(sum, pl);
+      total = total.defined() ? total + part : part;
+    }
+    return total;
+  }
 };
 
 namespace {
 
 using comm::ReduceOp;
+
+// attach_backward for a producer: the gradients of its DTensor's local tensor converge in `slot`.
+at::Tensor attach_producer_backward(const at::Tensor& input, const at::Tensor& output,
+                                    std::shared_ptr<DTensor::GradSlot> slot, Placements own,
+                                    DTensor::GradSlot::Convert convert, const char* name) {
+  return detail::attach_backward(
+      {input}, {output},
+      [slot = std::move(slot), own = std::move(own),
+       convert = std::move(convert)](std::vector<at::Tensor> grads) {
+        return std::vector<at::Tensor>{slot->converge(grads[0], own, convert)};
+      },
+      name, /*materialize_grads=*/false)[0];
+}
 
 Placements normalized(const Placements& placements, int64_t ndim) {
   Placements out;
@@ -211,12 +259,11 @@ DTensor DTensor::from_local(const at::Tensor& local, const DeviceMesh& mesh, con
     }
   }
   auto slot = std::make_shared<GradSlot>();
-  // The gradient comes back with the consumer's placements; bring it to ours.
-  auto out = detail::attach_backward(
-      local, local.detach(),
-      [mesh, shape, pl, slot](const at::Tensor& grad) {
-        const Placements grad_pl = slot->placements.value_or(for_gradient(pl));
-        return redistribute_local(grad, mesh, shape, grad_pl, for_gradient(pl));
+  // The gradient comes back with the consumers' placements; bring it to ours.
+  auto out = attach_producer_backward(
+      local, local.detach(), slot, for_gradient(pl),
+      [mesh, shape, pl](const at::Tensor& grad, const Placements& from) {
+        return redistribute_local(grad, mesh, shape, from, for_gradient(pl));
       },
       "DTensorFromLocalBackward");
   DTensor result(out, mesh, pl, shape);
@@ -227,12 +274,15 @@ DTensor DTensor::from_local(const at::Tensor& local, const DeviceMesh& mesh, con
 at::Tensor DTensor::to_local(const Placements& grad_placements) const {
   check_placements("DTensor::to_local", mesh_, grad_placements, dim());
   auto pl = normalized(grad_placements, dim());
-  TORCH_CHECK(!grad_slot_->placements || *grad_slot_->placements == pl,
-              "DTensor::to_local: expected the same grad_placements as an earlier to_local of this "
-              "DTensor (",
-              to_string(*grad_slot_->placements), "), got ", to_string(pl));
-  grad_slot_->placements = pl;
-  return local_;
+  if (pl == for_gradient(placements_) || !local_.requires_grad()) return local_;
+  // This consumer's gradient goes to the producer apart from autograd's sum (GradSlot).
+  return detail::attach_backward(
+      {local_}, {local_.detach()},
+      [slot = grad_slot_, pl](std::vector<at::Tensor> grads) {
+        if (grads[0].defined()) slot->add(pl, grads[0]);
+        return std::vector<at::Tensor>{at::Tensor()};
+      },
+      "DTensorToLocalBackward", /*materialize_grads=*/false)[0];
 }
 
 DTensor DTensor::redistribute(const Placements& placements) const {
@@ -244,10 +294,9 @@ DTensor DTensor::redistribute(const Placements& placements) const {
     out = redistribute_local(local_, mesh_, shape_, placements_, target);
   }
   auto slot = std::make_shared<GradSlot>();
-  out = detail::attach_backward(
-      local_, out,
-      [mesh = mesh_, shape = shape_, from = placements_, target, slot](const at::Tensor& grad) {
-        const Placements grad_pl = slot->placements.value_or(for_gradient(target));
+  out = attach_producer_backward(
+      local_, out, slot, for_gradient(target),
+      [mesh = mesh_, shape = shape_, from = placements_](const at::Tensor& grad, const Placements& grad_pl) {
         // The work deferred into this gather's window (autograd/weight_grad_scheduler.h) runs while its
         // last blocks travel.
         return redistribute_with_window(grad, mesh, shape, grad_pl, for_gradient(from), [] {
@@ -287,6 +336,9 @@ hyper_parallel::detail::WeakTensorMap<Tag>& tags() {
 
 at::Tensor DTensor::to_local_tagged() const {
   tags().insert_or_assign(local_, Tag{mesh_, placements_, shape_, grad_slot_});
+  // On its node too: tensors computed from it find it there (tagged_ancestor), even once it is gone.
+  if (local_.grad_fn())
+    detail::annotate_node(*local_.grad_fn(), std::make_shared<Tag>(Tag{mesh_, placements_, shape_, nullptr}));
   return local_;
 }
 
@@ -296,6 +348,27 @@ std::optional<DTensor> DTensor::from_tagged(const at::Tensor& local) {
   DTensor result(local, tag->mesh, tag->placements, tag->shape);
   result.grad_slot_ = std::static_pointer_cast<GradSlot>(tag->slot);
   return result;
+}
+
+std::optional<DTensor> DTensor::tagged_ancestor(const at::Tensor& t, int64_t max_nodes) {
+  if (!t.defined() || !t.grad_fn()) return std::nullopt;
+  std::unordered_set<const torch::autograd::Node*> seen;  // breadth first from t's node
+  std::deque<torch::autograd::Node*> queue{t.grad_fn().get()};
+  while (!queue.empty() && static_cast<int64_t>(seen.size()) < max_nodes) {
+    auto* node = queue.front();
+    queue.pop_front();
+    if (!seen.insert(node).second) continue;
+    if (auto tag = std::static_pointer_cast<Tag>(detail::node_annotation(*node))) {
+      auto local =
+          at::empty(local_shape(tag->shape, tag->mesh.shape(), tag->mesh.coordinate(), tag->placements),
+                    t.options().device(at::kMeta));
+      return DTensor(local, tag->mesh, tag->placements, tag->shape);
+    }
+    for (const auto& edge : node->next_edges()) {
+      if (edge.function) queue.push_back(edge.function.get());
+    }
+  }
+  return std::nullopt;
 }
 
 std::string DTensor::str() const {
@@ -341,10 +414,9 @@ DTensor distribute_tensor(const at::Tensor& tensor, const DeviceMesh& mesh, cons
     if (local.is_same(tensor) || local.is_alias_of(tensor)) local = local.clone();
   }
   auto slot = std::make_shared<DTensor::GradSlot>();
-  local = detail::attach_backward(
-      tensor, local,
-      [mesh, shape, pl, slot](const at::Tensor& grad) {
-        const Placements grad_pl = slot->placements.value_or(pl);
+  local = attach_producer_backward(
+      tensor, local, slot, pl,
+      [mesh, shape](const at::Tensor& grad, const Placements& grad_pl) {
         return redistribute_local(grad, mesh, shape, grad_pl, Placements(mesh.ndim(), Replicate()));
       },
       "DistributeTensorBackward");

@@ -42,12 +42,12 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& local_logits, const at
   check_tp_mesh("vocab_parallel_cross_entropy", mesh);
   const auto shard = detail::vocab_shard(targets, vocab_size, mesh);
   const int64_t n = shard.size;
-  TORCH_CHECK(local_logits.dim() >= 1 && local_logits.size(-1) == n,
-              "vocab_parallel_cross_entropy: expected local logits [..., ", n, "] (chunk ",
-              mesh.get_local_rank(0), " of vocab ", vocab_size, "), got ", local_logits.sizes());
-  TORCH_CHECK(targets.sizes() == local_logits.sizes().slice(0, local_logits.dim() - 1),
-              "vocab_parallel_cross_entropy: expected targets of shape ",
-              local_logits.sizes().slice(0, local_logits.dim() - 1), ", got ", targets.sizes());
+  TORCH_CHECK_VALUE(local_logits.dim() >= 1 && local_logits.size(-1) == n,
+                    "vocab_parallel_cross_entropy: expected local logits [..., ", n, "] (chunk ",
+                    mesh.get_local_rank(0), " of vocab ", vocab_size, "), got ", local_logits.sizes());
+  TORCH_CHECK_VALUE(targets.sizes() == local_logits.sizes().slice(0, local_logits.dim() - 1),
+                    "vocab_parallel_cross_entropy: expected targets of shape ",
+                    local_logits.sizes().slice(0, local_logits.dim() - 1), ", got ", targets.sizes());
   TORCH_CHECK_VALUE(targets.numel() == 0 ||
                         (targets.min().item<int64_t>() >= 0 && targets.max().item<int64_t>() < vocab_size),
                     "vocab_parallel_cross_entropy: expected targets in [0, ", vocab_size,

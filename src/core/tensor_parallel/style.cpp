@@ -99,8 +99,17 @@ at::Tensor ColwiseParallel::prepare_input(const at::Tensor& input, ModuleKind ki
   return detail::prepare(input, mesh, options_.input_layouts(), Replicate(), true);
 }
 
-at::Tensor ColwiseParallel::prepare_output(const at::Tensor& output, const DeviceMesh& mesh) const {
-  return detail::prepare(output, mesh, Shard(-1), options_.output_layouts(), options_.use_local_output());
+at::Tensor ColwiseParallel::prepare_output(const at::Tensor& output, const DeviceMesh& mesh,
+                                           std::optional<int64_t> features) const {
+  std::optional<std::vector<int64_t>> shape;
+  if (features) {
+    TORCH_CHECK_VALUE(output.dim() >= 1,
+                      "ColwiseParallel: expected an output with a feature dim, got a scalar");
+    shape = output.sizes().vec();
+    shape->back() = *features;
+  }
+  return detail::prepare(output, mesh, Shard(-1), options_.output_layouts(), options_.use_local_output(),
+                         shape);
 }
 
 void ColwiseParallel::apply_to(torch::nn::Module& module, const DeviceMesh& mesh,
@@ -108,8 +117,13 @@ void ColwiseParallel::apply_to(torch::nn::Module& module, const DeviceMesh& mesh
   auto& hm = detail::sharding_target(*this, module, mesh, src_data_rank);
   const auto kind = hm.module_kind();
   auto self = std::make_shared<ColwiseParallel>(*this);  // the hooks outlive a temporary style
+  // The weight's sharded dim is the output's features: a Linear's dim 0, an Embedding's dim 1.
+  const auto layout = nn::recorded_layout(module.named_parameters(false)["weight"]);
+  TORCH_INTERNAL_ASSERT(layout, "ColwiseParallel: the weight was laid out by sharding_target");
+  const int64_t features = layout->global_shape[kind == ModuleKind::kLinear ? 0 : 1];
   on_first_input(hm, [self, mesh, kind](const at::Tensor& x) { return self->prepare_input(x, kind, mesh); });
-  on_first_output(hm, [self, mesh](const at::Tensor& y) { return self->prepare_output(y, mesh); });
+  on_first_output(
+      hm, [self, mesh, features](const at::Tensor& y) { return self->prepare_output(y, mesh, features); });
 }
 
 // ---- RowwiseParallel ----------------------------------------------------------------------
@@ -153,9 +167,10 @@ at::Tensor RowwiseParallel::forward_linear(const at::Tensor& input, const at::Te
 }
 
 at::Tensor RowwiseParallel::forward_embedding(const at::Tensor& ids, const at::Tensor& weight,
-                                              int64_t vocab_size, const DeviceMesh& mesh) const {
+                                              int64_t vocab_size, const DeviceMesh& mesh,
+                                              std::optional<int64_t> padding_idx) const {
   return detail::rowwise_embedding(ids, weight, vocab_size, mesh, options_.output_layouts(),
-                                   options_.use_local_output());
+                                   options_.use_local_output(), padding_idx);
 }
 
 void RowwiseParallel::apply_to(torch::nn::Module& module, const DeviceMesh& mesh,

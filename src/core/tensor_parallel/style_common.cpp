@@ -58,16 +58,18 @@ std::vector<ParameterSharding> shard_each(const std::vector<std::string>& parame
   return rows;
 }
 
-DTensor as_dtensor(const at::Tensor& local, const DeviceMesh& mesh, const Placement& layout) {
+DTensor as_dtensor(const at::Tensor& local, const DeviceMesh& mesh, const Placement& layout,
+                   const std::optional<std::vector<int64_t>>& shape) {
   if (auto tagged = DTensor::from_tagged(local)) {
     if (tagged->device_mesh() == mesh) return *tagged;
   }
-  return DTensor::from_local(local, mesh, {layout});
+  return DTensor::from_local(local, mesh, {layout}, dtensor::FromLocalOptions().shape(shape));
 }
 
 at::Tensor prepare(const at::Tensor& local, const DeviceMesh& mesh, const Placement& from,
-                   const Placement& to, bool use_local_output) {
-  DTensor d = as_dtensor(local, mesh, from);
+                   const Placement& to, bool use_local_output,
+                   const std::optional<std::vector<int64_t>>& shape) {
+  DTensor d = as_dtensor(local, mesh, from, shape);
   if (d.placements() != Placements{to}) d = d.redistribute({to});
   return use_local_output ? d.to_local() : d.to_local_tagged();
 }
@@ -81,16 +83,35 @@ at::Tensor replicate_for_column(const at::Tensor& local, const DeviceMesh& mesh,
 at::Tensor rowwise_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
                           const DeviceMesh& mesh, const Placement& output, bool use_local_output) {
   auto partial = nn::linear(x, weight);
-  auto y = DTensor::from_local(partial, mesh, {dtensor::Partial()}).redistribute({output}).to_local();
-  if (bias.defined()) y = y + bias;
+  const auto reduced = DTensor::from_local(partial, mesh, {dtensor::Partial()}).redistribute({output});
+  auto y = reduced.to_local();
+  if (bias.defined()) {
+    // Shard on the features: this rank's columns of the bias.
+    const bool features_sharded = output.is_shard() && (output.dim() == -1 || output.dim() == y.dim() - 1);
+    const int64_t p = mesh.size(0), k = mesh.get_local_rank(0), n = bias.size(0);
+    y = y + (features_sharded ? bias.narrow(0, dtensor::shard_offset(n, p, k), dtensor::shard_size(n, p, k))
+                              : bias);
+  }
   if (use_local_output) return y;
-  return DTensor::from_local(y, mesh, {output}).to_local_tagged();
+  // The global shape is the reduced one: an uneven Shard output is not local size x ranks.
+  return DTensor::from_local(y, mesh, {output}, dtensor::FromLocalOptions().shape(reduced.shape()))
+      .to_local_tagged();
 }
 
 at::Tensor rowwise_embedding(const at::Tensor& ids, const at::Tensor& weight, int64_t vocab_size,
-                             const DeviceMesh& mesh, const Placement& output, bool use_local_output) {
+                             const DeviceMesh& mesh, const Placement& output, bool use_local_output,
+                             std::optional<int64_t> padding_idx) {
   const auto shard = vocab_shard(ids, vocab_size, mesh);
-  auto partial = at::embedding(weight, shard.local_ids).masked_fill(shard.outside.unsqueeze(-1), 0);
+  int64_t local_padding = -1;  // at::embedding's "none"
+  if (padding_idx) {
+    TORCH_CHECK_VALUE(*padding_idx >= -vocab_size && *padding_idx < vocab_size,
+                      "RowwiseParallel: expected padding_idx in [", -vocab_size, ", ", vocab_size, "), got ",
+                      *padding_idx);
+    const int64_t row = *padding_idx < 0 ? *padding_idx + vocab_size : *padding_idx;
+    if (row >= shard.start && row < shard.start + shard.size) local_padding = row - shard.start;
+  }
+  auto partial =
+      at::embedding(weight, shard.local_ids, local_padding).masked_fill(shard.outside.unsqueeze(-1), 0);
   auto y = DTensor::from_local(partial, mesh, {dtensor::Partial()}).redistribute({output});
   return use_local_output ? y.to_local() : y.to_local_tagged();
 }

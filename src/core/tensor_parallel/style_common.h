@@ -38,12 +38,16 @@ nn::HookableModule& sharding_target(const ParallelStyle& style, torch::nn::Modul
 std::vector<ParameterSharding> shard_each(const std::vector<std::string>& parameters,
                                           std::vector<ParameterSharding> table);
 
-/// The DTensor a tagged input carries, else `local` read with `layout`.
+/// The DTensor a tagged input carries, else `local` read with `layout` (and the global `shape`,
+/// if given; else even shards).
 dtensor::DTensor as_dtensor(const at::Tensor& local, const dtensor::DeviceMesh& mesh,
-                            const dtensor::Placement& layout);
-/// `local` (read as `from` unless tagged) redistributed to `to`; tagged unless use_local_output.
+                            const dtensor::Placement& layout,
+                            const std::optional<std::vector<int64_t>>& shape = std::nullopt);
+/// `local` (read as `from`, of the global `shape` if given, unless tagged) redistributed to `to`;
+/// tagged unless use_local_output.
 at::Tensor prepare(const at::Tensor& local, const dtensor::DeviceMesh& mesh, const dtensor::Placement& from,
-                   const dtensor::Placement& to, bool use_local_output);
+                   const dtensor::Placement& to, bool use_local_output,
+                   const std::optional<std::vector<int64_t>>& shape = std::nullopt);
 /// A column-parallel Linear's input: made Replicate (gathered if sharded), its gradient declared
 /// Partial (so the gather's backward is a reduce-scatter).
 at::Tensor replicate_for_column(const at::Tensor& local, const dtensor::DeviceMesh& mesh,
@@ -54,10 +58,10 @@ at::Tensor rowwise_linear(const at::Tensor& x, const at::Tensor& weight, const a
                           const dtensor::DeviceMesh& mesh, const dtensor::Placement& output,
                           bool use_local_output);
 /// RowwiseParallel's Embedding: this rank's rows of the table; ids outside look up zeros, so the
-/// sum over ranks is the full lookup.
+/// sum over ranks is the full lookup. The rank holding row `padding_idx` gives it no gradient.
 at::Tensor rowwise_embedding(const at::Tensor& ids, const at::Tensor& weight, int64_t vocab_size,
                              const dtensor::DeviceMesh& mesh, const dtensor::Placement& output,
-                             bool use_local_output);
+                             bool use_local_output, std::optional<int64_t> padding_idx = std::nullopt);
 /// An MC2 column layer's input: kept sequence-sharded (the fused op gathers); every rank must
 /// hold the same number of tokens, which the global shape (exact for tagged inputs) tells.
 at::Tensor sequence_sharded_input(const char* style, const at::Tensor& local, const dtensor::DeviceMesh& mesh,

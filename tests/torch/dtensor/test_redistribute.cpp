@@ -221,8 +221,6 @@ TEST(MeshAndDTensorErrors, NameFunctionExpectedAndGot) {
   HP_EXPECT_THROW_MSG(init_device_mesh("cpu", {p, 2}), "to hold the world size");
   HP_EXPECT_THROW_MSG(init_device_mesh("cpu", {p}, {"a", "b"}), "expected one name per mesh dim (1)");
   auto x = DTensor::from_local(at::ones({2}), mesh, {Replicate()});
-  x.to_local({Replicate()});
-  HP_EXPECT_THROW_MSG(x.to_local({Partial()}), "expected the same grad_placements");
   HP_EXPECT_THROW_MSG(x.redistribute({Shard(0), Shard(0)}), "DTensor::redistribute: expected one placement");
 }
 

@@ -41,11 +41,11 @@ class DTensor {
 
   /// The local shard; gradients flowing into it take this DTensor's placements.
   const at::Tensor& to_local() const { return local_; }
-  /// The local shard; its gradient is declared to have `grad_placements` (e.g. Partial after a
-  /// column-parallel matmul consumed a Replicate input). The declaration holds for the whole
-  /// gradient reaching this DTensor's local tensor (as in PyTorch, where the summed gradient has
-  /// one placement): every consumer of it must produce gradients of those placements. A second
-  /// declaration that differs is an error.
+  /// The local shard for a consumer whose gradient has `grad_placements` (e.g. Partial after a
+  /// column-parallel matmul consumed a Replicate input), as in PyTorch. Other consumers of this
+  /// DTensor may give gradients in its own placements (a residual add of the local tensor) or
+  /// declare others: each kind is summed apart and converted once in backward, so a Partial
+  /// sum from several column layers reduces once.
   at::Tensor to_local(const Placements& grad_placements) const;
 
   /// The local shard, remembered as this DTensor: a consumer that calls DTensor::from_tagged on
@@ -56,6 +56,11 @@ class DTensor {
   /// The DTensor whose to_local_tagged() returned `local`, if any (and `local` is that very
   /// tensor, still alive).
   static std::optional<DTensor> from_tagged(const at::Tensor& local);
+  /// The layout of the tagged DTensor `t` was computed from (a cast, a scale, rows selected),
+  /// found among the first `max_nodes` nodes of its autograd graph, as a DTensor whose local
+  /// tensor is on the meta device (the tagged tensor itself may be gone); nullopt if none is (or
+  /// `t` has no graph: a result computed under no_grad is not traced back).
+  static std::optional<DTensor> tagged_ancestor(const at::Tensor& t, int64_t max_nodes = 64);
 
   /// Moves the data to `placements` (docs/tp-semantics.md: Shard->Replicate all_gather,
   /// Partial->Replicate all_reduce, Partial->Shard reduce_scatter, Replicate->Shard local slice,
@@ -73,8 +78,11 @@ class DTensor {
   bool requires_grad() const { return local_.requires_grad(); }
   std::string str() const;
 
+  /// Internal (dtensor.cpp): where the gradients consumers declared in other placements wait for
+  /// this DTensor's producer.
+  struct GradSlot;
+
  private:
-  struct GradSlot;  // the placements a consumer declared for this DTensor's gradient
   DTensor(at::Tensor local, DeviceMesh mesh, Placements placements, std::vector<int64_t> shape);
   at::Tensor local_;
   DeviceMesh mesh_;

@@ -125,8 +125,11 @@ class ColwiseParallel : public ParallelStyle {
   /// is reduce-scattered), an Embedding's ids made Replicate.
   at::Tensor prepare_input(const at::Tensor& input, nn::ModuleKind kind,
                            const dtensor::DeviceMesh& mesh) const;
-  /// The output hook: Shard(-1) redistributed to output_layouts.
-  at::Tensor prepare_output(const at::Tensor& output, const dtensor::DeviceMesh& mesh) const;
+  /// The output hook: Shard(-1) redistributed to output_layouts. `features`: the module's whole
+  /// output width (a Linear's out_features, an Embedding's embedding_dim), which an uneven split
+  /// needs; without it the shards are taken as even.
+  at::Tensor prepare_output(const at::Tensor& output, const dtensor::DeviceMesh& mesh,
+                            std::optional<int64_t> features = std::nullopt) const;
 
  protected:
   void apply_to(torch::nn::Module& module, const dtensor::DeviceMesh& mesh,
@@ -165,9 +168,12 @@ class RowwiseParallel : public ParallelStyle {
   at::Tensor forward_linear(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& bias,
                             const dtensor::DeviceMesh& mesh) const;
   /// An Embedding's forward over this rank's rows of a `vocab_size` table: ids outside look up
-  /// zeros, so the sum over ranks (to output_layouts) is the full lookup.
+  /// zeros, so the sum over ranks (to output_layouts) is the full lookup. The row `padding_idx`
+  /// (of the whole table; negative counts from its end), if given, gets no gradient, as in
+  /// torch.nn.Embedding.
   at::Tensor forward_embedding(const at::Tensor& ids, const at::Tensor& weight, int64_t vocab_size,
-                               const dtensor::DeviceMesh& mesh) const;
+                               const dtensor::DeviceMesh& mesh,
+                               std::optional<int64_t> padding_idx = std::nullopt) const;
 
  protected:
   void apply_to(torch::nn::Module& module, const dtensor::DeviceMesh& mesh,

@@ -1,7 +1,9 @@
 """Loss parallel, spelled as PyTorch's: cross-entropy over logits sharded on the vocabulary,
 never gathered. The logits are those of an output projection whose style keeps them sharded and
-tagged (``ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)``), or a view of them
-(``pred.flatten(0, 1)``)::
+tagged (``ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)``), a view of them
+(``pred.flatten(0, 1)``), or a tensor computed from them that keeps the vocabulary shard's width
+(``pred.float()``, ``pred / temperature``, ``pred[:, :-1]``); one computed from them that does
+not is an error. Under no_grad only the logits and their views are recognized::
 
     with loss_parallel():
         loss = F.cross_entropy(pred.flatten(0, 1), labels.flatten(0, 1))
@@ -22,18 +24,29 @@ from hyper_parallel import _C
 __all__ = ["loss_parallel"]
 
 
-def _sharded_logits(t: torch.Tensor):
-    """The DTensor a vocabulary-sharded logits tensor (or the tensor it is a view of) is tagged
-    with, else None."""
+def _vocabulary_sharded(tagged) -> bool:
+    placements = tagged.placements
+    return len(placements) == 1 and placements[0].is_shard() and placements[0].dim in (-1, len(tagged.shape) - 1)
+
+
+def _sharded_logits(input: torch.Tensor):
+    """The DTensor of the vocabulary-sharded logits ``input`` is (or is a view of, or was computed
+    from keeping their width), else None."""
+    t = input
     while t is not None:
         tagged = _C.DTensor.from_tagged(t)
         if tagged is not None:
-            placements = tagged.placements
-            shard_last = len(placements) == 1 and placements[0].is_shard() and \
-                placements[0].dim in (-1, len(tagged.shape) - 1)
-            return tagged if shard_last else None
+            return tagged if _vocabulary_sharded(tagged) else None
         t = t._base
-    return None
+    # Computed from them: a local shard read as whole logits would give each rank its own loss.
+    tagged = _C.DTensor.tagged_ancestor(input)
+    if tagged is None or not _vocabulary_sharded(tagged):
+        return None
+    width = tagged.to_local().shape[-1]
+    if input.dim() == 0 or input.shape[-1] != width:
+        raise ValueError(f"loss_parallel: expected logits that keep this rank's vocabulary shard ({width} wide) "
+                         f"in the last dim, got shape {list(input.shape)} computed from the sharded logits")
+    return tagged
 
 
 @contextlib.contextmanager

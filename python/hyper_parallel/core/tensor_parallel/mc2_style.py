@@ -22,6 +22,7 @@ from hyper_parallel.core.tensor_parallel.mc2 import MC2Contract, MC2Linear, MC2O
 from hyper_parallel.core.tensor_parallel.style import (
     ColwiseParallel,
     RowwiseParallel,
+    _check_own_forward,
     _module_kind,
     _replace_first_input,
 )
@@ -35,6 +36,8 @@ def _apply_mc2(style, module: nn.Module, device_mesh, base_apply):
     style's apply. On an error the module is left as it was."""
     core = style._core()
     core.check_kind(_module_kind(module), type(module).__name__)
+    if type(module) is not MC2Linear:  # the MC2Linear's forward replaces the module's
+        _check_own_forward(type(style).__name__, module, nn.Linear)
     original = type(module)
     linear = MC2Linear.from_linear(module)
     try:
@@ -51,7 +54,7 @@ def _apply_mc2(style, module: nn.Module, device_mesh, base_apply):
 def _install_mc2_hooks(style, core, module, kind, mesh):  # pylint: disable=unused-argument
     """The input hook (the fused op's input layout) and the output hook (its output tagged or
     redistributed to output_layouts); the MC2Linear's own forward runs the fused op."""
-    module.register_forward_pre_hook(_replace_first_input(lambda x: core.prepare_input(x, mesh)))
+    module.register_forward_pre_hook(_replace_first_input(type(style).__name__, lambda x: core.prepare_input(x, mesh)))
     module.register_forward_hook(lambda m, args, y: core.prepare_output(y, mesh))
 
 

@@ -55,13 +55,31 @@ def _shard_module(core, module: nn.Module, device_mesh, src_data_rank):
     return kind, device_mesh
 
 
-def _replace_first_input(convert):
+def _replace_first_input(style: str, convert):
     def hook(module, args):
-        if not args:
-            return None
+        if not args:  # module(input=x): the hook cannot convert what it does not see
+            raise ValueError(f"{style}: expected the input as a positional argument (module(x)), got none; "
+                             "torch 1.13's forward pre-hooks do not see keyword arguments")
         return (convert(args[0]),) + tuple(args[1:])
 
     return hook
+
+
+def _check_own_forward(style: str, module: nn.Module, base) -> None:
+    """A style that replaces the module's forward takes only modules whose forward is ``base``'s:
+    a subclass's own forward would be dropped silently."""
+    if type(module).forward is not base.forward:
+        raise NotImplementedError(f"{style}: expected a module whose forward is {base.__module__}.{base.__name__}'s, "
+                                  f"got {type(module).__name__} with a forward of its own (the style replaces it)")
+
+
+def _check_embedding_options(style: str, module: nn.Embedding) -> None:
+    """The vocabulary-sharded lookup keeps padding_idx; the options that act on whole rows across
+    the table (or make sparse gradients) it cannot keep."""
+    for option, unset in (("max_norm", None), ("scale_grad_by_freq", False), ("sparse", False)):
+        if getattr(module, option) != unset:
+            raise NotImplementedError(f"{style}: expected an nn.Embedding with {option}={unset}, "
+                                      f"got {getattr(module, option)}")
 
 
 class ParallelStyle:
@@ -102,8 +120,11 @@ class ColwiseParallel(ParallelStyle):
         return module
 
     def _install_hooks(self, core, module, kind, mesh):
-        module.register_forward_pre_hook(_replace_first_input(lambda x: core.prepare_input(x, kind, mesh)))
-        module.register_forward_hook(lambda m, args, y: core.prepare_output(y, mesh))
+        module.register_forward_pre_hook(
+            _replace_first_input(type(self).__name__, lambda x: core.prepare_input(x, kind, mesh)))
+        # The whole output width: an uneven split of it is not the local width times the ranks.
+        features = module.out_features if kind == "linear" else module.embedding_dim
+        module.register_forward_hook(lambda m, args, y: core.prepare_output(y, mesh, features))
 
 
 class RowwiseParallel(ParallelStyle):
@@ -130,6 +151,11 @@ class RowwiseParallel(ParallelStyle):
 
     def apply(self, module, device_mesh):
         core = self._core()
+        kind = _module_kind(module)
+        if kind != "other" and type(self)._install_hooks is RowwiseParallel._install_hooks:
+            _check_own_forward(type(self).__name__, module, nn.Linear if kind == "linear" else nn.Embedding)
+        if kind == "embedding":
+            _check_embedding_options(type(self).__name__, module)
         kind, mesh = _shard_module(core, module, device_mesh, self.src_data_rank)
         self._install_hooks(core, module, kind, mesh)
         return module
@@ -137,10 +163,12 @@ class RowwiseParallel(ParallelStyle):
     def _install_hooks(self, core, module, kind, mesh):
         if kind == "embedding":
             self.desired_input_layouts = (Replicate(),)
-            vocab = module.num_embeddings
-            module.forward = types.MethodType(lambda m, ids: core.forward_embedding(ids, m.weight, vocab, mesh), module)
+            vocab, padding_idx = module.num_embeddings, module.padding_idx
+            module.forward = types.MethodType(
+                lambda m, ids: core.forward_embedding(ids, m.weight, vocab, mesh, padding_idx), module)
             return
-        module.register_forward_pre_hook(_replace_first_input(lambda x: core.prepare_input(x, mesh)))
+        module.register_forward_pre_hook(
+            _replace_first_input(type(self).__name__, lambda x: core.prepare_input(x, mesh)))
         module.forward = types.MethodType(lambda m, x: core.forward_linear(x, m.weight, m.bias, mesh), module)
 
 
@@ -167,6 +195,13 @@ class SequenceParallel(ParallelStyle):
 Layouts = Union[Optional[Placement], Sequence[Optional[Placement]]]
 
 
+def _check_tensors_at_layouts(style: str, what: str, values: Tuple, layouts: Tuple) -> None:
+    """Each value a layout converts must be a tensor: anything else would pass through as it is."""
+    for i, (value, layout) in enumerate(zip(values, layouts)):
+        if layout is not None and not isinstance(value, torch.Tensor):
+            raise TypeError(f"{style}: expected a tensor as {what} {i} (layout {layout}), got {type(value).__name__}")
+
+
 class PrepareModuleInput(ParallelStyle):
     """Converts each positional input from input_layouts to desired_input_layouts (None leaves
     one alone) before the module runs."""
@@ -183,7 +218,12 @@ class PrepareModuleInput(ParallelStyle):
     def apply(self, module, device_mesh):
         core, mesh = self._core(), _core_mesh(device_mesh)
         _C.check_tp_mesh(core.name(), mesh)
-        module.register_forward_pre_hook(lambda m, args: core.prepare_inputs(args, mesh))
+
+        def hook(m, args):
+            _check_tensors_at_layouts("PrepareModuleInput", "input", args, self.input_layouts)
+            return core.prepare_inputs(args, mesh)
+
+        module.register_forward_pre_hook(hook)
         return module
 
 
@@ -206,7 +246,9 @@ class PrepareModuleOutput(ParallelStyle):
 
         def hook(m, args, out):
             single = not isinstance(out, tuple)
-            converted = core.prepare_outputs((out,) if single else out, mesh)
+            outs = (out,) if single else out
+            _check_tensors_at_layouts("PrepareModuleOutput", "output", outs, self.output_layouts)
+            converted = core.prepare_outputs(outs, mesh)
             return converted[0] if single else converted
 
         module.register_forward_hook(hook)

@@ -1,0 +1,304 @@
+"""The styles where users leave the common path, at 2 and 4 ranks against a single-process
+reference: widths the ranks cannot split evenly (loss parallel over a vocabulary of 7, a column
+layer's 5 features gathered, a row layer's uneven sequence shard passed on tagged, its features
+sharded with the bias); an embedding's padding_idx under RowwiseParallel. And what a style
+cannot honour is a clear error, never a silent result: a keyword input its hook cannot see, a
+Linear subclass whose own forward a style would replace, embedding options the sharded lookup
+cannot keep, a list output where PrepareModuleOutput expects a tensor."""
+
+import copy
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from hyper_parallel import (ColwiseParallel, MC2RowwiseParallel, PrepareModuleOutput, RowwiseParallel, full_tensor,
+                            init_device_mesh, loss_parallel, parallelize_module)
+from hyper_parallel.core.dtensor.placement_types import Replicate, Shard
+
+WORLD = int(os.environ.get("WORLD_SIZE", "1"))
+multirank = pytest.mark.skipif(WORLD < 2, reason="needs 2 or more ranks")
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+
+
+def same_everywhere(*shape, dtype=torch.float32, high=None):
+    """A tensor equal on every rank (rank 0's)."""
+    t = torch.randint(high, shape) if high is not None else torch.randn(*shape, dtype=dtype)
+    dist.broadcast(t, 0)
+    return t
+
+
+def my_part(t, dim):
+    """This rank's shard of t along dim, as torch.chunk splits it (the last ranks' may be empty)."""
+    size = -(-t.size(dim) // WORLD)
+    start = min(dist.get_rank() * size, t.size(dim))
+    return t.narrow(dim, start, min(size, t.size(dim) - start))
+
+
+def full_grad(p):
+    return full_tensor(p, p.grad) if p.grad is not None else None
+
+
+@multirank
+def test_loss_parallel_over_a_vocabulary_the_ranks_split_unevenly(mesh):
+    torch.manual_seed(3)
+    vocab, dim = 7, 4  # 4 + 3 rows at 2 ranks, 2 + 2 + 2 + 1 at 4
+    out = nn.Linear(dim, vocab, bias=False)
+    ref = copy.deepcopy(out)
+    parallelize_module(out, mesh, ColwiseParallel(use_local_output=False))
+    x, labels = same_everywhere(2, 3, dim), same_everywhere(2, 3, high=vocab)
+    with loss_parallel():
+        loss = F.cross_entropy(out(x).flatten(0, 1), labels.flatten(0, 1))
+    loss.backward()
+    ref_loss = F.cross_entropy(ref(x).flatten(0, 1), labels.flatten(0, 1))
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(full_grad(out.weight), ref.weight.grad, rtol=1e-5, atol=1e-7)
+
+
+@multirank
+def test_a_column_layer_gathers_features_the_ranks_split_unevenly(mesh):
+    torch.manual_seed(4)
+    lin = nn.Linear(4, 5)
+    ref = copy.deepcopy(lin)
+    parallelize_module(lin, mesh, ColwiseParallel(output_layouts=Replicate()))
+    x = same_everywhere(2, 3, 4)
+    y = lin(x)
+    torch.testing.assert_close(y, ref(x))
+    y.pow(2).sum().backward()
+    ref(x).pow(2).sum().backward()
+    torch.testing.assert_close(full_grad(lin.weight), ref.weight.grad, rtol=1e-5, atol=1e-6)
+
+
+class RowThenColumn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.row, self.col = nn.Linear(8, 6), nn.Linear(6, 4)
+
+    def forward(self, x):
+        return self.col(self.row(x))
+
+
+@multirank
+def test_a_row_layers_uneven_sequence_shard_passes_on_tagged(mesh):
+    """seq 2 * WORLD - 1 splits unevenly; the tag carries the global length to the next layer."""
+    torch.manual_seed(5)
+    model = RowThenColumn()
+    ref = copy.deepcopy(model)
+    parallelize_module(model, mesh, {"row": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+                                     "col": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())})
+    x = same_everywhere(2, 2 * WORLD - 1, 8)
+    x_local = my_part(x, -1)
+    torch.testing.assert_close(model(x_local), ref(x), rtol=1e-5, atol=1e-6)
+
+
+@multirank
+def test_a_row_layer_sharded_on_its_features_adds_its_part_of_the_bias(mesh):
+    torch.manual_seed(6)
+    lin = nn.Linear(8, 6)
+    ref = copy.deepcopy(lin)
+    parallelize_module(lin, mesh, RowwiseParallel(output_layouts=Shard(-1)))
+    x = same_everywhere(3, 8)
+    y = lin(my_part(x, -1))
+    torch.testing.assert_close(y, my_part(ref(x), -1), rtol=1e-5, atol=1e-6)
+    y.sum().backward()
+    ref(x).sum().backward()
+    torch.testing.assert_close(full_grad(lin.bias), ref.bias.grad)
+
+
+@multirank
+@pytest.mark.parametrize("padding_idx", [0, 5, -1])
+def test_a_row_sharded_embedding_gives_its_padding_row_no_gradient(mesh, padding_idx):
+    torch.manual_seed(7)
+    emb = nn.Embedding(11, 4, padding_idx=padding_idx)
+    ref = copy.deepcopy(emb)
+    parallelize_module(emb, mesh, RowwiseParallel(input_layouts=Replicate()))
+    ids = same_everywhere(3, 5, high=11)
+    ids[0, :3] = padding_idx % 11
+    y = emb(ids)
+    torch.testing.assert_close(y, ref(ids))
+    (y * y).sum().backward()
+    (ref(ids) ** 2).sum().backward()
+    grad = full_grad(emb.weight)
+    torch.testing.assert_close(grad, ref.weight.grad)
+    assert not grad[padding_idx].any()
+
+
+@multirank
+@pytest.mark.parametrize("option", [dict(max_norm=1.0), dict(scale_grad_by_freq=True), dict(sparse=True)])
+def test_embedding_options_a_row_sharded_lookup_cannot_keep_are_errors(mesh, option):
+    name = next(iter(option))
+    with pytest.raises(NotImplementedError, match=f"RowwiseParallel: expected an nn.Embedding with {name}="):
+        parallelize_module(nn.Embedding(8, 4, **option), mesh, RowwiseParallel(input_layouts=Replicate()))
+
+
+class HalvedLinear(nn.Linear):
+    def forward(self, x):
+        return super().forward(x) * 0.5
+
+
+@multirank
+@pytest.mark.parametrize("style", [RowwiseParallel, MC2RowwiseParallel])
+def test_a_style_that_replaces_forward_refuses_a_subclass_with_its_own(mesh, style):
+    with pytest.raises(NotImplementedError, match=f"{style.__name__}: expected a module whose forward is "
+                                                  "torch.nn.modules.linear.Linear's, got HalvedLinear"):
+        parallelize_module(HalvedLinear(8, 8), mesh, style())
+
+
+@multirank
+def test_a_column_layer_subclass_keeps_its_own_forward(mesh):
+    torch.manual_seed(8)
+    lin = HalvedLinear(4, 6)
+    ref = copy.deepcopy(lin)
+    parallelize_module(lin, mesh, ColwiseParallel(output_layouts=Replicate()))
+    x = same_everywhere(2, 4)
+    torch.testing.assert_close(lin(x), ref(x))
+
+
+@multirank
+@pytest.mark.parametrize("style", [ColwiseParallel, RowwiseParallel])
+def test_an_input_passed_by_keyword_is_an_error_not_an_unconverted_input(mesh, style):
+    lin = parallelize_module(nn.Linear(8, 8), mesh, style())
+    with pytest.raises(ValueError, match=f"{style.__name__}: expected the input as a positional argument"):
+        lin(input=torch.randn(2, 8))
+
+
+class ListOutput(nn.Module):
+    def forward(self, x):
+        return [x, x]
+
+
+@multirank
+def test_prepare_module_output_of_a_list_is_an_error_not_a_pass_through(mesh):
+    module = parallelize_module(ListOutput(), mesh, PrepareModuleOutput(output_layouts=Shard(0),
+                                                                        desired_output_layouts=Replicate()))
+    with pytest.raises(TypeError, match="PrepareModuleOutput: expected a tensor as output 0 .*got list"):
+        module(torch.randn(2, 3))
+
+
+class ResidualBlock(nn.Module):
+    """The input read twice: by a column layer and by the residual add."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x):
+        return x + self.fc2(torch.relu(self.fc1(x)))
+
+
+@multirank
+@pytest.mark.parametrize("use_local_output", [False, True])
+def test_a_replicated_activation_read_by_a_column_layer_and_a_residual_keeps_both_gradients(mesh,
+                                                                                              use_local_output):
+    """The column layer's input gradient is Partial, the residual's Replicate: each is reduced as
+    what it is (the residual's was once summed over the ranks too)."""
+    from hyper_parallel import PrepareModuleInput
+    torch.manual_seed(9)
+    block = ResidualBlock()
+    ref = copy.deepcopy(block)
+    parallelize_module(block, mesh, {"": PrepareModuleInput(input_layouts=Shard(0), desired_input_layouts=Replicate(),
+                                                            use_local_output=use_local_output),
+                                     "fc1": ColwiseParallel(),
+                                     "fc2": RowwiseParallel(use_local_output=use_local_output)})
+    x = same_everywhere(2 * WORLD, 8)
+    x_local = my_part(x, 0).clone().requires_grad_()
+    x_ref = x.clone().requires_grad_()
+    weights = same_everywhere(2 * WORLD, 8)
+    (block(x_local) * weights).sum().backward()
+    (ref(x_ref) * weights).sum().backward()
+    torch.testing.assert_close(x_local.grad, my_part(x_ref.grad, 0), rtol=1e-5, atol=1e-6)
+    for name in ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"):
+        p, q = block.get_parameter(name), ref.get_parameter(name)
+        torch.testing.assert_close(full_grad(p), q.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@multirank
+def test_a_row_layers_tagged_output_read_by_a_column_layer_and_a_residual(mesh):
+    torch.manual_seed(10)
+    row, col = nn.Linear(8, 8), nn.Linear(8, 8)
+    ref_row, ref_col = copy.deepcopy(row), copy.deepcopy(col)
+    parallelize_module(row, mesh, RowwiseParallel(input_layouts=Replicate(), use_local_output=False))
+    parallelize_module(col, mesh, ColwiseParallel(output_layouts=Replicate()))
+    x = same_everywhere(4, 8)
+    h = row(x)
+    (h + col(h)).sum().backward()
+    h_ref = ref_row(x)
+    (h_ref + ref_col(h_ref)).sum().backward()
+    for mine, theirs in ((row.weight, ref_row.weight), (row.bias, ref_row.bias), (col.weight, ref_col.weight)):
+        torch.testing.assert_close(full_grad(mine), theirs.grad, rtol=1e-5, atol=1e-6)
+
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wq, self.wk, self.wv = (nn.Linear(8, 8, bias=False) for _ in range(3))
+
+    def forward(self, x):
+        return self.wq(x) * self.wk(x) + self.wv(x)
+
+
+@multirank
+def test_three_column_layers_reading_one_prepared_input_reduce_its_gradient_once(mesh):
+    """torchtitan's attention plan: one Replicate input, three column layers; their Partial
+    gradients are summed locally and reduce-scattered back to the sequence shards once."""
+    from hyper_parallel import PrepareModuleInput
+    from hyper_parallel.core import comm
+    torch.manual_seed(11)
+    attn = Attention()
+    ref = copy.deepcopy(attn)
+    parallelize_module(attn, mesh, {"": PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate()),
+                                    "wq": ColwiseParallel(), "wk": ColwiseParallel(), "wv": ColwiseParallel()})
+    x = same_everywhere(2, 2 * WORLD, 8)
+    x_local = my_part(x, 1).clone().requires_grad_()
+    x_ref = x.clone().requires_grad_()
+    out = attn(x_local)
+    comm.reset_collective_counts()
+    out.sum().backward()
+    assert comm.collective_count("reduce_scatter") == 1
+    assert comm.collective_count("all_reduce") == 0
+    ref(x_ref).sum().backward()
+    torch.testing.assert_close(x_local.grad, my_part(x_ref.grad, 1), rtol=1e-5, atol=1e-6)
+
+
+@multirank
+@pytest.mark.parametrize("transform", ["shifted", "scaled", "cast"])
+def test_loss_parallel_over_logits_computed_from_the_sharded_ones(mesh, transform):
+    """torchtitan and nanoGPT compute the loss on shifted, scaled or upcast logits: each rank's
+    piece is still its vocabulary shard (each rank once took it for whole logits)."""
+    apply = {"shifted": lambda t: t[:, :-1], "scaled": lambda t: t / 0.7, "cast": lambda t: t.double()}[transform]
+    torch.manual_seed(12)
+    vocab, dim = 9, 4
+    out = nn.Linear(dim, vocab, bias=False)
+    ref = copy.deepcopy(out)
+    parallelize_module(out, mesh, ColwiseParallel(use_local_output=False))
+    x, labels = same_everywhere(2, 5, dim), same_everywhere(2, 5, high=vocab)
+    labels = labels[:, :-1] if transform == "shifted" else labels
+    with loss_parallel():
+        loss = F.cross_entropy(apply(out(x)).flatten(0, 1), labels.flatten(0, 1))
+    loss.backward()
+    ref_loss = F.cross_entropy(apply(ref(x)).flatten(0, 1), labels.flatten(0, 1))
+    ref_loss.backward()
+    torch.testing.assert_close(loss.double(), ref_loss.double(), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(full_grad(out.weight), ref.weight.grad, rtol=1e-5, atol=1e-7)
+
+
+@multirank
+def test_loss_parallel_over_logits_that_lost_the_vocabulary_shards_width_is_an_error(mesh):
+    out = nn.Linear(4, 8 * WORLD, bias=False)
+    parallelize_module(out, mesh, ColwiseParallel(use_local_output=False))
+    pred = out(torch.randn(2, 3, 4))
+    labels = torch.zeros(6, dtype=torch.long)
+    with loss_parallel():
+        with pytest.raises(ValueError, match="loss_parallel: expected logits that keep this rank's vocabulary shard "
+                                             "\\(8 wide\\)"):
+            F.cross_entropy((pred * 2)[..., :2].flatten(0, 1), labels)
+        with pytest.raises(ValueError, match="vocab_parallel_cross_entropy: expected local logits \\[..., 8\\]"):
+            F.cross_entropy(pred[..., :2].flatten(0, 1), labels)  # a view of the logits themselves
