@@ -91,6 +91,11 @@ ParamGroup::ParamGroup(std::vector<at::Tensor> params, std::vector<std::string> 
     TORCH_CHECK_VALUE(p.dim() >= 1,
                       "fully_shard: expected parameters of at least one dim (sharded on dim 0), got ",
                       names[i], " of shape ", p.sizes());
+    // The gathers' buffers are made here, on the parameters' device: a meta parameter would be
+    // gathered from no memory.
+    TORCH_CHECK_NOT_IMPLEMENTED(
+        p.device().is_cpu(), "fully_shard: expected parameters on cpu, got ", names[i], " on ", p.device(),
+        " (materialize the module, e.g. to_empty and initialize, ", "before fully_shard)");
     TORCH_CHECK_VALUE(
         i == 0 || p.scalar_type() == params[0].scalar_type() || options.mp_policy().param_dtype(),
         "fully_shard: expected one dtype for a group's parameters (or a MixedPrecisionPolicy "

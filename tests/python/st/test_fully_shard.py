@@ -414,6 +414,58 @@ def test_a_layer_every_rank_skips_keeps_no_gradient_and_adamw_leaves_it(comm_fus
         torch.testing.assert_close(full_tensor(p), q.detach(), rtol=1e-5, atol=1e-6)
 
 
+def test_module_zero_grad_without_set_to_none_zeroes_as_torch_does():
+    """net.zero_grad(set_to_none=False) (torch 1.13's default for nn.Module) keeps each .grad as a
+    zero tensor: a layer skipped in the next step still gets AdamW's decay and momentum, as in one
+    process."""
+    ws, r = dist.get_world_size(), dist.get_rank()
+    reference = WithSpare()
+    net = fully_shard(copy.deepcopy(reference), mesh=dp_mesh())
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (reference, net)]
+    for s in range(3):
+        grads = [p.grad for p in net.parameters()]
+        for m in (reference, net):
+            m.zero_grad(set_to_none=False)
+        for p, q, before in zip(net.parameters(), reference.parameters(), grads):
+            assert (p.grad is None) == (q.grad is None)
+            if before is not None:
+                assert p.grad is before and not p.grad.any()  # zeroed in place
+        reference(batch(s, ws), s == 0).pow(2).mean().backward()
+        net(batch(s, ws)[r * ROWS_PER_RANK:][:ROWS_PER_RANK], s == 0).pow(2).mean().backward()
+        for opt in opts:
+            opt.step()
+    for p, q in zip(net.parameters(), reference.parameters()):
+        torch.testing.assert_close(full_tensor(p), q.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_parameters_on_meta_are_a_clear_error_not_a_gather_from_no_memory():
+    """FSDP2's meta-device initialization (fully_shard, then to_empty) is not supported: the gathers'
+    buffers are made with the group."""
+    with pytest.raises(NotImplementedError, match="fully_shard: expected parameters on cpu, got weight on meta"):
+        fully_shard(nn.Linear(4, 4, device="meta"), mesh=dp_mesh())
+
+
+class DictLinear(nn.Linear):
+    """Owns its parameters and returns a dict."""
+
+    def forward(self, x):
+        return {"out": torch.tanh(super().forward(x))}
+
+
+def test_a_module_returning_a_dict_is_gathered_again_for_its_backward():
+    ws, r = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(12)
+    reference = nn.ModuleDict({"a": DictLinear(DIM, DIM), "b": DictLinear(DIM, DIM)})
+    net = copy.deepcopy(reference)
+    for name in ("a", "b"):
+        fully_shard(net[name], mesh=dp_mesh(), reshard_after_forward=True)
+    x = batch(0, ws)
+    net["b"](net["a"](x[r * ROWS_PER_RANK:][:ROWS_PER_RANK])["out"])["out"].pow(2).mean().backward()
+    reference["b"](reference["a"](x)["out"])["out"].pow(2).mean().backward()
+    for (name, p), q in zip(net.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(full_tensor(p, p.grad), q.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_a_reentrant_checkpoint_whose_input_needs_no_grad_leaves_its_parameters_without_gradients():
     """torch's reentrant checkpoint gives no gradient to a region none of whose inputs requires
     grad (the first block's up layer, on the raw input): its parameters keep .grad None, as in

@@ -18,6 +18,7 @@ from typing import Iterable, Optional, Union
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from hyper_parallel import _C
 from hyper_parallel.core.dtensor.placement_types import Shard
@@ -111,10 +112,18 @@ class FSDPModule:
         """These modules' gathers start as soon as this one's backward begins."""
         self._fsdp_backward_prefetch = self._prefetch_groups(modules, "FSDPModule.set_modules_to_backward_prefetch")
 
-    def zero_grad(self, set_to_none: bool = True) -> None:  # pylint: disable=unused-argument
-        """Drops the .grad of every parameter of this module and those below it."""
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drops the .grad of every parameter of this module and those below it, or with
+        set_to_none=False zeroes it in place (torch.nn.Module.zero_grad's meaning)."""
         for p in self.parameters():
-            p.grad = None
+            if set_to_none or p.grad is None:
+                p.grad = None
+                continue
+            if p.grad.grad_fn is not None:
+                p.grad.detach_()
+            else:
+                p.grad.requires_grad_(False)
+            p.grad.zero_()
 
 
 HSDPModule = FSDPModule  # the original's name
@@ -180,6 +189,16 @@ def _owned_parameters(module: nn.Module, ignored: set, shard_placement_fn):
     return owned, seen
 
 
+def _with_pre_backward(group, output, prefetch):
+    """``output`` (any nesting of tuples, lists and dicts) with each tensor passed through the
+    group's pre-backward node."""
+    leaves, spec = tree_flatten(output)
+    tensors = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    for i, wrapped in zip(tensors, group.register_pre_backward([leaves[i] for i in tensors], prefetch)):
+        leaves[i] = wrapped
+    return tree_unflatten(leaves, spec)
+
+
 def _install_hooks(group, owners, mp_policy: MixedPrecisionPolicy, fsdp_module):
     """Per module that owns managed parameters: gather and stand the gathered ones in before its
     forward; put the shards back, register the pre-backward and count the module after it."""
@@ -198,16 +217,7 @@ def _install_hooks(group, owners, mp_policy: MixedPrecisionPolicy, fsdp_module):
         def post_hook(mod, args, output, names=names):
             for name, index in names:
                 mod._parameters[name] = group.parameters[index]
-            prefetch = getattr(fsdp_module, "_fsdp_backward_prefetch", [])
-            if isinstance(output, torch.Tensor):
-                output = group.register_pre_backward([output], prefetch)[0]
-            elif isinstance(output, (tuple, list)):
-                tensors = [i for i, o in enumerate(output) if isinstance(o, torch.Tensor)]
-                wrapped = group.register_pre_backward([output[i] for i in tensors], prefetch)
-                output = list(output)
-                for i, w in zip(tensors, wrapped):
-                    output[i] = w
-                output = tuple(output)
+            output = _with_pre_backward(group, output, getattr(fsdp_module, "_fsdp_backward_prefetch", []))
             group.post_forward()
             return output
 
