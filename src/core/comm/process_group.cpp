@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#include <future>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -50,6 +51,7 @@ struct World {
   // The timeout every adopted group waits with, if init_process_group_from's options or
   // HP_TIMEOUT_S set one; else each waits with its backend's own.
   std::optional<std::chrono::milliseconds> adopted_timeout;
+  std::thread::id init_thread;  // the thread that made or joined the world
 };
 
 World& world_state() {
@@ -132,11 +134,20 @@ std::chrono::milliseconds own_timeout(c10::intrusive_ptr<c10d::ProcessGroup> bac
 
 // Destroys groups on a thread of this library's own: a ProcessGroupGloo's destructor joins its
 // threads, which may be the caller (a callback of its work) or wait for the caller (Python's
-// lock, which a callback needs).
-void release_on_own_thread(std::vector<std::shared_ptr<detail::GroupImpl>> groups) {
-  if (groups.empty()) return;
+// lock, which a callback needs). The future is ready once they are destroyed.
+std::shared_future<void> release_on_own_thread(std::vector<std::shared_ptr<detail::GroupImpl>> groups) {
+  auto released = std::make_shared<std::promise<void>>();
+  std::shared_future<void> done = released->get_future().share();
+  if (groups.empty()) {
+    released->set_value();
+    return done;
+  }
   static auto* releaser = new detail::WorkerThread();  // never freed: it may outlive statics
-  releaser->submit([groups = std::move(groups)]() mutable { groups.clear(); });
+  releaser->submit([groups = std::move(groups), released]() mutable {
+    groups.clear();
+    released->set_value();
+  });
+  return done;
 }
 
 detail::GroupImpl& require_world(const char* fn) {
@@ -221,6 +232,7 @@ void init_process_group(const InitOptions& options) {
   impl->timeout = timeout;
   w.adopted_timeout = timeout;  // a C++ world's groups all wait with its timeout
   w.group = std::move(impl);
+  w.init_thread = std::this_thread::get_id();
   w.groups_created = 0;
   trace::detail::start(*rank);
   detail::install_stop_report(*rank);
@@ -262,6 +274,7 @@ void init_process_group_from(c10::intrusive_ptr<c10d::ProcessGroup> world_backen
   w.adopted.clear();
   w.adopted[impl->backend.get()] = impl;
   w.group = std::move(impl);
+  w.init_thread = std::this_thread::get_id();
   w.groups_created = 0;
   trace::detail::start(rank);
   detail::install_stop_report(rank);
@@ -282,8 +295,10 @@ void destroy_process_group() {
   trace::flush();
   auto& w = world_state();
   std::vector<std::shared_ptr<detail::GroupImpl>> adopted;
+  std::thread::id init_thread;
   {
     std::lock_guard<std::mutex> lock(w.mutex);
+    init_thread = w.init_thread;
     w.group.reset();
     w.device.reset();
     w.store.reset();
@@ -293,8 +308,11 @@ void destroy_process_group() {
     w.adopted_timeout.reset();
   }
   // Outside the lock (and, from Python, without Python's lock): a group's destructor joins its
-  // threads, whose callbacks may need either.
-  adopted.clear();
+  // threads, whose callbacks may need either. On the releaser's thread: the caller may be one of
+  // them (a callback of torch's work on that group). The thread that made the world waits, so
+  // that the groups are gone when this returns; another (such a callback) cannot.
+  auto released = release_on_own_thread(std::move(adopted));
+  if (std::this_thread::get_id() == init_thread) released.wait();
 }
 
 Group adopt_group(c10::intrusive_ptr<c10d::ProcessGroup> backend, std::vector<int64_t> global_ranks,
