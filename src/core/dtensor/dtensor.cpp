@@ -9,6 +9,7 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/graph_task.h>
 
 #include <hyper_parallel/core/comm/collectives.h>
 
@@ -27,6 +28,7 @@ namespace hyper_parallel::dtensor {
 struct DTensor::GradSlot {
   using Convert = std::function<at::Tensor(const at::Tensor& grad, const Placements& from)>;
   std::vector<std::pair<Placements, at::Tensor>> declared;
+  std::weak_ptr<torch::autograd::Node> producer;  // the node whose backward converges them
 
   void add(const Placements& placements, const at::Tensor& grad) {
     for (auto& [pl, sum] : declared) {
@@ -60,13 +62,40 @@ using comm::ReduceOp;
 at::Tensor attach_producer_backward(const at::Tensor& input, const at::Tensor& output,
                                     std::shared_ptr<DTensor::GradSlot> slot, Placements own,
                                     DTensor::GradSlot::Convert convert, const char* name) {
-  return detail::attach_backward(
+  auto out = detail::attach_backward(
       {input}, {output},
-      [slot = std::move(slot), own = std::move(own),
-       convert = std::move(convert)](std::vector<at::Tensor> grads) {
+      [slot, own = std::move(own), convert = std::move(convert)](std::vector<at::Tensor> grads) {
         return std::vector<at::Tensor>{slot->converge(grads[0], own, convert)};
       },
       name, /*materialize_grads=*/false)[0];
+  slot->producer = out.grad_fn();
+  return out;
+}
+
+// Whether `node` is the backward of an op that computes each element of the last dim from that
+// element alone (views, row selection, casts, elementwise arithmetic): a tensor computed through
+// such ops from a tagged one keeps its layout there.
+bool keeps_last_dim_apart(const torch::autograd::Node& node) {
+  static const char* const kOps[] = {"View",      "UnsafeView", "ReshapeAlias", "Slice", "Select", "Index",
+                                     "Unsqueeze", "Squeeze",    "Expand",       "Clone", "ToCopy", "Div",
+                                     "Mul",       "Add",        "Sub",          "Neg",   "Tanh",   "Clamp",
+                                     "Unbind",    "AsStrided",  "Split"};
+  const auto name = node.name();  // e.g. "DivBackward0"; "AddmmBackward0" is not "Add"'s
+  for (const char* op : kOps) {
+    if (name.rfind(std::string(op) + "Backward", 0) == 0) return true;
+  }
+  return false;
+}
+
+// Whether `producer` runs in this backward with nothing that reads its input gradient first: no
+// capture (autograd.grad(..., inputs) of the tagged tensor), no tensor hook (retain_grad). Only
+// then may a declared gradient wait for it in its GradSlot.
+bool converges_unobserved(const torch::autograd::Node& producer) {
+  if (!producer.pre_hooks().empty()) return false;
+  const auto* exec_info = torch::autograd::get_current_graph_task_exec_info();
+  if (exec_info == nullptr || exec_info->empty()) return true;  // a plain backward runs every node
+  auto it = exec_info->find(const_cast<torch::autograd::Node*>(&producer));
+  return it != exec_info->end() && it->second.needed_ && !it->second.captures_;
 }
 
 Placements normalized(const Placements& placements, int64_t ndim) {
@@ -274,13 +303,23 @@ DTensor DTensor::from_local(const at::Tensor& local, const DeviceMesh& mesh, con
 at::Tensor DTensor::to_local(const Placements& grad_placements) const {
   check_placements("DTensor::to_local", mesh_, grad_placements, dim());
   auto pl = normalized(grad_placements, dim());
-  if (pl == for_gradient(placements_) || !local_.requires_grad()) return local_;
-  // This consumer's gradient goes to the producer apart from autograd's sum (GradSlot).
+  const auto own = for_gradient(placements_);
+  if (pl == own || !local_.requires_grad()) return local_;
+  // This consumer's gradient goes to the producer apart from autograd's sum (GradSlot), when the
+  // producer's node is the very next (no in-place op on the local tensor since) and runs with no
+  // reader of its input gradient; otherwise it is converted here, on its own.
+  std::weak_ptr<torch::autograd::Node> producer;
+  if (local_.grad_fn() && local_.grad_fn() == grad_slot_->producer.lock()) producer = local_.grad_fn();
   return detail::attach_backward(
       {local_}, {local_.detach()},
-      [slot = grad_slot_, pl](std::vector<at::Tensor> grads) {
-        if (grads[0].defined()) slot->add(pl, grads[0]);
-        return std::vector<at::Tensor>{at::Tensor()};
+      [slot = grad_slot_, pl, own, producer, mesh = mesh_, shape = shape_](std::vector<at::Tensor> grads) {
+        if (!grads[0].defined()) return std::vector<at::Tensor>{at::Tensor()};
+        auto node = producer.lock();
+        if (node && converges_unobserved(*node)) {
+          slot->add(pl, grads[0]);
+          return std::vector<at::Tensor>{at::Tensor()};
+        }
+        return std::vector<at::Tensor>{redistribute_local(grads[0], mesh, shape, pl, own)};
       },
       "DTensorToLocalBackward", /*materialize_grads=*/false)[0];
 }
@@ -364,6 +403,7 @@ std::optional<DTensor> DTensor::tagged_ancestor(const at::Tensor& t, int64_t max
                     t.options().device(at::kMeta));
       return DTensor(local, tag->mesh, tag->placements, tag->shape);
     }
+    if (!keeps_last_dim_apart(*node)) continue;  // a matmul, another DTensor's boundary: not through
     for (const auto& edge : node->next_edges()) {
       if (edge.function) queue.push_back(edge.function.get());
     }

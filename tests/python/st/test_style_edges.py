@@ -302,3 +302,65 @@ def test_loss_parallel_over_logits_that_lost_the_vocabulary_shards_width_is_an_e
             F.cross_entropy((pred * 2)[..., :2].flatten(0, 1), labels)
         with pytest.raises(ValueError, match="vocab_parallel_cross_entropy: expected local logits \\[..., 8\\]"):
             F.cross_entropy(pred[..., :2].flatten(0, 1), labels)  # a view of the logits themselves
+
+
+@multirank
+@pytest.mark.parametrize("inplace", ["relu_", "mul_"])
+def test_an_in_place_op_between_a_tagged_activation_and_a_column_layer(mesh, inplace):
+    """The column layer's Partial gradient passes back through the in-place op's backward."""
+    torch.manual_seed(13)
+    row, col = nn.Linear(8, 8), nn.Linear(8, 8)
+    ref_row, ref_col = copy.deepcopy(row), copy.deepcopy(col)
+    parallelize_module(row, mesh, RowwiseParallel(input_layouts=Replicate(), use_local_output=False))
+    parallelize_module(col, mesh, ColwiseParallel(output_layouts=Replicate()))
+    x = same_everywhere(4, 8)
+    for r, c, out in ((row, col, []), (ref_row, ref_col, [])):
+        h = r(x)
+        h = torch.relu_(h) if inplace == "relu_" else h.mul_(3)
+        c(h).pow(2).sum().backward()
+    for mine, theirs in ((row.weight, ref_row.weight), (row.bias, ref_row.bias), (col.weight, ref_col.weight)):
+        torch.testing.assert_close(full_grad(mine), theirs.grad, rtol=1e-5, atol=1e-5)
+
+
+@multirank
+def test_the_gradient_of_a_tagged_activation_taken_alone_then_a_backward(mesh):
+    """autograd.grad of the tagged activation itself: its producer does not run, so the column
+    layer's part is converted on its own, and nothing waits for a later backward."""
+    torch.manual_seed(14)
+    row, col = nn.Linear(8, 8), nn.Linear(8, 8)
+    ref_row, ref_col = copy.deepcopy(row), copy.deepcopy(col)
+    parallelize_module(row, mesh, RowwiseParallel(input_layouts=Replicate(), use_local_output=False))
+    parallelize_module(col, mesh, ColwiseParallel(output_layouts=Replicate()))
+    x = same_everywhere(4, 8)
+    h, h_ref = row(x), ref_row(x)
+    loss, ref_loss = (h + col(h)).pow(2).sum(), (h_ref + ref_col(h_ref)).pow(2).sum()
+    (grad,), (ref_grad,) = torch.autograd.grad(loss, h, retain_graph=True), torch.autograd.grad(ref_loss, h_ref,
+                                                                                                 retain_graph=True)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-5)
+    loss.backward()
+    ref_loss.backward()
+    torch.testing.assert_close(full_grad(row.weight), ref_row.weight.grad, rtol=1e-5, atol=1e-5)
+
+
+class ShardedAttentionThenHead(nn.Module):
+    def __init__(self, vocab):
+        super().__init__()
+        self.wq, self.wo, self.head = nn.Linear(6, 4 * WORLD), nn.Linear(4 * WORLD, 6), nn.Linear(6, vocab)
+
+    def forward(self, x):
+        return self.head(self.wo(torch.relu(self.wq(x))))
+
+
+@multirank
+def test_loss_parallel_leaves_replicated_logits_to_torch_past_sharded_activations(mesh):
+    """The head's logits are whole (Replicate): a Shard(-1)-tagged activation further up (as wide as
+    the vocabulary here) is not theirs."""
+    torch.manual_seed(15)
+    model = ShardedAttentionThenHead(vocab=4)
+    ref = copy.deepcopy(model)
+    parallelize_module(model, mesh, {"wq": ColwiseParallel(use_local_output=False), "wo": RowwiseParallel(),
+                                     "head": ColwiseParallel(output_layouts=Replicate())})
+    x, labels = same_everywhere(5, 6), same_everywhere(5, high=4)
+    with loss_parallel():
+        loss = F.cross_entropy(model(x), labels)
+    torch.testing.assert_close(loss, F.cross_entropy(ref(x), labels), rtol=1e-6, atol=1e-6)

@@ -36,7 +36,7 @@ def _apply_mc2(style, module: nn.Module, device_mesh, base_apply):
     style's apply. On an error the module is left as it was."""
     core = style._core()
     core.check_kind(_module_kind(module), type(module).__name__)
-    if type(module) is not MC2Linear:  # the MC2Linear's forward replaces the module's
+    if type(module).forward is not MC2Linear.forward:  # the MC2Linear's forward replaces the module's
         _check_own_forward(type(style).__name__, module, nn.Linear)
     original = type(module)
     linear = MC2Linear.from_linear(module)
