@@ -220,20 +220,30 @@ def test_a_replicated_activation_read_by_a_column_layer_and_a_residual_keeps_bot
         torch.testing.assert_close(full_grad(p), q.grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
-@multirank
-def test_a_row_layers_tagged_output_read_by_a_column_layer_and_a_residual(mesh):
-    torch.manual_seed(10)
+def row_then_column(mesh, seed):
+    """A row layer whose output stays tagged, a column layer, their single-process copies and an
+    input: ((row, col), (ref_row, ref_col), x)."""
+    torch.manual_seed(seed)
     row, col = nn.Linear(8, 8), nn.Linear(8, 8)
-    ref_row, ref_col = copy.deepcopy(row), copy.deepcopy(col)
+    ref = copy.deepcopy(row), copy.deepcopy(col)
     parallelize_module(row, mesh, RowwiseParallel(input_layouts=Replicate(), use_local_output=False))
     parallelize_module(col, mesh, ColwiseParallel(output_layouts=Replicate()))
-    x = same_everywhere(4, 8)
-    h = row(x)
-    (h + col(h)).sum().backward()
-    h_ref = ref_row(x)
-    (h_ref + ref_col(h_ref)).sum().backward()
-    for mine, theirs in ((row.weight, ref_row.weight), (row.bias, ref_row.bias), (col.weight, ref_col.weight)):
-        torch.testing.assert_close(full_grad(mine), theirs.grad, rtol=1e-5, atol=1e-6)
+    return (row, col), ref, same_everywhere(4, 8)
+
+
+def expect_same_gradients(layers, ref_layers, atol=1e-6):
+    for mine, theirs in zip(layers, ref_layers):
+        for p, q in zip(mine.parameters(), theirs.parameters()):
+            torch.testing.assert_close(full_grad(p), q.grad, rtol=1e-5, atol=atol)
+
+
+@multirank
+def test_a_row_layers_tagged_output_read_by_a_column_layer_and_a_residual(mesh):
+    layers, ref_layers, x = row_then_column(mesh, 10)
+    for row, col in (layers, ref_layers):
+        h = row(x)
+        (h + col(h)).sum().backward()
+    expect_same_gradients(layers, ref_layers)
 
 
 class Attention(nn.Module):
@@ -308,38 +318,27 @@ def test_loss_parallel_over_logits_that_lost_the_vocabulary_shards_width_is_an_e
 @pytest.mark.parametrize("inplace", ["relu_", "mul_"])
 def test_an_in_place_op_between_a_tagged_activation_and_a_column_layer(mesh, inplace):
     """The column layer's Partial gradient passes back through the in-place op's backward."""
-    torch.manual_seed(13)
-    row, col = nn.Linear(8, 8), nn.Linear(8, 8)
-    ref_row, ref_col = copy.deepcopy(row), copy.deepcopy(col)
-    parallelize_module(row, mesh, RowwiseParallel(input_layouts=Replicate(), use_local_output=False))
-    parallelize_module(col, mesh, ColwiseParallel(output_layouts=Replicate()))
-    x = same_everywhere(4, 8)
-    for r, c, out in ((row, col, []), (ref_row, ref_col, [])):
-        h = r(x)
+    layers, ref_layers, x = row_then_column(mesh, 13)
+    for row, col in (layers, ref_layers):
+        h = row(x)
         h = torch.relu_(h) if inplace == "relu_" else h.mul_(3)
-        c(h).pow(2).sum().backward()
-    for mine, theirs in ((row.weight, ref_row.weight), (row.bias, ref_row.bias), (col.weight, ref_col.weight)):
-        torch.testing.assert_close(full_grad(mine), theirs.grad, rtol=1e-5, atol=1e-5)
+        col(h).pow(2).sum().backward()
+    expect_same_gradients(layers, ref_layers, atol=1e-5)
 
 
 @multirank
 def test_the_gradient_of_a_tagged_activation_taken_alone_then_a_backward(mesh):
     """autograd.grad of the tagged activation itself: its producer does not run, so the column
     layer's part is converted on its own, and nothing waits for a later backward."""
-    torch.manual_seed(14)
-    row, col = nn.Linear(8, 8), nn.Linear(8, 8)
-    ref_row, ref_col = copy.deepcopy(row), copy.deepcopy(col)
-    parallelize_module(row, mesh, RowwiseParallel(input_layouts=Replicate(), use_local_output=False))
-    parallelize_module(col, mesh, ColwiseParallel(output_layouts=Replicate()))
-    x = same_everywhere(4, 8)
-    h, h_ref = row(x), ref_row(x)
-    loss, ref_loss = (h + col(h)).pow(2).sum(), (h_ref + ref_col(h_ref)).pow(2).sum()
-    (grad,), (ref_grad,) = torch.autograd.grad(loss, h, retain_graph=True), torch.autograd.grad(ref_loss, h_ref,
-                                                                                                 retain_graph=True)
-    torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-5)
-    loss.backward()
-    ref_loss.backward()
-    torch.testing.assert_close(full_grad(row.weight), ref_row.weight.grad, rtol=1e-5, atol=1e-5)
+    layers, ref_layers, x = row_then_column(mesh, 14)
+    grads = []
+    for row, col in (layers, ref_layers):
+        h = row(x)
+        loss = (h + col(h)).pow(2).sum()
+        grads += torch.autograd.grad(loss, h, retain_graph=True)
+        loss.backward()
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-5)
+    expect_same_gradients(layers, ref_layers, atol=1e-5)
 
 
 class ShardedAttentionThenHead(nn.Module):
