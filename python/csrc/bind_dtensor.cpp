@@ -133,8 +133,14 @@ void bind_dtensor_class(py::module& m) {
           py::arg("local"), py::arg("device_mesh"), py::arg("placements"), py::arg("run_check") = false,
           py::arg("shape") = py::none())
       .def_static("from_tagged", &dtensor::DTensor::from_tagged, py::arg("local"))
-      .def_static("tagged_ancestor", &dtensor::DTensor::tagged_ancestor, py::arg("t"),
-                  py::arg("max_nodes") = 64)
+      .def_static(
+          "tagged_ancestor",
+          [](const at::Tensor& t, int64_t max_nodes) {
+            std::string mixed_by;
+            auto tagged = dtensor::DTensor::tagged_ancestor(t, &mixed_by, max_nodes);
+            return std::make_pair(tagged, mixed_by);
+          },
+          py::arg("t"), py::arg("max_nodes") = 64)
       .def(
           "to_local",
           [](const dtensor::DTensor& d, std::optional<dtensor::Placements> grad_placements) {

@@ -88,6 +88,10 @@ bool backward_released(const torch::autograd::Node& node) {
   return functional != nullptr && functional->released();
 }
 
+bool made_by_attach_backward(const torch::autograd::Node& node) {
+  return dynamic_cast<const FunctionalBackward*>(&node) != nullptr;
+}
+
 bool annotate_node(torch::autograd::Node& node, std::shared_ptr<void> value) {
   auto* functional = dynamic_cast<FunctionalBackward*>(&node);
   if (functional == nullptr) return false;

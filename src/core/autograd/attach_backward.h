@@ -35,6 +35,8 @@ std::vector<at::Tensor> attach_backward(const std::vector<at::Tensor>& inputs,
 /// (a graph kept alive after its backward without retain_graph).
 bool backward_released(const torch::autograd::Node& node);
 
+/// Whether `node` was made by attach_backward.
+bool made_by_attach_backward(const torch::autograd::Node& node);
 /// Lets a node made by attach_backward carry `value` for whoever walks the graph later (a
 /// DTensor's tag, for the tensors computed from the tagged one). False if `node` is not one.
 bool annotate_node(torch::autograd::Node& node, std::shared_ptr<void> value);

@@ -9,6 +9,7 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/generated/Functions.h>
 #include <torch/csrc/autograd/graph_task.h>
 
 #include <hyper_parallel/core/comm/collectives.h>
@@ -72,19 +73,37 @@ at::Tensor attach_producer_backward(const at::Tensor& input, const at::Tensor& o
   return out;
 }
 
-// Whether `node` is the backward of an op that computes each element of the last dim from that
-// element alone (views, row selection, casts, elementwise arithmetic): a tensor computed through
-// such ops from a tagged one keeps its layout there.
-bool keeps_last_dim_apart(const torch::autograd::Node& node) {
-  static const char* const kOps[] = {"View",      "UnsafeView", "ReshapeAlias", "Slice", "Select", "Index",
-                                     "Unsqueeze", "Squeeze",    "Expand",       "Clone", "ToCopy", "Div",
-                                     "Mul",       "Add",        "Sub",          "Neg",   "Tanh",   "Clamp",
-                                     "Unbind",    "AsStrided",  "Split"};
+// What an op does to a tensor's layout on its last dim, read from its backward node: keeps it
+// (views and row selection that leave the last dim whole, casts, elementwise arithmetic), starts a
+// new one (a matmul, another DTensor's node: what comes before is another tensor's layout), or
+// may mix it (anything else: a softmax, a flip, a slice of the last dim).
+enum class LastDim { kKept, kNew, kMixed };
+
+LastDim last_dim_after(const torch::autograd::Node& node) {
+  namespace gen = torch::autograd::generated;
+  if (const auto* slice = dynamic_cast<const gen::SliceBackward0*>(&node))
+    return slice->dim == static_cast<int64_t>(slice->self_sym_sizes.size()) - 1 ? LastDim::kMixed
+                                                                                : LastDim::kKept;
+  if (const auto* select = dynamic_cast<const gen::SelectBackward0*>(&node))
+    return select->dim == static_cast<int64_t>(select->self_sizes.size()) - 1 ? LastDim::kMixed
+                                                                              : LastDim::kKept;
+  if (const auto* index = dynamic_cast<const gen::IndexBackward0*>(&node))
+    return index->indices_.size() >= index->self_sizes.size() ? LastDim::kMixed : LastDim::kKept;
+  if (detail::made_by_attach_backward(node)) return LastDim::kNew;
+  static const char* const kKeeps[] = {
+      "View",   "UnsafeView", "ReshapeAlias", "Unsqueeze", "Squeeze",    "Expand", "Clone",
+      "ToCopy", "Div",        "Mul",          "Add",       "Sub",        "Neg",    "Tanh",
+      "Clamp",  "ClampMin",   "ClampMax",     "Where",     "MaskedFill", "Pow",    "Exp"};
+  static const char* const kNews[] = {"Mm", "Addmm", "Bmm", "Baddbmm", "Embedding", "Linear"};
   const auto name = node.name();  // e.g. "DivBackward0"; "AddmmBackward0" is not "Add"'s
-  for (const char* op : kOps) {
-    if (name.rfind(std::string(op) + "Backward", 0) == 0) return true;
+  auto is = [&](const char* op) { return name.rfind(std::string(op) + "Backward", 0) == 0; };
+  for (const char* op : kKeeps) {
+    if (is(op)) return LastDim::kKept;
   }
-  return false;
+  for (const char* op : kNews) {
+    if (is(op)) return LastDim::kNew;
+  }
+  return LastDim::kMixed;
 }
 
 // Whether `producer` runs in this backward with nothing that reads its input gradient first: no
@@ -389,23 +408,28 @@ std::optional<DTensor> DTensor::from_tagged(const at::Tensor& local) {
   return result;
 }
 
-std::optional<DTensor> DTensor::tagged_ancestor(const at::Tensor& t, int64_t max_nodes) {
+std::optional<DTensor> DTensor::tagged_ancestor(const at::Tensor& t, std::string* mixed_by,
+                                                int64_t max_nodes) {
   if (!t.defined() || !t.grad_fn()) return std::nullopt;
-  std::unordered_set<const torch::autograd::Node*> seen;  // breadth first from t's node
-  std::deque<torch::autograd::Node*> queue{t.grad_fn().get()};
+  std::unordered_set<const torch::autograd::Node*> seen;
+  // Breadth first from t's node, each with the first op on its path that may mix the last dim.
+  std::deque<std::pair<torch::autograd::Node*, std::string>> queue{{t.grad_fn().get(), ""}};
   while (!queue.empty() && static_cast<int64_t>(seen.size()) < max_nodes) {
-    auto* node = queue.front();
+    auto [node, mixed] = std::move(queue.front());
     queue.pop_front();
     if (!seen.insert(node).second) continue;
     if (auto tag = std::static_pointer_cast<Tag>(detail::node_annotation(*node))) {
+      if (mixed_by != nullptr) *mixed_by = mixed;
       auto local =
           at::empty(local_shape(tag->shape, tag->mesh.shape(), tag->mesh.coordinate(), tag->placements),
                     t.options().device(at::kMeta));
       return DTensor(local, tag->mesh, tag->placements, tag->shape);
     }
-    if (!keeps_last_dim_apart(*node)) continue;  // a matmul, another DTensor's boundary: not through
+    const auto effect = last_dim_after(*node);
+    if (effect == LastDim::kNew) continue;
+    if (effect == LastDim::kMixed && mixed.empty()) mixed = node->name();
     for (const auto& edge : node->next_edges()) {
-      if (edge.function) queue.push_back(edge.function.get());
+      if (edge.function) queue.emplace_back(edge.function.get(), mixed);
     }
   }
   return std::nullopt;

@@ -196,8 +196,8 @@ class ResidualBlock(nn.Module):
 
 @multirank
 @pytest.mark.parametrize("use_local_output", [False, True])
-def test_a_replicated_activation_read_by_a_column_layer_and_a_residual_keeps_both_gradients(mesh,
-                                                                                              use_local_output):
+def test_a_replicated_activation_read_by_a_column_layer_and_a_residual_keeps_both_gradients(
+        mesh, use_local_output):
     """The column layer's input gradient is Partial, the residual's Replicate: each is reduced as
     what it is (the residual's was once summed over the ranks too)."""
     from hyper_parallel import PrepareModuleInput
@@ -278,12 +278,18 @@ def test_three_column_layers_reading_one_prepared_input_reduce_its_gradient_once
     torch.testing.assert_close(x_local.grad, my_part(x_ref.grad, 1), rtol=1e-5, atol=1e-6)
 
 
+TRANSFORMS = {"shifted": lambda t: t[:, :-1], "scaled": lambda t: t / 0.7, "cast": lambda t: t.double(),
+              "softcapped": lambda t: torch.tanh(t / 3) * 3, "masked": lambda t: t.masked_fill(t > 1.5, -1.0),
+              "where": lambda t: torch.where(t > 0, t, 0.5 * t), "clamped": lambda t: t.clamp_min(-1.0)}
+
+
 @multirank
-@pytest.mark.parametrize("transform", ["shifted", "scaled", "cast"])
+@pytest.mark.parametrize("transform", list(TRANSFORMS))
 def test_loss_parallel_over_logits_computed_from_the_sharded_ones(mesh, transform):
-    """torchtitan and nanoGPT compute the loss on shifted, scaled or upcast logits: each rank's
-    piece is still its vocabulary shard (each rank once took it for whole logits)."""
-    apply = {"shifted": lambda t: t[:, :-1], "scaled": lambda t: t / 0.7, "cast": lambda t: t.double()}[transform]
+    """torchtitan and nanoGPT compute the loss on shifted, scaled, upcast, soft-capped or masked
+    logits: each rank's piece is still its vocabulary shard (each rank once took it for whole
+    logits)."""
+    apply = TRANSFORMS[transform]
     torch.manual_seed(12)
     vocab, dim = 9, 4
     out = nn.Linear(dim, vocab, bias=False)
@@ -306,12 +312,9 @@ def test_loss_parallel_over_logits_that_lost_the_vocabulary_shards_width_is_an_e
     parallelize_module(out, mesh, ColwiseParallel(use_local_output=False))
     pred = out(torch.randn(2, 3, 4))
     labels = torch.zeros(6, dtype=torch.long)
-    with loss_parallel():
-        with pytest.raises(ValueError, match="loss_parallel: expected logits that keep this rank's vocabulary shard "
-                                             "\\(8 wide\\)"):
-            F.cross_entropy((pred * 2)[..., :2].flatten(0, 1), labels)
-        with pytest.raises(ValueError, match="vocab_parallel_cross_entropy: expected local logits \\[..., 8\\]"):
-            F.cross_entropy(pred[..., :2].flatten(0, 1), labels)  # a view of the logits themselves
+    message = "vocab_parallel_cross_entropy: expected local logits \\[..., 8\\]"
+    with loss_parallel(), pytest.raises(ValueError, match=message):
+        F.cross_entropy(pred[..., :2].flatten(0, 1), labels)  # a view of the logits themselves
 
 
 @multirank
@@ -363,3 +366,17 @@ def test_loss_parallel_leaves_replicated_logits_to_torch_past_sharded_activation
     with loss_parallel():
         loss = F.cross_entropy(model(x), labels)
     torch.testing.assert_close(loss, F.cross_entropy(ref(x), labels), rtol=1e-6, atol=1e-6)
+
+
+@multirank
+@pytest.mark.parametrize("mix", ["log_softmax", "flip", "vocab_slice"])
+def test_loss_parallel_over_logits_through_an_op_that_mixes_the_vocabulary_is_an_error(mesh, mix):
+    """Such an op on one rank's shard is not the op on the whole logits."""
+    apply = {"log_softmax": lambda t: F.log_softmax(t, -1), "flip": lambda t: t.flip(-1),
+             "vocab_slice": lambda t: (t * 1)[..., :1]}[mix]
+    out = nn.Linear(4, 2 * WORLD, bias=False)
+    parallelize_module(out, mesh, ColwiseParallel(use_local_output=False))
+    pred = apply(out(torch.randn(2, 3, 4)))
+    message = "loss_parallel: expected logits computed from the vocabulary-sharded ones by ops that keep"
+    with loss_parallel(), pytest.raises(ValueError, match=message):
+        F.cross_entropy(pred.flatten(0, 1), torch.zeros(6, dtype=torch.long))

@@ -59,8 +59,11 @@ class DTensor {
   /// The layout of the tagged DTensor `t` was computed from (a cast, a scale, rows selected),
   /// found among the first `max_nodes` nodes of its autograd graph, as a DTensor whose local
   /// tensor is on the meta device (the tagged tensor itself may be gone); nullopt if none is (or
-  /// `t` has no graph: a result computed under no_grad is not traced back).
-  static std::optional<DTensor> tagged_ancestor(const at::Tensor& t, int64_t max_nodes = 64);
+  /// `t` has no graph: a result computed under no_grad is not traced back). The walk stops at a
+  /// matmul or another DTensor's node. `mixed_by`, if given, gets the name of the first op on the
+  /// path that may mix the last dim (a softmax, a slice of it; empty if none did).
+  static std::optional<DTensor> tagged_ancestor(const at::Tensor& t, std::string* mixed_by = nullptr,
+                                                int64_t max_nodes = 64);
 
   /// Moves the data to `placements` (docs/tp-semantics.md: Shard->Replicate all_gather,
   /// Partial->Replicate all_reduce, Partial->Shard reduce_scatter, Replicate->Shard local slice,

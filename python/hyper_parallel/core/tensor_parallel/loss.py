@@ -2,8 +2,9 @@
 never gathered. The logits are those of an output projection whose style keeps them sharded and
 tagged (``ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)``), a view of them
 (``pred.flatten(0, 1)``), or a tensor computed from them that keeps the vocabulary shard's width
-(``pred.float()``, ``pred / temperature``, ``pred[:, :-1]``); one computed from them that does
-not is an error. Under no_grad only the logits and their views are recognized::
+(``pred.float()``, ``pred / temperature``, ``pred[:, :-1]``, masking); one computed from them
+through an op that may mix the vocabulary dim (a softmax, a slice of it) is an error. Under
+no_grad, or with every parameter frozen, only the logits and their views are recognized::
 
     with loss_parallel():
         loss = F.cross_entropy(pred.flatten(0, 1), labels.flatten(0, 1))
@@ -39,9 +40,13 @@ def _sharded_logits(input: torch.Tensor):
             return tagged if _vocabulary_sharded(tagged) else None
         t = t._base
     # Computed from them: a local shard read as whole logits would give each rank its own loss.
-    tagged = _C.DTensor.tagged_ancestor(input)
+    tagged, mixed_by = _C.DTensor.tagged_ancestor(input)
     if tagged is None or not _vocabulary_sharded(tagged):
         return None
+    if mixed_by:
+        raise ValueError(f"loss_parallel: expected logits computed from the vocabulary-sharded ones by ops that keep "
+                         f"each vocabulary entry apart (views, casts, elementwise arithmetic, masking), got one "
+                         f"through {mixed_by}, which may mix a rank's shard; pass the logits (or a view) instead")
     width = tagged.to_local().shape[-1]
     if input.dim() == 0 or input.shape[-1] != width:
         raise ValueError(f"loss_parallel: expected logits that keep this rank's vocabulary shard ({width} wide) "
