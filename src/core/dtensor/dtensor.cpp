@@ -1,7 +1,6 @@
 #include <hyper_parallel/core/dtensor/dtensor.h>
 
 #include <deque>
-#include <functional>
 #include <sstream>
 #include <unordered_set>
 #include <utility>
@@ -9,113 +8,20 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/function.h>
-#include <torch/csrc/autograd/generated/Functions.h>
-#include <torch/csrc/autograd/graph_task.h>
 
 #include <hyper_parallel/core/comm/collectives.h>
 
 #include "../autograd/attach_backward.h"
 #include "../autograd/weight_grad_scheduler.h"
 #include "../util/weak_tensor_map.h"
+#include "grad_slot.h"
+#include "last_dim.h"
 
 namespace hyper_parallel::dtensor {
-
-// What a DTensor's producer (from_local, redistribute, distribute_tensor) needs in backward
-// beside the gradient autograd sums into its local tensor: the gradients its consumers declared
-// in other placements (to_local(grad_placements): a column-parallel matmul's Partial input
-// gradient). They cannot join autograd's sum, which holds one placement, so they wait here, one
-// sum per placements, and the producer's backward converts each once: a Partial sum then
-// reduce-scatters once, however many column layers read the DTensor.
-struct DTensor::GradSlot {
-  using Convert = std::function<at::Tensor(const at::Tensor& grad, const Placements& from)>;
-  std::vector<std::pair<Placements, at::Tensor>> declared;
-  std::weak_ptr<torch::autograd::Node> producer;  // the node whose backward converges them
-
-  void add(const Placements& placements, const at::Tensor& grad) {
-    for (auto& [pl, sum] : declared) {
-      if (pl == placements) {
-        sum = sum + grad;
-        return;
-      }
-    }
-    declared.emplace_back(placements, grad);
-  }
-
-  /// `grad` (in the DTensor's own gradient placements `own`; undefined if no consumer sent one
-  /// that way) plus every declared gradient, each converted by `convert`. Undefined if none came.
-  at::Tensor converge(const at::Tensor& grad, const Placements& own, const Convert& convert) {
-    at::Tensor total = grad.defined() ? convert(grad, own) : at::Tensor();
-    auto taken = std::move(declared);
-    declared.clear();
-    for (auto& [pl, sum] : taken) {
-      auto part = convert(sum, pl);
-      total = total.defined() ? total + part : part;
-    }
-    return total;
-  }
-};
 
 namespace {
 
 using comm::ReduceOp;
-
-// attach_backward for a producer: the gradients of its DTensor's local tensor converge in `slot`.
-at::Tensor attach_producer_backward(const at::Tensor& input, const at::Tensor& output,
-                                    std::shared_ptr<DTensor::GradSlot> slot, Placements own,
-                                    DTensor::GradSlot::Convert convert, const char* name) {
-  auto out = detail::attach_backward(
-      {input}, {output},
-      [slot, own = std::move(own), convert = std::move(convert)](std::vector<at::Tensor> grads) {
-        return std::vector<at::Tensor>{slot->converge(grads[0], own, convert)};
-      },
-      name, /*materialize_grads=*/false)[0];
-  slot->producer = out.grad_fn();
-  return out;
-}
-
-// What an op does to a tensor's layout on its last dim, read from its backward node: keeps it
-// (views and row selection that leave the last dim whole, casts, elementwise arithmetic), starts a
-// new one (a matmul, another DTensor's node: what comes before is another tensor's layout), or
-// may mix it (anything else: a softmax, a flip, a slice of the last dim).
-enum class LastDim { kKept, kNew, kMixed };
-
-LastDim last_dim_after(const torch::autograd::Node& node) {
-  namespace gen = torch::autograd::generated;
-  if (const auto* slice = dynamic_cast<const gen::SliceBackward0*>(&node))
-    return slice->dim == static_cast<int64_t>(slice->self_sym_sizes.size()) - 1 ? LastDim::kMixed
-                                                                                : LastDim::kKept;
-  if (const auto* select = dynamic_cast<const gen::SelectBackward0*>(&node))
-    return select->dim == static_cast<int64_t>(select->self_sizes.size()) - 1 ? LastDim::kMixed
-                                                                              : LastDim::kKept;
-  if (const auto* index = dynamic_cast<const gen::IndexBackward0*>(&node))
-    return index->indices_.size() >= index->self_sizes.size() ? LastDim::kMixed : LastDim::kKept;
-  if (detail::made_by_attach_backward(node)) return LastDim::kNew;
-  static const char* const kKeeps[] = {
-      "View",   "UnsafeView", "ReshapeAlias", "Unsqueeze", "Squeeze",    "Expand", "Clone",
-      "ToCopy", "Div",        "Mul",          "Add",       "Sub",        "Neg",    "Tanh",
-      "Clamp",  "ClampMin",   "ClampMax",     "Where",     "MaskedFill", "Pow",    "Exp"};
-  static const char* const kNews[] = {"Mm", "Addmm", "Bmm", "Baddbmm", "Embedding", "Linear"};
-  const auto name = node.name();  // e.g. "DivBackward0"; "AddmmBackward0" is not "Add"'s
-  auto is = [&](const char* op) { return name.rfind(std::string(op) + "Backward", 0) == 0; };
-  for (const char* op : kKeeps) {
-    if (is(op)) return LastDim::kKept;
-  }
-  for (const char* op : kNews) {
-    if (is(op)) return LastDim::kNew;
-  }
-  return LastDim::kMixed;
-}
-
-// Whether `producer` runs in this backward with nothing that reads its input gradient first: no
-// capture (autograd.grad(..., inputs) of the tagged tensor), no tensor hook (retain_grad). Only
-// then may a declared gradient wait for it in its GradSlot.
-bool converges_unobserved(const torch::autograd::Node& producer) {
-  if (!producer.pre_hooks().empty()) return false;
-  const auto* exec_info = torch::autograd::get_current_graph_task_exec_info();
-  if (exec_info == nullptr || exec_info->empty()) return true;  // a plain backward runs every node
-  auto it = exec_info->find(const_cast<torch::autograd::Node*>(&producer));
-  return it != exec_info->end() && it->second.needed_ && !it->second.captures_;
-}
 
 Placements normalized(const Placements& placements, int64_t ndim) {
   Placements out;
