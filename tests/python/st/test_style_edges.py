@@ -18,6 +18,7 @@ from torch import nn
 from hyper_parallel import (ColwiseParallel, MC2RowwiseParallel, PrepareModuleOutput, RowwiseParallel, full_tensor,
                             init_device_mesh, loss_parallel, parallelize_module)
 from hyper_parallel.core.dtensor.placement_types import Replicate, Shard
+from hyper_parallel.core.tensor_parallel.style import _core_mesh
 
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
 multirank = pytest.mark.skipif(WORLD < 2, reason="needs 2 or more ranks")
@@ -380,3 +381,12 @@ def test_loss_parallel_over_logits_through_an_op_that_mixes_the_vocabulary_is_an
     message = "loss_parallel: expected logits computed from the vocabulary-sharded ones by ops that keep"
     with loss_parallel(), pytest.raises(ValueError, match=message):
         F.cross_entropy(pred.flatten(0, 1), torch.zeros(6, dtype=torch.long))
+
+
+@multirank
+def test_a_padding_idx_outside_the_vocabulary_is_an_error(mesh):
+    """nn.Embedding checks its own; the core's lookup, reachable from C++, checks too."""
+    core = RowwiseParallel(input_layouts=Replicate())._core()
+    with pytest.raises(ValueError, match="RowwiseParallel: expected padding_idx in \\[-8, 8\\), got 8"):
+        core.forward_embedding(torch.zeros(2, dtype=torch.long), torch.zeros(8 // WORLD, 4), 8,
+                               _core_mesh(mesh), 8)
