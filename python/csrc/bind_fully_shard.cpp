@@ -43,15 +43,29 @@ void bind_fully_shard(py::module& m) {
       .def(
           "pre_forward",
           [](fs::ParamGroup& group, const std::optional<at::Tensor>& rows,
-             const std::vector<std::shared_ptr<fs::ParamGroup>>& prefetch) -> const std::vector<at::Tensor>& {
-            return group.pre_forward(rows.value_or(at::Tensor()), [&prefetch] {
-              for (const auto& g : prefetch) g->unshard(/*async_op=*/true);
-            });
+             const std::vector<std::shared_ptr<fs::ParamGroup>>& prefetch,
+             bool sharded_module) -> const std::vector<at::Tensor>& {
+            return group.pre_forward(
+                rows.value_or(at::Tensor()),
+                [&prefetch] {
+                  for (const auto& g : prefetch) g->unshard(/*async_op=*/true);
+                },
+                sharded_module ? fs::ParamGroup::Caller::kShardedModule : fs::ParamGroup::Caller::kOwner);
           },
           py::arg("rows") = py::none(), py::arg("prefetch") = std::vector<std::shared_ptr<fs::ParamGroup>>(),
+          py::kw_only(), py::arg("sharded_module") = false,
           "The gathered parameters (collective on the first call of a pass); rows: an embedding's ids; "
-          "prefetch: groups whose gathers start then (not in a recomputation).")
-      .def("post_forward", &fs::ParamGroup::post_forward)
+          "prefetch: groups whose gathers start then (not in a recomputation); sharded_module: the call "
+          "is the forward of the module fully_shard was applied to (one whole pass), not an owning "
+          "module's.")
+      .def(
+          "post_forward",
+          [](fs::ParamGroup& group, bool sharded_module) {
+            return group.post_forward(sharded_module ? fs::ParamGroup::Caller::kShardedModule
+                                                     : fs::ParamGroup::Caller::kOwner);
+          },
+          py::kw_only(), py::arg("sharded_module") = false,
+          "Ends a pre_forward's call; True if it was the outermost open one (put the shards back).")
       .def(
           "register_pre_backward",
           [](fs::ParamGroup& group, std::vector<at::Tensor> outputs,

@@ -286,7 +286,20 @@ std::vector<at::Tensor> ParamGroup::Impl::plain_views() const {
 }
 
 const std::vector<at::Tensor>& ParamGroup::pre_forward(const at::Tensor& rows,
-                                                       const std::function<void()>& prefetch) {
+                                                       const std::function<void()>& prefetch, Caller caller) {
+  auto& s = *impl_;
+  // The sharded module's forward is never inside another of the group's: a count left open (by
+  // a forward that raised) is over.
+  if (caller == Caller::kShardedModule) s.open_calls = 0;
+  if (s.open_calls > 0) {
+    ++s.open_calls;
+    // A region of the pass that runs without grad (a reentrant checkpoint's) is one that a
+    // nested backward brings the gradients of.
+    if (!Impl::in_backward() && s.gathered_with_grad && !torch::autograd::GradMode::is_enabled())
+      s.note_part_without_grad();
+    return s.gathered;
+  }
+  s.open_calls = 1;
   if (Impl::in_backward()) return Impl::recompute(impl_, rows);
   const auto& gathered = Impl::forward_pass(impl_, rows);
   if (prefetch) prefetch();
@@ -321,20 +334,26 @@ const std::vector<at::Tensor>& ParamGroup::Impl::forward_pass(const std::shared_
   return s.gathered;
 }
 
-void ParamGroup::post_forward() {
+bool ParamGroup::post_forward(Caller caller) {
   auto& s = *impl_;
+  if (s.open_calls > 1) {
+    --s.open_calls;
+    return false;
+  }
+  s.open_calls = 0;
   if (Impl::in_backward()) {
     // A recomputation's group stays gathered: the backward frees it when the group's is over. A
     // forward without grad in a backward (a hook's) reshards a group whose backward is not under
     // way, as a forward would.
     if (!torch::autograd::GradMode::is_enabled() && s.reshard_after_forward && !s.backward_began)
       s.free_buffers();
-    return;
+    return true;
   }
-  if (++s.forward_calls < s.users) return;
+  if (caller == Caller::kOwner && ++s.forward_calls < s.users) return true;
   s.forward_calls = 0;
   s.order->last_use.record(impl_);
   if (s.reshard_after_forward) s.free_buffers();
+  return true;
 }
 
 std::vector<at::Tensor> ParamGroup::register_pre_backward(std::vector<at::Tensor> outputs,

@@ -50,6 +50,7 @@ struct ParamGroup::Impl {
   int64_t row_sparse_cols = 0;  // > 0: the one parameter's gradient reduces row-sparse
   bool rows_by_id = false;      // row-sparse, and a forward's ids index this rank's rows
   int64_t users = 1, forward_calls = 0;
+  int64_t open_calls = 0;           // forwards of the group's modules under way, one inside the other
   bool gathered_with_grad = false;  // this pass's views: made with grad mode on
   // The views of the last pass with grad, until its backward is over (a recomputation reuses
   // them; a pass without grad in between leaves them).

@@ -505,16 +505,17 @@ def test_module_methods_and_their_errors():
 
 @pytest.mark.parametrize("reshard", [True, False])
 def test_implicit_prefetch_gathers_the_next_module_ahead(reshard):
-    """Forward order block0, block1, root; backward root, block1, block0: from the second step
-    on, block1's and the root's forward gathers are in flight before they run, and each backward
-    gather but the root's is started by the module whose backward came before."""
+    """Forward order root (gathered for its whole forward), block0, block1; backward root,
+    block1, block0: from the second step on, each block's forward gather is in flight before it
+    runs, and each backward gather but the root's is started by the module whose backward came
+    before."""
     if dist.get_world_size() == 1:
         pytest.skip("one rank gathers at once")
     steps, backward = 3, (3 if reshard else 0)
     net = shard(Net(), mesh=dp_mesh(), reshard_after_forward=reshard)
     train(net, steps, sharded=True)
-    for module, prefetched in ((net.blocks[0], backward), (net.blocks[1], steps - 1 + backward),
-                               (net, steps - 1)):
+    for module, prefetched in ((net.blocks[0], steps - 1 + backward), (net.blocks[1], steps - 1 + backward),
+                               (net, 0)):
         stats = module._fsdp_group.gather_stats
         assert stats == {"gathers": steps * (2 if reshard else 1), "prefetched": prefetched, "regathered": 0}
 

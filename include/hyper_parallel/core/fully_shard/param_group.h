@@ -61,16 +61,32 @@ class ParamGroup {
   ParamGroup(const ParamGroup&) = delete;
   ParamGroup& operator=(const ParamGroup&) = delete;
 
+  /// Whose forward a pre_forward / post_forward pair brackets.
+  enum class Caller {
+    /// A module that owns some of the group's parameters. Called on its own (outside the
+    /// forward of the module fully_shard was applied to: checkpoint's recomputation, or a direct
+    /// call), it is one of the `users` that make a pass.
+    kOwner,
+    /// The module fully_shard was applied to: its whole forward is one pass, so a parameter read
+    /// anywhere in it is the gathered one (FSDP2's scope), and its end ends the pass.
+    kShardedModule,
+  };
+
   /// A managed module's forward begins (`users` modules share the group; the first of a pass
   /// gathers): the gathered parameters, differentiable (their gradient is reduce-scattered into
-  /// the shards), in the managed order. `rows`: for a row-sparse group, the rows of its one
+  /// the shards), in the managed order. A call nested in an open one of the group (an owning
+  /// module inside the sharded module's forward) reuses that call's parameters and does nothing
+  /// else. `rows`: for a row-sparse group, the rows of its one
   /// parameter this forward reads (an embedding's ids): unless a gather of it is under way, only
   /// those travel (comm/gather_rows.h), and the other rows read NaN. Then runs `prefetch` (e.g.
   /// the gathers of set_modules_to_forward_prefetch), unless this forward is a recomputation (see
   /// post_forward), which gathers no group ahead for a later forward. Collective.
   const std::vector<at::Tensor>& pre_forward(const at::Tensor& rows = {},
-                                             const std::function<void()>& prefetch = {});
-  /// A managed module's forward ended: once all `users` have, the group reshards (if
+                                             const std::function<void()>& prefetch = {},
+                                             Caller caller = Caller::kOwner);
+  /// A managed module's forward ended; true if it was the outermost open call of the group (its
+  /// caller then puts the shards back in place of the gathered parameters). Once all `users`
+  /// have run, or the sharded module's forward has, the group reshards (if
   /// reshard_after_forward) and the next pre_forward starts a new pass.
   ///
   /// A forward with grad inside a backward is torch.utils.checkpoint's recomputation: it gathers
@@ -81,7 +97,7 @@ class ParamGroup {
   /// gradients, from the nested backward, join that pass's reduction; the parameters the
   /// backward does not reach are then judged at its end. A forward without grad inside a
   /// backward (a hook's) is not one: it reshards a group whose backward is not under way.
-  void post_forward();
+  bool post_forward(Caller caller = Caller::kOwner);
   /// `outputs` of a managed module, each passed through a node whose backward gathers the group
   /// again (if it was resharded) before the module's own backward reads its parameters, then
   /// runs `then` (e.g. gathering the modules to prefetch).

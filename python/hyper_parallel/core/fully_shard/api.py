@@ -3,15 +3,16 @@
 
 A call makes one C++ parameter group (``_C.FullyShardParamGroup``) of the module's parameters
 that no earlier call took (apply it bottom-up: each block, then the root) and installs hooks on
-the modules that own them: before such a module's forward the group is gathered (one all-gather,
-by the first of its modules in a pass) and its gathered parameters stand in for the shards in
-the module's ``_parameters``; after it the shards are put back, the outputs pass through a C++
-node that gathers the group again for the backward (if it was resharded), and once every module
-of the group has run the group is resharded (``reshard_after_forward``). The gradients reach the
-shards' ``.grad`` through reduce-scatters of buckets that leave as autograd produces them (one
-per group with ``comm_fusion=True``), averaged over the data-parallel ranks (then all-reduced
-over the replicate dim of an HSDP mesh). The module's class becomes a subclass
-of FSDPModule (HSDPModule) with the original's methods.
+the module: before its forward the group is gathered (one all-gather) and its gathered parameters
+stand in for the shards in the ``_parameters`` of the modules that own them, for the whole
+forward (FSDP2's scope: a tied head reading ``emb.weight`` reads it whole); after it the outputs
+pass through a C++ node that gathers the group again for the backward (if it was resharded), the
+shards are put back and the group is resharded (``reshard_after_forward``). The owning modules
+have hooks too, for a call outside that forward (checkpoint's recomputation, a direct call).
+The gradients reach the shards' ``.grad`` through reduce-scatters of buckets that leave as
+autograd produces them (one per group with ``comm_fusion=True``), averaged over the data-parallel
+ranks (then all-reduced over the replicate dim of an HSDP mesh). The module's class becomes a
+subclass of FSDPModule (HSDPModule) with the original's methods.
 """
 
 from typing import Iterable, Optional, Union
@@ -199,30 +200,53 @@ def _with_pre_backward(group, output, prefetch):
     return tree_unflatten(leaves, spec)
 
 
+def _cast_inputs(args, mp_policy: MixedPrecisionPolicy):
+    if mp_policy.param_dtype is None or not mp_policy.cast_forward_inputs:
+        return None
+    return tuple(a.to(mp_policy.param_dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                 for a in args)
+
+
 def _install_hooks(group, owners, mp_policy: MixedPrecisionPolicy, fsdp_module):
-    """Per module that owns managed parameters: gather and stand the gathered ones in before its
-    forward; put the shards back, register the pre-backward and count the module after it."""
-    for sub, names in owners.items():
-        def pre_hook(mod, args, names=names):
+    """The module fully_shard was applied to gathers the group for its whole forward and stands
+    the gathered parameters in for the shards in every owning module's ``_parameters``, so a read
+    outside an owner's own forward (a tied head's ``emb.weight``, a sliced position table,
+    MultiheadAttention's ``out_proj``) is whole; its end registers the pre-backward on its outputs,
+    ends the pass and puts the shards back. Each other owning module has hooks of its own for a
+    call outside that forward (checkpoint's recomputation in the backward, a direct call); inside
+    it they reuse its parameters."""
+    slots = [(mod, name, index) for mod, names in owners.items() for name, index in names]
+
+    def put_back():
+        for mod, name, index in slots:
+            mod._parameters[name] = group.parameters[index]
+
+    def hooks(stood_in, sharded_module):
+        def pre_hook(mod, args):
             # An embedding's forward reads the rows of its ids (a row-sparse group gathers those).
             ids = args[0] if isinstance(mod, nn.Embedding) and args and isinstance(args[0], torch.Tensor) else None
-            gathered = group.pre_forward(ids, getattr(fsdp_module, "_fsdp_forward_prefetch", []))
-            for name, index in names:
-                mod._parameters[name] = gathered[index]
-            if mp_policy.param_dtype is not None and mp_policy.cast_forward_inputs:
-                return tuple(a.to(mp_policy.param_dtype) if isinstance(a, torch.Tensor) and a.is_floating_point()
-                             else a for a in args)
-            return None
+            gathered = group.pre_forward(ids, getattr(fsdp_module, "_fsdp_forward_prefetch", []),
+                                         sharded_module=sharded_module)
+            for owner, name, index in stood_in:
+                owner._parameters[name] = gathered[index]
+            return _cast_inputs(args, mp_policy)
 
-        def post_hook(mod, args, output, names=names):
-            for name, index in names:
-                mod._parameters[name] = group.parameters[index]
+        def post_hook(mod, args, output):
             output = _with_pre_backward(group, output, getattr(fsdp_module, "_fsdp_backward_prefetch", []))
-            group.post_forward()
+            if group.post_forward(sharded_module=sharded_module):
+                put_back()
             return output
 
-        sub.register_forward_pre_hook(pre_hook)
-        sub.register_forward_hook(post_hook)
+        return pre_hook, post_hook
+
+    for sub, names in owners.items():
+        if sub is not fsdp_module:
+            pre_hook, post_hook = hooks([(sub, name, index) for name, index in names], sharded_module=False)
+            sub.register_forward_pre_hook(pre_hook)
+            sub.register_forward_hook(post_hook)
+    pre_hook, post_hook = hooks(slots, sharded_module=True)
+    fsdp_module.register_forward_pre_hook(pre_hook)
+    fsdp_module.register_forward_hook(post_hook)
 
 
 def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: Optional[Union[bool, int]] = True,
@@ -266,8 +290,8 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: Optional
     for sub, name, param, _ in owned:
         owners.setdefault(sub, []).append((name, order.index(id(param))))
     group.set_users(len(owners))
-    only_owner = next(iter(owners)) if len(owners) == 1 else None
-    if row_sparse_embeddings and isinstance(only_owner, nn.Embedding) and len(order) == 1:
+    # Only the embedding's own forward reads the rows of its ids: a module around it may read more.
+    if row_sparse_embeddings and isinstance(module, nn.Embedding) and list(owners) == [module] and len(order) == 1:
         group.set_row_sparse_gradients(True)
     module._fsdp_group = group
     _install_hooks(group, owners, mp_policy, module)

@@ -1,0 +1,130 @@
+"""fully_shard gathers a group for the whole forward of the module it was applied to: a parameter
+read there outside its own module's forward (a GPT's position table sliced by the root, a head
+tied to the token embedding, nn.MultiheadAttention's out_proj, a root's own parameter around
+its children) is the whole parameter, as in FSDP2. At 2 and 4 ranks against the full-batch
+single-process reference, with reshard_after_forward on and off, blocks sharded on their own or
+not, and the blocks under torch.utils.checkpoint (both variants)."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from hyper_parallel import full_tensor, fully_shard, init_device_mesh
+
+# 16 positions: every rank's piece of the table has the 4 rows a slice reads (wrong ones, unless
+# the table is gathered).
+ROWS_PER_RANK, TOKENS, DIM, HIDDEN, VOCAB, MAX_TOKENS = 2, 4, 8, 12, 11, 16
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(DIM, HIDDEN), nn.Linear(HIDDEN, DIM)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class GPT(nn.Module):
+    """Reads wpe.weight (and, tied, wte.weight) outside their embeddings' forwards, and its own
+    scale around its children's."""
+
+    def __init__(self, tied=True, checkpointed=None):
+        super().__init__()
+        torch.manual_seed(3)
+        self.wte, self.wpe = nn.Embedding(VOCAB, DIM), nn.Embedding(MAX_TOKENS, DIM)
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.norm = nn.LayerNorm(DIM)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, DIM))
+        self.head = None if tied else nn.Linear(DIM, VOCAB)
+        self.checkpointed = checkpointed  # None, or use_reentrant
+
+    def forward(self, ids):
+        h = self.wte(ids) * self.scale + self.wpe.weight[:ids.shape[1]]
+        for b in self.blocks:
+            h = b(h) if self.checkpointed is None else checkpoint(b, h, use_reentrant=self.checkpointed)
+        h = self.norm(h) * self.scale
+        return F.linear(h, self.wte.weight) if self.head is None else self.head(h)
+
+
+class Attention(nn.Module):
+    """nn.MultiheadAttention reads out_proj's parameters in its own forward."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(4)
+        self.wte = nn.Embedding(VOCAB, DIM)
+        self.attn = nn.MultiheadAttention(DIM, 2, batch_first=True)
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, ids):
+        h = self.wte(ids)
+        return self.head(h + self.attn(h, h, h, need_weights=False)[0])
+
+
+def ids_of(step, ranks):
+    torch.manual_seed(200 + step)
+    return torch.randint(0, VOCAB, (ranks * ROWS_PER_RANK, TOKENS))
+
+
+def train(net, sharded, steps=3):
+    """SGD: attention's key bias has a gradient of rounding noise only, which AdamW would scale up
+    to steps of its learning rate."""
+    ws, r = dist.get_world_size(), dist.get_rank()
+    opt = torch.optim.SGD(net.parameters(), lr=0.5)
+    for s in range(steps):
+        ids = ids_of(s, ws)
+        if sharded:
+            ids = ids[r * ROWS_PER_RANK:][:ROWS_PER_RANK]
+        opt.zero_grad()
+        logits = net(ids)
+        F.cross_entropy(logits.reshape(-1, VOCAB), ids.roll(1, 1).reshape(-1)).backward()
+        opt.step()
+    return [full_tensor(p) for p in net.parameters()] if sharded else [p.detach() for p in net.parameters()]
+
+
+def dp_mesh():
+    return init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
+
+
+def assert_trains_like(make, shard_blocks, **options):
+    reference = train(make(), sharded=False)
+    net = make()
+    for b in (net.blocks if shard_blocks else ()):
+        fully_shard(b, mesh=dp_mesh(), **options)
+    params = train(fully_shard(net, mesh=dp_mesh(), **options), sharded=True)
+    for (name, _), p, q in zip(net.named_parameters(), params, reference):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("reshard", [True, False])
+@pytest.mark.parametrize("shard_blocks", [True, False])
+def test_a_root_reading_sliced_and_tied_parameters_trains_as_one_process(tied, reshard, shard_blocks):
+    assert_trains_like(lambda: GPT(tied), shard_blocks, reshard_after_forward=reshard)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_tied_parameters_with_checkpointed_blocks_train_as_one_process(use_reentrant):
+    for shard_blocks in (True, False):
+        assert_trains_like(lambda: GPT(checkpointed=use_reentrant), shard_blocks, comm_fusion=shard_blocks)
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_multihead_attention_reads_its_out_proj_whole(reshard):
+    assert_trains_like(Attention, False, reshard_after_forward=reshard)
+
+
+def test_an_owning_module_called_on_its_own_still_gathers_and_puts_the_shards_back():
+    """Outside the root's forward (FSDP2 has no such call) a module that owns managed parameters
+    gathers them for its call, and the shards are the parameters after it."""
+    ws, r = dist.get_world_size(), dist.get_rank()
+    reference, net = GPT(), fully_shard(GPT(), mesh=dp_mesh())
+    ids = ids_of(0, ws)
+    h = net.blocks[0](net.wte(ids[r * ROWS_PER_RANK:][:ROWS_PER_RANK]))
+    torch.testing.assert_close(h, reference.blocks[0](reference.wte(ids))[r * ROWS_PER_RANK:][:ROWS_PER_RANK])
+    pieces = torch.chunk(reference.wte.weight.detach(), ws, 0)
+    assert torch.equal(net.wte.weight.detach(), pieces[r] if r < len(pieces) else pieces[0][:0])
