@@ -29,17 +29,19 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """Reads wpe.weight (and, tied, wte.weight) outside their embeddings' forwards, and its own
-    scale around its children's."""
+    """Reads wpe.weight outside its embedding's forward, and its own scale around its children's;
+    its head reads wte.weight ("read"), holds it ("module"), or has its own (None)."""
 
-    def __init__(self, tied=True, checkpointed=None):
+    def __init__(self, tied="read", checkpointed=None):
         super().__init__()
         torch.manual_seed(3)
         self.wte, self.wpe = nn.Embedding(VOCAB, DIM), nn.Embedding(MAX_TOKENS, DIM)
         self.blocks = nn.ModuleList(Block() for _ in range(2))
         self.norm = nn.LayerNorm(DIM)
         self.scale = nn.Parameter(torch.linspace(0.5, 1.5, DIM))
-        self.head = None if tied else nn.Linear(DIM, VOCAB)
+        self.head = None if tied == "read" else nn.Linear(DIM, VOCAB, bias=False)
+        if tied == "module":
+            self.head.weight = self.wte.weight
         self.checkpointed = checkpointed  # None, or use_reentrant
 
     def forward(self, ids):
@@ -100,7 +102,7 @@ def assert_trains_like(make, shard_blocks, **options):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("tied", [None, "read", "module"])
 @pytest.mark.parametrize("reshard", [True, False])
 @pytest.mark.parametrize("shard_blocks", [True, False])
 def test_a_root_reading_sliced_and_tied_parameters_trains_as_one_process(tied, reshard, shard_blocks):
@@ -128,3 +130,15 @@ def test_an_owning_module_called_on_its_own_still_gathers_and_puts_the_shards_ba
     torch.testing.assert_close(h, reference.blocks[0](reference.wte(ids))[r * ROWS_PER_RANK:][:ROWS_PER_RANK])
     pieces = torch.chunk(reference.wte.weight.detach(), ws, 0)
     assert torch.equal(net.wte.weight.detach(), pieces[r] if r < len(pieces) else pieces[0][:0])
+
+
+def test_a_call_that_would_leave_a_holder_reading_its_piece_is_a_clear_error():
+    """fully_shard on a child after its parent, or on one of two modules sharing a parameter
+    before their parent: the holder's forward would read this rank's piece."""
+    net = fully_shard(GPT(), mesh=dp_mesh())
+    with pytest.raises(ValueError, match=r"expected up\.weight unmanaged.*above or beside it"):
+        fully_shard(net.blocks[0], mesh=dp_mesh())
+    net = GPT(tied="module")
+    fully_shard(net.wte, mesh=dp_mesh())
+    with pytest.raises(ValueError, match=r"expected head\.weight unmanaged.*the call on wte, which does not hold it"):
+        fully_shard(net, mesh=dp_mesh())

@@ -53,6 +53,7 @@ class FSDPModule:
     """The methods fully_shard adds to a module (its class becomes a subclass of this one)."""
 
     _fsdp_group = None  # the C++ group (None when nested calls took every parameter)
+    _fsdp_owners = ()  # the modules whose parameters the group stands in for
 
     def _fsdp_modules(self, recurse: bool):
         if not recurse:
@@ -190,6 +191,30 @@ def _owned_parameters(module: nn.Module, ignored: set, shard_placement_fn):
     return owned, seen
 
 
+def _check_earlier_calls(module: nn.Module, ignored: set) -> None:
+    """A parameter of ``module`` that an earlier call manages must be one that call stands in for
+    wherever ``module`` reads it: the call was on a module below, and the module holding the
+    parameter is one of that call's. Otherwise (fully_shard on a child after its parent, or a
+    parameter tied across two calls) the holder's forward would read this rank's piece."""
+    calls = {}
+    for path, below in module.named_modules():
+        if isinstance(below, FSDPModule) and below._fsdp_group is not None:
+            calls.update((id(p), (path, below)) for p in below._fsdp_group.parameters)
+    for path, sub in module.named_modules(remove_duplicate=False):
+        for name, param in sub.named_parameters(recurse=False):
+            if id(param) in ignored or not _C.FullyShardParamGroup.is_managed(param):
+                continue
+            call_path, call = calls.get(id(param), (None, None))
+            if call is not None and sub in call._fsdp_owners:
+                continue
+            qualified = f"{path}.{name}" if path else name
+            got = ("a call on a module above or beside it" if call is None else
+                   f"the call on {call_path or 'the module itself'}, which does not hold it")
+            raise ValueError(f"fully_shard: expected {qualified} unmanaged, or managed by an earlier call on a "
+                             f"module below that holds it, got it managed by {got} (apply fully_shard bottom-up, "
+                             "and shard the modules sharing a parameter in one call)")
+
+
 def _with_pre_backward(group, output, prefetch):
     """``output`` (any nesting of tuples, lists and dicts) with each tensor passed through the
     group's pre-backward node."""
@@ -274,6 +299,7 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: Optional
         from hyper_parallel.core.dtensor import init_device_mesh  # pylint: disable=import-outside-toplevel
         mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
     ignored = {id(p) for p in (ignored_params or ())}
+    _check_earlier_calls(module, ignored)
     owned, names = _owned_parameters(module, ignored, shard_placement_fn)
     _extend_class(module)
     if not owned:
@@ -294,6 +320,7 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: Optional
     if row_sparse_embeddings and isinstance(module, nn.Embedding) and list(owners) == [module] and len(order) == 1:
         group.set_row_sparse_gradients(True)
     module._fsdp_group = group
+    module._fsdp_owners = tuple(owners)
     _install_hooks(group, owners, mp_policy, module)
     _share_pass_order(module)
     return module
