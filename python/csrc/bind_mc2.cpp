@@ -182,7 +182,8 @@ void bind_styles(py::module& m) {
       .def_property_readonly("mc2_mode", [](const tp::MC2Style& s) { return tp::to_string(s.mc2_mode()); })
       .def_property_readonly("sequence_dim", &tp::MC2Style::sequence_dim)
       .def("prepare_input", &tp::MC2Style::prepare_input)
-      .def("prepare_output", &tp::MC2Style::prepare_output);
+      .def("prepare_output", &tp::MC2Style::prepare_output, py::arg("output"), py::arg("mesh"),
+           py::arg("features") = py::none());
   bind_mc2_style<tp::MC2ColwiseParallel, tp::MC2ColwiseParallelOptions>(m, "MC2ColwiseParallel");
   bind_mc2_style<tp::MC2RowwiseParallel, tp::MC2RowwiseParallelOptions>(m, "MC2RowwiseParallel");
 }

@@ -1,10 +1,10 @@
 """The styles where users leave the common path, at 2 and 4 ranks against a single-process
 reference: widths the ranks cannot split evenly (loss parallel over a vocabulary of 7, a column
-layer's 5 features gathered, a row layer's uneven sequence shard passed on tagged, its features
-sharded with the bias); an embedding's padding_idx under RowwiseParallel. And what a style
-cannot honour is a clear error, never a silent result: a keyword input its hook cannot see, a
-Linear subclass whose own forward a style would replace, embedding options the sharded lookup
-cannot keep, a list output where PrepareModuleOutput expects a tensor."""
+layer's 5 features gathered, an MC2 column layer's 7, a row layer's uneven sequence shard passed
+on tagged, its features sharded with the bias); an embedding's padding_idx under RowwiseParallel.
+And what a style cannot honour is a clear error, never a silent result: a keyword input its hook
+cannot see, a Linear subclass whose own forward a style would replace, embedding options the
+sharded lookup cannot keep, a list output where PrepareModuleOutput expects a tensor."""
 
 import copy
 import os
@@ -15,9 +15,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from hyper_parallel import (ColwiseParallel, MC2RowwiseParallel, PrepareModuleOutput, RowwiseParallel, full_tensor,
-                            init_device_mesh, loss_parallel, parallelize_module)
+from hyper_parallel import (ColwiseParallel, MC2ColwiseParallel, MC2RowwiseParallel, PrepareModuleOutput,
+                            RowwiseParallel, full_tensor, init_device_mesh, loss_parallel, parallelize_module)
 from hyper_parallel.core.dtensor.placement_types import Replicate, Shard
+from hyper_parallel.core.tensor_parallel.mc2 import MC2Contract
 from hyper_parallel.core.tensor_parallel.style import _core_mesh
 
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
@@ -72,6 +73,22 @@ def test_a_column_layer_gathers_features_the_ranks_split_unevenly(mesh):
     parallelize_module(lin, mesh, ColwiseParallel(output_layouts=Replicate()))
     x = same_everywhere(2, 3, 4)
     y = lin(x)
+    torch.testing.assert_close(y, ref(x))
+    y.pow(2).sum().backward()
+    ref(x).pow(2).sum().backward()
+    torch.testing.assert_close(full_grad(lin.weight), ref.weight.grad, rtol=1e-5, atol=1e-6)
+
+
+@multirank
+def test_an_mc2_column_layer_gathers_features_the_ranks_split_unevenly(mesh):
+    """7 features: 4 + 3 at 2 ranks, 2 + 2 + 2 + 1 at 4; the sequence-sharded input is gathered
+    by the fused op."""
+    torch.manual_seed(4)
+    lin = nn.Linear(4, 7)
+    ref = copy.deepcopy(lin)
+    parallelize_module(lin, mesh, MC2ColwiseParallel(output_layouts=Replicate(), contract=MC2Contract.relaxed()))
+    x = same_everywhere(2, 2 * WORLD, 4)
+    y = lin(my_part(x, 1))
     torch.testing.assert_close(y, ref(x))
     y.pow(2).sum().backward()
     ref(x).pow(2).sum().backward()

@@ -55,7 +55,7 @@ def _install_mc2_hooks(style, core, module, kind, mesh):  # pylint: disable=unus
     """The input hook (the fused op's input layout) and the output hook (its output tagged or
     redistributed to output_layouts); the MC2Linear's own forward runs the fused op."""
     module.register_forward_pre_hook(_replace_first_input(type(style).__name__, lambda x: core.prepare_input(x, mesh)))
-    module.register_forward_hook(lambda m, args, y: core.prepare_output(y, mesh))
+    module.register_forward_hook(lambda m, args, y: core.prepare_output(y, mesh, m.out_features))
 
 
 class MC2ColwiseParallel(ColwiseParallel):

@@ -5,6 +5,7 @@
 
 #include <hyper_parallel/core/dtensor/dtensor.h>
 #include <hyper_parallel/core/nn/hookable_module.h>
+#include <hyper_parallel/core/nn/parameter_layout.h>
 
 #include "../style_common.h"
 
@@ -47,12 +48,15 @@ void MC2Style::apply_to(torch::nn::Module& module, const DeviceMesh& mesh,
   MC2Linear::from_linear(module).configure_mc2(mc2_mode(), mesh.get_group(0), sequence_dim(), contract(),
                                                mc2_options());
   auto self = clone();
+  const auto layout = nn::recorded_layout(module.named_parameters(false)["weight"]);
+  TORCH_INTERNAL_ASSERT(layout, "MC2Style: the weight was laid out by sharding_target");
+  const int64_t features = layout->global_shape[0];  // a Linear's out_features
   hm.add_input_hook([self, mesh](std::vector<at::Tensor> xs) {
     xs[0] = self->prepare_input(xs[0], mesh);
     return xs;
   });
-  hm.add_output_hook([self, mesh](std::vector<at::Tensor> ys) {
-    ys[0] = self->prepare_output(ys[0], mesh);
+  hm.add_output_hook([self, mesh, features](std::vector<at::Tensor> ys) {
+    ys[0] = self->prepare_output(ys[0], mesh, features);
     return ys;
   });
 }
@@ -89,8 +93,17 @@ at::Tensor MC2ColwiseParallel::prepare_input(const at::Tensor& input, const Devi
   return detail::sequence_sharded_input("MC2ColwiseParallel", input, mesh, options_.input_layouts());
 }
 
-at::Tensor MC2ColwiseParallel::prepare_output(const at::Tensor& output, const DeviceMesh& mesh) const {
-  return detail::prepare(output, mesh, Shard(-1), options_.output_layouts(), options_.use_local_output());
+at::Tensor MC2ColwiseParallel::prepare_output(const at::Tensor& output, const DeviceMesh& mesh,
+                                              std::optional<int64_t> features) const {
+  std::optional<std::vector<int64_t>> shape;
+  if (features) {
+    TORCH_CHECK_VALUE(output.dim() >= 1,
+                      "MC2ColwiseParallel: expected an output with a feature dim, got a scalar");
+    shape = output.sizes().vec();
+    shape->back() = *features;
+  }
+  return detail::prepare(output, mesh, Shard(-1), options_.output_layouts(), options_.use_local_output(),
+                         shape);
 }
 
 // ---- MC2RowwiseParallel -------------------------------------------------------------------
@@ -114,7 +127,8 @@ at::Tensor MC2RowwiseParallel::prepare_input(const at::Tensor& input, const Devi
   return detail::prepare(input, mesh, options_.input_layouts(), Shard(input.dim() - 1), true);
 }
 
-at::Tensor MC2RowwiseParallel::prepare_output(const at::Tensor& output, const DeviceMesh& mesh) const {
+at::Tensor MC2RowwiseParallel::prepare_output(const at::Tensor& output, const DeviceMesh& mesh,
+                                              std::optional<int64_t> /*features: whole here*/) const {
   const auto& out = options_.output_layouts();
   return detail::prepare(output, mesh, out, out, options_.use_local_output());
 }

@@ -5,6 +5,7 @@
 // gathers.
 
 #include <memory>
+#include <optional>
 
 #include <torch/arg.h>
 
@@ -40,9 +41,12 @@ class MC2Style : public ParallelStyle {
   virtual const MC2Contract& contract() const = 0;
   virtual const MC2Options& mc2_options() const = 0;
 
-  /// The input and output hooks (below, per style).
+  /// The input and output hooks (below, per style). `features`: the Linear's out_features, which
+  /// a column layer's output split unevenly over the ranks needs (without it the shards are taken
+  /// as even); a row layer's output has them whole.
   virtual at::Tensor prepare_input(const at::Tensor& input, const dtensor::DeviceMesh& mesh) const = 0;
-  virtual at::Tensor prepare_output(const at::Tensor& output, const dtensor::DeviceMesh& mesh) const = 0;
+  virtual at::Tensor prepare_output(const at::Tensor& output, const dtensor::DeviceMesh& mesh,
+                                    std::optional<int64_t> features) const = 0;
 
  protected:
   /// The Shard(d) layout whose d is the sequence dim.
@@ -72,8 +76,9 @@ class MC2ColwiseParallel : public MC2Style {
   /// input_layouts if it is tagged with another layout; the sequence length must divide by the
   /// world size.
   at::Tensor prepare_input(const at::Tensor& input, const dtensor::DeviceMesh& mesh) const override;
-  /// The output hook: Shard(-1) redistributed to output_layouts.
-  at::Tensor prepare_output(const at::Tensor& output, const dtensor::DeviceMesh& mesh) const override;
+  /// The output hook: Shard(-1) (of `features` columns in all) redistributed to output_layouts.
+  at::Tensor prepare_output(const at::Tensor& output, const dtensor::DeviceMesh& mesh,
+                            std::optional<int64_t> features) const override;
 
  protected:
   const dtensor::Placement& sequence_layout() const override { return options_.input_layouts(); }
@@ -111,7 +116,8 @@ class MC2RowwiseParallel : public MC2Style {
   /// The input hook: input_layouts redistributed to Shard(-1), the features.
   at::Tensor prepare_input(const at::Tensor& input, const dtensor::DeviceMesh& mesh) const override;
   /// The output hook: the fused op's Shard(sequence) output, tagged unless use_local_output.
-  at::Tensor prepare_output(const at::Tensor& output, const dtensor::DeviceMesh& mesh) const override;
+  at::Tensor prepare_output(const at::Tensor& output, const dtensor::DeviceMesh& mesh,
+                            std::optional<int64_t> features) const override;
 
  protected:
   const dtensor::Placement& sequence_layout() const override { return options_.output_layouts(); }
