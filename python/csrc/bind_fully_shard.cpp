@@ -66,6 +66,8 @@ void bind_fully_shard(py::module& m) {
           },
           py::kw_only(), py::arg("sharded_module") = false,
           "Ends a pre_forward's call; True if it was the outermost open one (put the shards back).")
+      .def("abandon_forward", &fs::ParamGroup::abandon_forward,
+           "A forward of the group raised: its open calls are over.")
       .def(
           "register_pre_backward",
           [](fs::ParamGroup& group, std::vector<at::Tensor> outputs,

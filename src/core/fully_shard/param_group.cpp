@@ -356,6 +356,11 @@ bool ParamGroup::post_forward(Caller caller) {
   return true;
 }
 
+void ParamGroup::abandon_forward() {
+  impl_->open_calls = 0;
+  impl_->forward_calls = 0;
+}
+
 std::vector<at::Tensor> ParamGroup::register_pre_backward(std::vector<at::Tensor> outputs,
                                                           const std::function<void()>& then) {
   if (!torch::autograd::GradMode::is_enabled()) return outputs;

@@ -157,7 +157,15 @@ void ParamGroup::Impl::accumulate(size_t i, const at::Tensor& grad) {
 }
 
 at::Tensor ParamGroup::Impl::arrive(size_t i, at::Tensor grad) {
-  TORCH_INTERNAL_ASSERT(!arrived[i], "fully_shard: a parameter's gradient arrived twice in one backward");
+  // Two passes of the group whose views reach one reduction: a module run twice under a
+  // reentrant checkpoint (each recomputation's views), or a second forward that skipped some of
+  // the group's modules before one backward that reduces in buckets.
+  TORCH_CHECK_NOT_IMPLEMENTED(
+      !arrived[i], "fully_shard: expected one gradient of ", names[i],
+      " per backward of its group, got a second one from another pass of the group (a module run twice "
+      "under a reentrant checkpoint, or a second forward that skipped some of the group's modules); "
+      "checkpoint with use_reentrant=False, give the repeated module a fully_shard call of its own, or set "
+      "comm_fusion=True");
   arrived[i] = true;
   ++arrivals;
   // Autograd runs the hooks of a parameter this backward reaches: its node returns the reduced

@@ -3,7 +3,9 @@ read there outside its own module's forward (a GPT's position table sliced by th
 tied to the token embedding, nn.MultiheadAttention's out_proj, a root's own parameter around
 its children) is the whole parameter, as in FSDP2. At 2 and 4 ranks against the full-batch
 single-process reference, with reshard_after_forward on and off, blocks sharded on their own or
-not, and the blocks under torch.utils.checkpoint (both variants)."""
+not, and the blocks under torch.utils.checkpoint (both variants). A forward that raises puts the
+shards back; a call that would leave a holder reading its piece, and two passes that the buckets
+cannot reduce, are clear errors."""
 
 import pytest
 import torch
@@ -23,9 +25,13 @@ class Block(nn.Module):
     def __init__(self):
         super().__init__()
         self.up, self.down = nn.Linear(DIM, HIDDEN), nn.Linear(HIDDEN, DIM)
+        self.fail = False
 
     def forward(self, x):
-        return x + self.down(torch.relu(self.up(x)))
+        h = torch.relu(self.up(x))
+        if self.fail:
+            raise ArithmeticError("a forward that raises")
+        return x + self.down(h)
 
 
 class GPT(nn.Module):
@@ -53,18 +59,23 @@ class GPT(nn.Module):
 
 
 class Attention(nn.Module):
-    """nn.MultiheadAttention reads out_proj's parameters in its own forward."""
+    """nn.MultiheadAttention reads out_proj's parameters in its own forward (recomputed in the
+    backward when checkpointed)."""
 
-    def __init__(self):
+    def __init__(self, checkpointed=None):
         super().__init__()
         torch.manual_seed(4)
         self.wte = nn.Embedding(VOCAB, DIM)
         self.attn = nn.MultiheadAttention(DIM, 2, batch_first=True)
         self.head = nn.Linear(DIM, VOCAB)
+        self.checkpointed = checkpointed  # None, or use_reentrant
 
     def forward(self, ids):
         h = self.wte(ids)
-        return self.head(h + self.attn(h, h, h, need_weights=False)[0])
+        if self.checkpointed is None:
+            return self.head(h + self.attn(h, h, h, need_weights=False)[0])
+        return self.head(h + checkpoint(lambda t: self.attn(t, t, t, need_weights=False)[0], h,
+                                        use_reentrant=self.checkpointed))
 
 
 def ids_of(step, ranks):
@@ -115,9 +126,10 @@ def test_tied_parameters_with_checkpointed_blocks_train_as_one_process(use_reent
         assert_trains_like(lambda: GPT(checkpointed=use_reentrant), shard_blocks, comm_fusion=shard_blocks)
 
 
+@pytest.mark.parametrize("checkpointed", [None, False, True])
 @pytest.mark.parametrize("reshard", [True, False])
-def test_multihead_attention_reads_its_out_proj_whole(reshard):
-    assert_trains_like(Attention, False, reshard_after_forward=reshard)
+def test_multihead_attention_reads_its_out_proj_whole(reshard, checkpointed):
+    assert_trains_like(lambda: Attention(checkpointed), False, reshard_after_forward=reshard)
 
 
 def test_an_owning_module_called_on_its_own_still_gathers_and_puts_the_shards_back():
@@ -142,3 +154,49 @@ def test_a_call_that_would_leave_a_holder_reading_its_piece_is_a_clear_error():
     fully_shard(net.wte, mesh=dp_mesh())
     with pytest.raises(ValueError, match=r"expected head\.weight unmanaged.*the call on wte, which does not hold it"):
         fully_shard(net, mesh=dp_mesh())
+
+
+@pytest.mark.parametrize("shard_blocks", [True, False])
+def test_a_forward_that_raises_puts_the_shards_back_and_training_goes_on(shard_blocks):
+    ws, r = dist.get_world_size(), dist.get_rank()
+    net = GPT()
+    for b in (net.blocks if shard_blocks else ()):
+        fully_shard(b, mesh=dp_mesh())
+    fully_shard(net, mesh=dp_mesh())
+    shards = [p.detach().clone() for p in net.parameters()]
+    net.blocks[1].fail = True
+    with pytest.raises(ArithmeticError):
+        net(ids_of(0, ws)[r * ROWS_PER_RANK:][:ROWS_PER_RANK])
+    net.blocks[1].fail = False
+    assert all(isinstance(p, nn.Parameter) and torch.equal(p.detach(), q) for p, q in zip(net.parameters(), shards))
+    # A direct call of a module (its group freed meanwhile) gathers afresh.
+    net._fsdp_group.reshard()
+    with torch.no_grad():
+        net.wte(ids_of(0, 1))
+    reference = train(GPT(), sharded=False)
+    for p, q in zip(train(net, sharded=True), reference):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+class SecondCallSkips(GPT):
+    def forward(self, ids, skip=False):
+        h = self.wte(ids)
+        for i, b in enumerate(self.blocks):
+            h = h if skip and i == 1 else b(h)
+        return F.linear(h, self.wte.weight)
+
+
+def test_two_passes_the_buckets_cannot_reduce_are_an_error_naming_the_ways_out():
+    """A second forward before the backward that skips a block, with only the root sharded: its
+    views and the first pass's reach one reduction in buckets."""
+    ws, r = dist.get_world_size(), dist.get_rank()
+    ids = ids_of(0, ws)[r * ROWS_PER_RANK:][:ROWS_PER_RANK]
+    for comm_fusion in (True, False):
+        net = fully_shard(SecondCallSkips(), mesh=dp_mesh(), comm_fusion=comm_fusion)
+        loss = net(ids).sum() + net(ids, skip=True).sum()
+        if comm_fusion:
+            loss.backward()
+            continue
+        with pytest.raises(NotImplementedError, match=r"expected one gradient of .* per backward of its group.*"
+                                                      r"use_reentrant=False.*comm_fusion=True"):
+            loss.backward()

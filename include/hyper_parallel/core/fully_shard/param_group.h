@@ -98,6 +98,9 @@ class ParamGroup {
   /// backward does not reach are then judged at its end. A forward without grad inside a
   /// backward (a hook's) is not one: it reshards a group whose backward is not under way.
   bool post_forward(Caller caller = Caller::kOwner);
+  /// A forward of the group raised (its post_forward will not come): its open calls are over, and
+  /// the next pre_forward begins a new pass.
+  void abandon_forward();
   /// `outputs` of a managed module, each passed through a node whose backward gathers the group
   /// again (if it was resharded) before the module's own backward reads its parameters, then
   /// runs `then` (e.g. gathering the modules to prefetch).

@@ -55,6 +55,17 @@ class FSDPModule:
     _fsdp_group = None  # the C++ group (None when nested calls took every parameter)
     _fsdp_owners = ()  # the modules whose parameters the group stands in for
 
+    def __call__(self, *args, **kwargs):
+        # Torch 1.13's forward hooks do not run when a forward raises: the call's gathered
+        # parameters are put back here, and its group's open calls ended.
+        try:
+            return super().__call__(*args, **kwargs)
+        except BaseException:
+            if self._fsdp_group is not None:
+                self._fsdp_group.abandon_forward()
+                self._fsdp_put_back()
+            raise
+
     def _fsdp_modules(self, recurse: bool):
         if not recurse:
             return [self]
@@ -238,21 +249,21 @@ def _install_hooks(group, owners, mp_policy: MixedPrecisionPolicy, fsdp_module):
     outside an owner's own forward (a tied head's ``emb.weight``, a sliced position table,
     MultiheadAttention's ``out_proj``) is whole; its end registers the pre-backward on its outputs,
     ends the pass and puts the shards back. Each other owning module has hooks of its own for a
-    call outside that forward (checkpoint's recomputation in the backward, a direct call); inside
-    it they reuse its parameters."""
+    call outside that forward (checkpoint's recomputation in the backward, a direct call), which
+    stand in the whole group too; inside it they reuse its parameters."""
     slots = [(mod, name, index) for mod, names in owners.items() for name, index in names]
 
     def put_back():
         for mod, name, index in slots:
             mod._parameters[name] = group.parameters[index]
 
-    def hooks(stood_in, sharded_module):
+    def hooks(sharded_module):
         def pre_hook(mod, args):
             # An embedding's forward reads the rows of its ids (a row-sparse group gathers those).
             ids = args[0] if isinstance(mod, nn.Embedding) and args and isinstance(args[0], torch.Tensor) else None
             gathered = group.pre_forward(ids, getattr(fsdp_module, "_fsdp_forward_prefetch", []),
                                          sharded_module=sharded_module)
-            for owner, name, index in stood_in:
+            for owner, name, index in slots:
                 owner._parameters[name] = gathered[index]
             return _cast_inputs(args, mp_policy)
 
@@ -264,14 +275,15 @@ def _install_hooks(group, owners, mp_policy: MixedPrecisionPolicy, fsdp_module):
 
         return pre_hook, post_hook
 
-    for sub, names in owners.items():
+    for sub in owners:
         if sub is not fsdp_module:
-            pre_hook, post_hook = hooks([(sub, name, index) for name, index in names], sharded_module=False)
+            pre_hook, post_hook = hooks(sharded_module=False)
             sub.register_forward_pre_hook(pre_hook)
             sub.register_forward_hook(post_hook)
-    pre_hook, post_hook = hooks(slots, sharded_module=True)
+    pre_hook, post_hook = hooks(sharded_module=True)
     fsdp_module.register_forward_pre_hook(pre_hook)
     fsdp_module.register_forward_hook(post_hook)
+    fsdp_module._fsdp_put_back = put_back
 
 
 def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: Optional[Union[bool, int]] = True,
