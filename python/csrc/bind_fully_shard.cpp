@@ -16,12 +16,58 @@ std::optional<at::ScalarType> optional_dtype(const py::object& dtype) {
   return dtype_arg(dtype);
 }
 
+using GroupClass = py::class_<fs::ParamGroup, std::shared_ptr<fs::ParamGroup>>;
+
+fs::ParamGroup::Caller caller(bool sharded_module) {
+  return sharded_module ? fs::ParamGroup::Caller::kShardedModule : fs::ParamGroup::Caller::kOwner;
+}
+
+// What the forward hooks call: a module's forward begins and ends, or raised; its outputs'
+// pre-backward.
+void bind_forward_calls(GroupClass& cls) {
+  cls.def(
+         "pre_forward",
+         [](fs::ParamGroup& group, const std::optional<at::Tensor>& rows,
+            const std::vector<std::shared_ptr<fs::ParamGroup>>& prefetch,
+            bool sharded_module) -> const std::vector<at::Tensor>& {
+           return group.pre_forward(
+               rows.value_or(at::Tensor()),
+               [&prefetch] {
+                 for (const auto& g : prefetch) g->unshard(/*async_op=*/true);
+               },
+               caller(sharded_module));
+         },
+         py::arg("rows") = py::none(), py::arg("prefetch") = std::vector<std::shared_ptr<fs::ParamGroup>>(),
+         py::kw_only(), py::arg("sharded_module") = false,
+         "The gathered parameters (collective on the first call of a pass); rows: an embedding's ids; "
+         "prefetch: groups whose gathers start then (not in a recomputation); sharded_module: the call "
+         "is the forward of the module fully_shard was applied to (one whole pass), not an owning "
+         "module's.")
+      .def(
+          "post_forward",
+          [](fs::ParamGroup& group, bool sharded_module) {
+            return group.post_forward(caller(sharded_module));
+          },
+          py::kw_only(), py::arg("sharded_module") = false,
+          "Ends a pre_forward's call; True if it was the outermost open one (put the shards back).")
+      .def("abandon_forward", &fs::ParamGroup::abandon_forward,
+           "A forward of the group raised: its open calls are over.")
+      .def(
+          "register_pre_backward",
+          [](fs::ParamGroup& group, std::vector<at::Tensor> outputs,
+             const std::vector<std::shared_ptr<fs::ParamGroup>>& prefetch) {
+            return group.register_pre_backward(std::move(outputs), [prefetch] {
+              for (const auto& g : prefetch) g->unshard(/*async_op=*/true);
+            });
+          },
+          py::arg("outputs"), py::arg("prefetch"));
+}
+
 }  // namespace
 
 void bind_fully_shard(py::module& m) {
-  py::class_<fs::ParamGroup, std::shared_ptr<fs::ParamGroup>>(m, "FullyShardParamGroup")
-      .def(
-          py::init([](std::vector<at::Tensor> params, std::vector<std::string> names,
+  GroupClass cls(m, "FullyShardParamGroup");
+  cls.def(py::init([](std::vector<at::Tensor> params, std::vector<std::string> names,
                       const dtensor::DeviceMesh& mesh, bool reshard_after_forward,
                       const py::object& param_dtype, const py::object& reduce_dtype, bool offload_to_cpu,
                       bool pin_memory, std::optional<int64_t> reduce_bucket_cap_bytes) {
@@ -39,45 +85,9 @@ void bind_fully_shard(py::module& m) {
           }),
           py::arg("params"), py::arg("names"), py::arg("mesh"), py::arg("reshard_after_forward"),
           py::arg("param_dtype"), py::arg("reduce_dtype"), py::arg("offload_to_cpu"), py::arg("pin_memory"),
-          py::arg("reduce_bucket_cap_bytes") = py::none())
-      .def(
-          "pre_forward",
-          [](fs::ParamGroup& group, const std::optional<at::Tensor>& rows,
-             const std::vector<std::shared_ptr<fs::ParamGroup>>& prefetch,
-             bool sharded_module) -> const std::vector<at::Tensor>& {
-            return group.pre_forward(
-                rows.value_or(at::Tensor()),
-                [&prefetch] {
-                  for (const auto& g : prefetch) g->unshard(/*async_op=*/true);
-                },
-                sharded_module ? fs::ParamGroup::Caller::kShardedModule : fs::ParamGroup::Caller::kOwner);
-          },
-          py::arg("rows") = py::none(), py::arg("prefetch") = std::vector<std::shared_ptr<fs::ParamGroup>>(),
-          py::kw_only(), py::arg("sharded_module") = false,
-          "The gathered parameters (collective on the first call of a pass); rows: an embedding's ids; "
-          "prefetch: groups whose gathers start then (not in a recomputation); sharded_module: the call "
-          "is the forward of the module fully_shard was applied to (one whole pass), not an owning "
-          "module's.")
-      .def(
-          "post_forward",
-          [](fs::ParamGroup& group, bool sharded_module) {
-            return group.post_forward(sharded_module ? fs::ParamGroup::Caller::kShardedModule
-                                                     : fs::ParamGroup::Caller::kOwner);
-          },
-          py::kw_only(), py::arg("sharded_module") = false,
-          "Ends a pre_forward's call; True if it was the outermost open one (put the shards back).")
-      .def("abandon_forward", &fs::ParamGroup::abandon_forward,
-           "A forward of the group raised: its open calls are over.")
-      .def(
-          "register_pre_backward",
-          [](fs::ParamGroup& group, std::vector<at::Tensor> outputs,
-             const std::vector<std::shared_ptr<fs::ParamGroup>>& prefetch) {
-            return group.register_pre_backward(std::move(outputs), [prefetch] {
-              for (const auto& g : prefetch) g->unshard(/*async_op=*/true);
-            });
-          },
-          py::arg("outputs"), py::arg("prefetch"))
-      .def("unshard", &fs::ParamGroup::unshard, py::arg("async_op") = false)
+          py::arg("reduce_bucket_cap_bytes") = py::none());
+  bind_forward_calls(cls);
+  cls.def("unshard", &fs::ParamGroup::unshard, py::arg("async_op") = false)
       .def("wait_for_unshard", &fs::ParamGroup::wait_for_unshard)
       .def_static(
           "share_pass_order",

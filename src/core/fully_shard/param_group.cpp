@@ -336,7 +336,9 @@ const std::vector<at::Tensor>& ParamGroup::Impl::forward_pass(const std::shared_
 
 bool ParamGroup::post_forward(Caller caller) {
   auto& s = *impl_;
-  if (s.open_calls > 1) {
+  // The sharded module's forward is the outermost call: one of its owners that raised and was
+  // caught inside it left its call open, which ends here.
+  if (s.open_calls > 1 && caller == Caller::kOwner) {
     --s.open_calls;
     return false;
   }

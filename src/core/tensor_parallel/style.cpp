@@ -117,10 +117,7 @@ void ColwiseParallel::apply_to(torch::nn::Module& module, const DeviceMesh& mesh
   auto& hm = detail::sharding_target(*this, module, mesh, src_data_rank);
   const auto kind = hm.module_kind();
   auto self = std::make_shared<ColwiseParallel>(*this);  // the hooks outlive a temporary style
-  // The weight's sharded dim is the output's features: a Linear's dim 0, an Embedding's dim 1.
-  const auto layout = nn::recorded_layout(module.named_parameters(false)["weight"]);
-  TORCH_INTERNAL_ASSERT(layout, "ColwiseParallel: the weight was laid out by sharding_target");
-  const int64_t features = layout->global_shape[kind == ModuleKind::kLinear ? 0 : 1];
+  const int64_t features = detail::output_features(module, kind);
   on_first_input(hm, [self, mesh, kind](const at::Tensor& x) { return self->prepare_input(x, kind, mesh); });
   on_first_output(
       hm, [self, mesh, features](const at::Tensor& y) { return self->prepare_output(y, mesh, features); });

@@ -36,6 +36,12 @@ ModuleTarget target_of(nn::HookableModule& hm, torch::nn::Module& module) {
   return target;
 }
 
+int64_t output_features(torch::nn::Module& module, nn::ModuleKind kind) {
+  const auto layout = nn::recorded_layout(module.named_parameters(false)["weight"]);
+  TORCH_INTERNAL_ASSERT(layout, "output_features: the weight was laid out by sharding_target");
+  return layout->global_shape[kind == nn::ModuleKind::kLinear ? 0 : 1];
+}
+
 nn::HookableModule& sharding_target(const ParallelStyle& style, torch::nn::Module& module,
                                     const DeviceMesh& mesh, std::optional<int64_t> src_data_rank) {
   auto& hm = hookable(style.name().c_str(), module);

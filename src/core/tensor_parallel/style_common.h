@@ -34,6 +34,10 @@ ModuleTarget target_of(nn::HookableModule& hm, torch::nn::Module& module);
 nn::HookableModule& sharding_target(const ParallelStyle& style, torch::nn::Module& module,
                                     const dtensor::DeviceMesh& mesh, std::optional<int64_t> src_data_rank);
 
+/// The whole output width of a module sharding_target laid out, from its weight's recorded
+/// global shape: a Linear's out_features, an Embedding's embedding_dim.
+int64_t output_features(torch::nn::Module& module, nn::ModuleKind kind);
+
 /// The rows of `table` whose parameter the module has (`parameters`), in table order.
 std::vector<ParameterSharding> shard_each(const std::vector<std::string>& parameters,
                                           std::vector<ParameterSharding> table);

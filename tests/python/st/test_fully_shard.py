@@ -166,6 +166,24 @@ def test_mixed_precision_gathers_in_bf16_and_keeps_float32_shards():
     assert ws >= 2
 
 
+def test_mixed_precision_casts_the_modules_float_inputs_nested_and_by_keyword():
+    seen = {}
+
+    class Probe(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(DIM, DIM)
+
+        def forward(self, x, extra=(), *, bias=None):
+            seen.update(x=x.dtype, extra=[e.dtype for e in extra], bias=bias.dtype)
+            return self.lin(x) + bias
+
+    net = fully_shard(Probe(), mesh=dp_mesh(), mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    x = torch.randn(2, DIM)
+    assert net(x, [x, torch.ones(2, dtype=torch.long)], bias=x).dtype == torch.bfloat16
+    assert seen == {"x": torch.bfloat16, "extra": [torch.bfloat16, torch.int64], "bias": torch.bfloat16}
+
+
 @pytest.mark.parametrize("kwargs, error, message", [
     (dict(reshard_after_forward=2), NotImplementedError, "an int reshard_after_forward"),
     (dict(reshard_after_forward="yes"), ValueError, "reshard_after_forward: expected a bool"),

@@ -4,8 +4,9 @@ tied to the token embedding, nn.MultiheadAttention's out_proj, a root's own para
 its children) is the whole parameter, as in FSDP2. At 2 and 4 ranks against the full-batch
 single-process reference, with reshard_after_forward on and off, blocks sharded on their own or
 not, and the blocks under torch.utils.checkpoint (both variants). A forward that raises puts the
-shards back; a call that would leave a holder reading its piece, and two passes that the buckets
-cannot reduce, are clear errors."""
+shards back, also one caught inside the module's forward; owners called on their own reshard
+once each has run; a call that would leave a holder reading its piece, and two passes that the
+buckets cannot reduce, are clear errors."""
 
 import pytest
 import torch
@@ -200,3 +201,59 @@ def test_two_passes_the_buckets_cannot_reduce_are_an_error_naming_the_ways_out()
         with pytest.raises(NotImplementedError, match=r"expected one gradient of .* per backward of its group.*"
                                                       r"use_reentrant=False.*comm_fusion=True"):
             loss.backward()
+
+
+class CatchesItsBlock(GPT):
+    """Computes a block with its parameters read directly when calling it raises, inside the
+    sharded module's forward."""
+
+    def forward(self, ids):
+        h = self.wte(ids) * self.scale + self.wpe.weight[:ids.shape[1]]
+        for b in self.blocks:
+            try:
+                h = b(h)
+            except ArithmeticError:
+                h = h + F.linear(torch.relu(F.linear(h, b.up.weight, b.up.bias)), b.down.weight, b.down.bias)
+        return F.linear(self.norm(h) * self.scale, self.wte.weight)
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_a_raise_caught_inside_the_forward_ends_the_owners_call_with_it(reshard):
+    ws, r = dist.get_world_size(), dist.get_rank()
+    reference, net = GPT(), fully_shard(CatchesItsBlock(), mesh=dp_mesh(), reshard_after_forward=reshard)
+
+    def unavailable(module, args):
+        raise ArithmeticError("a fast path that is not available")
+
+    # Raised inside an owner's call (after fully_shard's pre-hook), which then never ends.
+    net.blocks[1].up.register_forward_pre_hook(unavailable)
+    shapes = [p.shape for p in net.parameters()]
+    ids = ids_of(0, ws)
+    loss = net(ids[r * ROWS_PER_RANK:][:ROWS_PER_RANK]).sum()
+    assert [p.shape for p in net.parameters()] == shapes
+    assert net._fsdp_group.is_unsharded == (not reshard)
+    loss.backward()
+    reference(ids).sum().backward()
+    for p, q in zip(net.parameters(), reference.parameters()):
+        # The reduction averages the ranks' sums.
+        torch.testing.assert_close(full_tensor(p, p.grad), q.grad / ws, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("root_owns_one", [False, True])
+def test_owners_called_on_their_own_reshard_once_each_has_run(root_owns_one):
+    """wte, blocks and norm called directly (an evaluation outside the root's forward; the table
+    only the root's forward reads is left out): the root's own parameter is read only by its
+    forward, so it does not hold the pass open."""
+    ws = dist.get_world_size()
+    net = GPT()
+    del net.wpe
+    if not root_owns_one:
+        del net.scale
+        net.scale = torch.ones(DIM)
+    fully_shard(net, mesh=dp_mesh())
+    with torch.no_grad():
+        h = net.wte(ids_of(0, ws))
+        for b in net.blocks:
+            h = b(h)
+        net.norm(h)
+    assert not net._fsdp_group.is_unsharded

@@ -75,19 +75,21 @@ class ParamGroup {
   /// A managed module's forward begins (`users` modules share the group; the first of a pass
   /// gathers): the gathered parameters, differentiable (their gradient is reduce-scattered into
   /// the shards), in the managed order. A call nested in an open one of the group (an owning
-  /// module inside the sharded module's forward) reuses that call's parameters and does nothing
-  /// else. `rows`: for a row-sparse group, the rows of its one
-  /// parameter this forward reads (an embedding's ids): unless a gather of it is under way, only
-  /// those travel (comm/gather_rows.h), and the other rows read NaN. Then runs `prefetch` (e.g.
+  /// module inside the sharded module's forward) reuses that call's parameters (noting a part of
+  /// a pass with grad that runs without, a reentrant checkpoint's region) and gathers nothing.
+  /// `rows`: for a row-sparse group, the rows of its one parameter this forward reads (an
+  /// embedding's ids): unless a gather of it is under way, only those travel
+  /// (comm/gather_rows.h), and the other rows read NaN. Then runs `prefetch` (e.g.
   /// the gathers of set_modules_to_forward_prefetch), unless this forward is a recomputation (see
   /// post_forward), which gathers no group ahead for a later forward. Collective.
   const std::vector<at::Tensor>& pre_forward(const at::Tensor& rows = {},
                                              const std::function<void()>& prefetch = {},
                                              Caller caller = Caller::kOwner);
   /// A managed module's forward ended; true if it was the outermost open call of the group (its
-  /// caller then puts the shards back in place of the gathered parameters). Once all `users`
-  /// have run, or the sharded module's forward has, the group reshards (if
-  /// reshard_after_forward) and the next pre_forward starts a new pass.
+  /// caller then puts the shards back in place of the gathered parameters). The sharded
+  /// module's end always is: it ends the calls of its owners that raised inside it. Once all
+  /// `users` (owners called on their own) have run, or the sharded module's forward has, the
+  /// group reshards (if reshard_after_forward) and the next pre_forward starts a new pass.
   ///
   /// A forward with grad inside a backward is torch.utils.checkpoint's recomputation: it gathers
   /// the group if it was resharded, starts the gather of the group whose backward comes next,

@@ -19,7 +19,7 @@ from typing import Iterable, Optional, Union
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from hyper_parallel import _C
 from hyper_parallel.core.dtensor.placement_types import Shard
@@ -56,8 +56,11 @@ class FSDPModule:
     _fsdp_owners = ()  # the modules whose parameters the group stands in for
 
     def __call__(self, *args, **kwargs):
-        # Torch 1.13's forward hooks do not run when a forward raises: the call's gathered
-        # parameters are put back here, and its group's open calls ended.
+        # Torch 1.13's forward pre-hooks do not see keyword arguments (the pre-hook casts the
+        # positional ones), and its forward hooks do not run when a forward raises: the call's
+        # gathered parameters are put back here, and its group's open calls ended.
+        if kwargs and self._fsdp_group is not None:
+            kwargs = _cast_inputs(kwargs, self._fsdp_mp_policy) or kwargs
         try:
             return super().__call__(*args, **kwargs)
         except BaseException:
@@ -236,11 +239,13 @@ def _with_pre_backward(group, output, prefetch):
     return tree_unflatten(leaves, spec)
 
 
-def _cast_inputs(args, mp_policy: MixedPrecisionPolicy):
+def _cast_inputs(inputs, mp_policy: MixedPrecisionPolicy):
+    """``inputs`` (any nesting) with floating tensors cast to param_dtype; None if the policy
+    casts nothing."""
     if mp_policy.param_dtype is None or not mp_policy.cast_forward_inputs:
         return None
-    return tuple(a.to(mp_policy.param_dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
-                 for a in args)
+    return tree_map(lambda a: a.to(mp_policy.param_dtype) if isinstance(a, torch.Tensor) and a.is_floating_point()
+                    else a, inputs)
 
 
 def _install_hooks(group, owners, mp_policy: MixedPrecisionPolicy, fsdp_module):
@@ -284,6 +289,7 @@ def _install_hooks(group, owners, mp_policy: MixedPrecisionPolicy, fsdp_module):
     fsdp_module.register_forward_pre_hook(pre_hook)
     fsdp_module.register_forward_hook(post_hook)
     fsdp_module._fsdp_put_back = put_back
+    fsdp_module._fsdp_mp_policy = mp_policy
 
 
 def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: Optional[Union[bool, int]] = True,
@@ -327,7 +333,9 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: Optional
     owners = {}
     for sub, name, param, _ in owned:
         owners.setdefault(sub, []).append((name, order.index(id(param))))
-    group.set_users(len(owners))
+    # Owners called on their own (outside the module's forward, which is a pass by itself) make
+    # a pass once each has run.
+    group.set_users(max(1, sum(1 for sub in owners if sub is not module)))
     # Only the embedding's own forward reads the rows of its ids: a module around it may read more.
     if row_sparse_embeddings and isinstance(module, nn.Embedding) and list(owners) == [module] and len(order) == 1:
         group.set_row_sparse_gradients(True)

@@ -5,7 +5,6 @@
 
 #include <hyper_parallel/core/dtensor/dtensor.h>
 #include <hyper_parallel/core/nn/hookable_module.h>
-#include <hyper_parallel/core/nn/parameter_layout.h>
 
 #include "../style_common.h"
 
@@ -48,9 +47,7 @@ void MC2Style::apply_to(torch::nn::Module& module, const DeviceMesh& mesh,
   MC2Linear::from_linear(module).configure_mc2(mc2_mode(), mesh.get_group(0), sequence_dim(), contract(),
                                                mc2_options());
   auto self = clone();
-  const auto layout = nn::recorded_layout(module.named_parameters(false)["weight"]);
-  TORCH_INTERNAL_ASSERT(layout, "MC2Style: the weight was laid out by sharding_target");
-  const int64_t features = layout->global_shape[0];  // a Linear's out_features
+  const int64_t features = detail::output_features(module, nn::ModuleKind::kLinear);
   hm.add_input_hook([self, mesh](std::vector<at::Tensor> xs) {
     xs[0] = self->prepare_input(xs[0], mesh);
     return xs;
