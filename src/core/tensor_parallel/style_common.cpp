@@ -36,6 +36,18 @@ ModuleTarget target_of(nn::HookableModule& hm, torch::nn::Module& module) {
   return target;
 }
 
+at::Tensor prepare_column_output(const char* style, const at::Tensor& output, const DeviceMesh& mesh,
+                                 const Placement& output_layouts, bool use_local_output,
+                                 std::optional<int64_t> features) {
+  std::optional<std::vector<int64_t>> shape;
+  if (features) {
+    TORCH_CHECK_VALUE(output.dim() >= 1, style, ": expected an output with a feature dim, got a scalar");
+    shape = output.sizes().vec();
+    shape->back() = *features;
+  }
+  return prepare(output, mesh, dtensor::Shard(-1), output_layouts, use_local_output, shape);
+}
+
 int64_t output_features(torch::nn::Module& module, nn::ModuleKind kind) {
   const auto layout = nn::recorded_layout(module.named_parameters(false)["weight"]);
   TORCH_INTERNAL_ASSERT(layout, "output_features: the weight was laid out by sharding_target");

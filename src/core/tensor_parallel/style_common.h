@@ -38,6 +38,12 @@ nn::HookableModule& sharding_target(const ParallelStyle& style, torch::nn::Modul
 /// global shape: a Linear's out_features, an Embedding's embedding_dim.
 int64_t output_features(torch::nn::Module& module, nn::ModuleKind kind);
 
+/// A column layer's Shard(-1) output redistributed to `output_layouts`. `features`: the layer's
+/// whole output width, which an uneven split needs (without it the shards are taken as even).
+at::Tensor prepare_column_output(const char* style, const at::Tensor& output, const dtensor::DeviceMesh& mesh,
+                                 const dtensor::Placement& output_layouts, bool use_local_output,
+                                 std::optional<int64_t> features);
+
 /// The rows of `table` whose parameter the module has (`parameters`), in table order.
 std::vector<ParameterSharding> shard_each(const std::vector<std::string>& parameters,
                                           std::vector<ParameterSharding> table);

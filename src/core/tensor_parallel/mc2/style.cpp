@@ -92,15 +92,8 @@ at::Tensor MC2ColwiseParallel::prepare_input(const at::Tensor& input, const Devi
 
 at::Tensor MC2ColwiseParallel::prepare_output(const at::Tensor& output, const DeviceMesh& mesh,
                                               std::optional<int64_t> features) const {
-  std::optional<std::vector<int64_t>> shape;
-  if (features) {
-    TORCH_CHECK_VALUE(output.dim() >= 1,
-                      "MC2ColwiseParallel: expected an output with a feature dim, got a scalar");
-    shape = output.sizes().vec();
-    shape->back() = *features;
-  }
-  return detail::prepare(output, mesh, Shard(-1), options_.output_layouts(), options_.use_local_output(),
-                         shape);
+  return detail::prepare_column_output("MC2ColwiseParallel", output, mesh, options_.output_layouts(),
+                                       options_.use_local_output(), features);
 }
 
 // ---- MC2RowwiseParallel -------------------------------------------------------------------
