@@ -291,6 +291,9 @@ const std::vector<at::Tensor>& ParamGroup::pre_forward(const at::Tensor& rows,
   // The sharded module's forward is never inside another of the group's: a count left open (by
   // a forward that raised) is over.
   if (caller == Caller::kShardedModule) s.open_calls = 0;
+  // An open call keeps the group gathered: a count that a forward which threw left behind, with
+  // the group freed since, is over too (its views must not be read).
+  if (s.open_calls > 0 && !s.unsharded) s.open_calls = 0;
   if (s.open_calls > 0) {
     ++s.open_calls;
     // A region of the pass that runs without grad (a reentrant checkpoint's) is one that a

@@ -118,6 +118,24 @@ TEST(FullyShard, TrainsLikeTheFullBatchReference) {
   }
 }
 
+// A forward that throws after a layer's input hook never runs its output hook: the group's call
+// stays open. Once the group is freed (reshard), the next forward gathers afresh and trains as
+// the reference does.
+TEST(FullyShard, AForwardThatThrewDoesNotLeaveFreedParametersToRead) {
+  const auto rank = hp_test::rank(), ranks = hp_test::world_size();
+  Net reference, net;
+  const auto reference_losses = train(reference, 2, rank, ranks, /*sharded=*/false);
+  shard(net, fs::FullyShardOptions().mesh(dp_mesh()));
+  EXPECT_ANY_THROW(net.forward(at::randn({kRowsPerRank, kIn + 1})));  // up's matmul throws
+  fs::FSDPModule::of(*net.blocks[0])->reshard();
+  const auto losses = train(net, 2, rank, ranks, /*sharded=*/true);
+  for (size_t i = 0; i < losses.size(); ++i) EXPECT_NEAR(losses[i], reference_losses[i], 1e-5);
+  const auto params = full_parameters(net);
+  auto ref = reference.parameters();
+  for (size_t i = 0; i < params.size(); ++i)
+    EXPECT_TRUE(at::allclose(params[i], ref[i], 1e-5, 1e-6)) << "parameter " << i;
+}
+
 TEST(FullyShard, ShardsParametersAndTheOptimizerState) {
   const int64_t p = hp_test::world_size(), r = hp_test::rank();
   Net full, net;
