@@ -280,11 +280,11 @@ def _install_hooks(group, owners, mp_policy: MixedPrecisionPolicy, fsdp_module):
 
         return pre_hook, post_hook
 
+    owner_pre_hook, owner_post_hook = hooks(sharded_module=False)
     for sub in owners:
         if sub is not fsdp_module:
-            pre_hook, post_hook = hooks(sharded_module=False)
-            sub.register_forward_pre_hook(pre_hook)
-            sub.register_forward_hook(post_hook)
+            sub.register_forward_pre_hook(owner_pre_hook)
+            sub.register_forward_hook(owner_post_hook)
     pre_hook, post_hook = hooks(sharded_module=True)
     fsdp_module.register_forward_pre_hook(pre_hook)
     fsdp_module.register_forward_hook(post_hook)
