@@ -60,7 +60,12 @@ void bind_forward_calls(GroupClass& cls) {
               for (const auto& g : prefetch) g->unshard(/*async_op=*/true);
             });
           },
-          py::arg("outputs"), py::arg("prefetch"));
+          py::arg("outputs"), py::arg("prefetch"))
+      .def("backward_views", &fs::ParamGroup::backward_views,
+           "Views of the gathered parameters for the owning modules to hold during the group's backward "
+           "(empty: none to stand in).")
+      .def("release_backward_views", &fs::ParamGroup::release_backward_views,
+           "The module's backward is over: frees the buffers if the group's backward is over too.");
 }
 
 }  // namespace

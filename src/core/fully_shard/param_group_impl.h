@@ -59,6 +59,9 @@ struct ParamGroup::Impl {
   // reentrant recomputation's: a backward may reach its parameters through graphs made later,
   // so those it does not reach are judged at its end, not at the group's first gradient.
   bool part_without_grad = false, reached_later = false;
+  // Backward views stand in for the shards (ParamGroup::backward_views): the buffers stay until
+  // they are released, also if the group's backward is over before; and it was.
+  bool views_out = false, free_when_released = false;
   std::shared_ptr<detail::PassOrder> order = std::make_shared<detail::PassOrder>();
   int64_t position = 0;  // in its root's groups (the same on every rank): names its ops
   int64_t serial = 0;    // groups made in this process before it (the same on every rank)
@@ -146,6 +149,8 @@ struct ParamGroup::Impl {
   int64_t arrived_bytes() const;
   // Adds parameter i's gradient to those kept while sync is off.
   void accumulate(size_t i, const at::Tensor& grad);
+  // Parameter i's gradient through a backward view (ParamGroup::backward_views): reduced alone.
+  void reduce_read_in_backward(size_t i, at::Tensor grad);
   // Starts the reduce-scatter of the gradients not yet sent (the first synced backward).
   void send_unsent();
   // Starts the planned buckets whose gradients have all arrived (the later backwards).
@@ -194,5 +199,10 @@ struct ParamGroup::Impl {
   static at::Tensor shard_gradient(const std::shared_ptr<detail::ReduceInFlight>& reduce,
                                    const at::Tensor& param, int64_t offset, int64_t elements, size_t slot);
 };
+
+namespace detail {
+// The group a backward node names by a weak pointer; an error if the group was destroyed.
+std::shared_ptr<ParamGroup::Impl> alive(const std::weak_ptr<ParamGroup::Impl>& weak);
+}  // namespace detail
 
 }  // namespace hyper_parallel::fully_shard

@@ -38,17 +38,17 @@
 namespace hyper_parallel::fully_shard {
 namespace {
 
-std::shared_ptr<ParamGroup::Impl> alive(const std::weak_ptr<ParamGroup::Impl>& weak) {
+bool has_hooks(const at::Tensor& param) { return !torch::autograd::impl::hooks(param).empty(); }
+
+}  // namespace
+
+std::shared_ptr<ParamGroup::Impl> detail::alive(const std::weak_ptr<ParamGroup::Impl>& weak) {
   auto self = weak.lock();
   TORCH_CHECK(self != nullptr,
               "fully_shard: expected the group of these parameters to be alive in backward, got it "
               "destroyed");
   return self;
 }
-
-bool has_hooks(const at::Tensor& param) { return !torch::autograd::impl::hooks(param).empty(); }
-
-}  // namespace
 
 int ParamGroup::Impl::wants(size_t i) const {
   return !params[i].requires_grad() ? 0 : has_hooks(params[i]) ? 2 : 1;
@@ -76,7 +76,7 @@ std::vector<at::Tensor> ParamGroup::Impl::attach_reduction(const std::shared_ptr
     return hyper_parallel::detail::attach_backward(
         s.params, std::move(views),
         [weak](std::vector<at::Tensor> grads) {
-          auto self = alive(weak);
+          auto self = detail::alive(weak);
           // Part of the pass ran in a reentrant checkpoint: this graph brings only the rest.
           if (self->reduces_in_buckets()) return self->arrive_each(self, std::move(grads));
           queue_end_of_backward(self);
@@ -99,7 +99,7 @@ std::vector<at::Tensor> ParamGroup::Impl::attach_per_parameter(const std::shared
     out.push_back(hyper_parallel::detail::attach_backward(
         {s.params[i]}, {std::move(views[i])},
         [weak, i](std::vector<at::Tensor> grads) {
-          auto self = alive(weak);
+          auto self = detail::alive(weak);
           if (self->arrivals == 0) queue_end_of_backward(self);
           return std::vector<at::Tensor>{self->arrive(i, std::move(grads[0]))};
         },
@@ -288,7 +288,12 @@ void ParamGroup::Impl::end_backward() {
   backward_began = false;
   grad_views.clear();
   end_queued = false;
-  free_buffers();  // the group's last backward use is over
+  // The group's last backward use is over, unless the module's backward views still stand.
+  if (views_out) {
+    free_when_released = true;
+  } else {
+    free_buffers();
+  }
 }
 
 void ParamGroup::Impl::defer_to_grad(const std::shared_ptr<detail::ReduceInFlight>& reduced, size_t i,

@@ -9,10 +9,21 @@
 // backward is queued on the outer backward (unreached_parameters.cpp). A recomputation records
 // no pass order and prefetches no later forward; it prefetches the group whose backward comes
 // next. A forward without grad inside a backward (a hook's) is not a recomputation.
+//
+// A region that reads a parameter itself (not through its module's forward) has no hook to
+// stand the gathered parameters in: the owning modules hold the backward views for the whole
+// backward. The non-reentrant variant reads their values only. The reentrant variant's nested
+// backward brings their gradients, which the group's reduction may no longer take (the outer
+// backward judged the parameter unreached, or the group's backward is over): each is reduced
+// on its own, and the shard's .grad gets the sum of the two reductions. The views stand until
+// the module's backward is over (its inputs' gradients are computed, or the backward ends), as
+// FSDP2's unsharded parameters do until its post-backward: the group's buffers stay until then
+// even if its reduction is over, since the region's recomputation may come later.
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/csrc/autograd/graph_task.h>
 
+#include "../autograd/attach_backward.h"
 #include "param_group_impl.h"
 
 namespace hyper_parallel::fully_shard {
@@ -63,6 +74,46 @@ const std::vector<at::Tensor>& ParamGroup::Impl::recompute(const std::shared_ptr
   // The backward running now (the reentrant variant's outer one) ends the group's.
   queue_end_of_backward(group);
   return s.gathered;
+}
+
+std::vector<at::Tensor> ParamGroup::backward_views() {
+  auto& s = *impl_;
+  if (s.row_sparse_cols > 0 || s.open_calls > 0) return {};
+  s.views_out = true;
+  // Made in the backward, where grad mode is off: a nested backward must reach their nodes.
+  const at::AutoGradMode grad_mode(true);
+  std::weak_ptr<Impl> weak = impl_;
+  auto views = s.plain_views();
+  for (size_t i = 0; i < views.size(); ++i) {
+    views[i] = hyper_parallel::detail::attach_backward(
+        {s.params[i]}, {std::move(views[i])},
+        [weak, i](std::vector<at::Tensor> grads) {
+          detail::alive(weak)->reduce_read_in_backward(i, std::move(grads[0]));
+          return std::vector<at::Tensor>(1);  // .grad gets it when the reduction is waited for
+        },
+        "FullyShardReadInBackward")[0];
+  }
+  return views;
+}
+
+void ParamGroup::release_backward_views() {
+  auto& s = *impl_;
+  s.views_out = false;
+  if (s.free_when_released) {
+    s.free_when_released = false;
+    s.free_buffers();
+  }
+}
+
+void ParamGroup::Impl::reduce_read_in_backward(size_t i, at::Tensor grad) {
+  if (!sync) {
+    accumulate(i, grad);
+    return;
+  }
+  std::vector<at::Tensor> grads(params.size());
+  grads[i] = std::move(grad);
+  defer_to_grad(start_reduce({i}, grads, comm::Agreement::kPerOp), i, /*offset=*/0, /*slot=*/0,
+                /*run_hooks=*/wants(i) == 2);
 }
 
 }  // namespace hyper_parallel::fully_shard

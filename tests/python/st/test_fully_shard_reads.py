@@ -6,7 +6,9 @@ single-process reference, with reshard_after_forward on and off, blocks sharded 
 not, and the blocks under torch.utils.checkpoint (both variants). A forward that raises puts the
 shards back, also one caught inside the module's forward; owners called on their own reshard
 once each has run; a call that would leave a holder reading its piece, and two passes that the
-buckets cannot reduce, are clear errors."""
+buckets cannot reduce, are clear errors. A checkpointed region that reads a parameter itself
+recomputes with the whole parameter (its modules hold views of the gathered parameters for the
+group's backward), and a reentrant one's gradient of it is reduced and added."""
 
 import pytest
 import torch
@@ -133,6 +135,159 @@ def test_multihead_attention_reads_its_out_proj_whole(reshard, checkpointed):
     assert_trains_like(lambda: Attention(checkpointed), False, reshard_after_forward=reshard)
 
 
+class CheckpointsARegion(GPT):
+    """Checkpoints a function of its own that reads the position table itself: its recomputation
+    in the backward runs outside every module's forward (with blocks sharded on their own, the
+    region calls none of the root group's modules)."""
+
+    def region(self, h):
+        h = h + self.wpe.weight[:h.shape[1]]
+        for b in self.blocks:
+            h = b(h)
+        return h
+
+    def forward(self, ids):
+        h = checkpoint(self.region, self.wte(ids) * self.scale, use_reentrant=self.checkpointed)
+        return F.linear(self.norm(h) * self.scale, self.wte.weight)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+@pytest.mark.parametrize("shard_blocks", [True, False])
+@pytest.mark.parametrize("options", [{}, {"reshard_after_forward": False}, {"comm_fusion": True}])
+def test_a_checkpointed_region_reading_a_parameter_itself_recomputes_it_whole(use_reentrant, shard_blocks, options):
+    assert_trains_like(lambda: CheckpointsARegion(checkpointed=use_reentrant), shard_blocks, **options)
+
+
+def test_a_backward_that_raises_puts_the_shards_back_and_training_goes_on():
+    """The owning modules hold views of the gathered parameters during the backward: one that
+    raises inside the group's backward must not leave them there for an optimizer or a save."""
+    ws, r = dist.get_world_size(), dist.get_rank()
+    net = fully_shard(CheckpointsARegion(checkpointed=False), mesh=dp_mesh())
+    shards = [p.detach().clone() for p in net.parameters()]
+
+    def raises(grad):
+        raise ArithmeticError("a backward that raises")
+
+    handle = net.blocks[1].register_forward_hook(lambda mod, args, out: out.register_hook(raises) and None)
+    loss = net(ids_of(0, ws)[r * ROWS_PER_RANK:][:ROWS_PER_RANK]).sum()
+    with pytest.raises(ArithmeticError):
+        loss.backward()
+    handle.remove()
+    del loss
+    assert all(isinstance(p, nn.Parameter) and torch.equal(p.detach(), q) for p, q in zip(net.parameters(), shards))
+    for p, q in zip(train(net, sharded=True), train(CheckpointsARegion(checkpointed=False), sharded=False)):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+class PositionsInARegion(GPT):
+    """A reentrant region that reads the root group's table itself and calls none of its modules,
+    before every other use of the group: in the backward, the group's other gradients all come
+    before the region's recomputation."""
+
+    def region(self, h):
+        return h + self.wpe.weight[:h.shape[1]]
+
+    def forward(self, ids):
+        h = checkpoint(self.region, self.wte(ids), use_reentrant=True)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(self.norm(h) * self.scale)
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+@pytest.mark.parametrize("comm_fusion", [False, True])
+def test_a_reentrant_region_read_before_the_rest_of_its_group_keeps_it_gathered(reshard, comm_fusion):
+    reference, net = train(PositionsInARegion(tied=None), sharded=False), PositionsInARegion(tied=None)
+    fully_shard(net.wte, mesh=dp_mesh())
+    params = train(fully_shard(net, mesh=dp_mesh(), reshard_after_forward=reshard, comm_fusion=comm_fusion),
+                   sharded=True)
+    for (name, _), p, q in zip(net.named_parameters(), params, reference):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+
+
+class ScaleInARegion(GPT):
+    """A region that reads the root's scale itself, which the root reads again after it: with the
+    blocks sharded on their own, every gradient of the root group comes through the outer graph
+    before the region is recomputed."""
+
+    def region(self, h):
+        h = h * self.scale
+        for b in self.blocks:
+            h = b(h)
+        return h
+
+    def forward(self, ids):
+        h = checkpoint(self.region, self.wte(ids), use_reentrant=self.checkpointed)
+        return self.head(self.norm(h) * self.scale)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+@pytest.mark.parametrize("comm_fusion", [False, True])
+def test_a_group_whose_gradients_all_came_stays_gathered_for_the_region_of_its_module(use_reentrant, comm_fusion):
+    make = lambda: ScaleInARegion(tied=None, checkpointed=use_reentrant)  # noqa: E731
+    assert_trains_like(make, shard_blocks=True, comm_fusion=comm_fusion)
+
+
+def test_a_hooked_parameter_trains_beside_a_reentrant_region_reading_one_itself():
+    """A gradient hook on the norm's weight (its bucket ends at it) and the whole-group node."""
+
+    def make():
+        net = CheckpointsARegion(checkpointed=True)
+        net.norm.weight.register_hook(lambda grad: grad * 2)
+        return net
+
+    assert_trains_like(make, shard_blocks=False, comm_fusion=True)
+
+
+def test_a_backward_hook_reading_a_parameter_of_a_module_whose_backward_is_over_reads_its_shard():
+    """As before backward views, and as in FSDP2 (a sharded DTensor): the module's backward is
+    over, so its shards are back."""
+    ws, r = dist.get_world_size(), dist.get_rank()
+    net = GPT(tied=None)
+    for b in net.blocks:
+        fully_shard(b, mesh=dp_mesh())
+    fully_shard(net, mesh=dp_mesh())
+    seen = []
+    net.blocks[0].register_full_backward_hook(lambda mod, gin, gout: seen.append(net.blocks[1].down.weight))
+    for step in range(2):
+        net(ids_of(step, ws)[r * ROWS_PER_RANK:][:ROWS_PER_RANK]).sum().backward()
+    assert len(seen) == 2 and all(w is net.blocks[1].down.weight for w in seen)
+
+
+def test_two_backwards_of_one_forward_recompute_the_region_whole():
+    """retain_graph: the second backward of the first step reduces by the plan the first made."""
+    ws, r = dist.get_world_size(), dist.get_rank()
+    reference, net = PositionsInARegion(tied=None), PositionsInARegion(tied=None)
+    fully_shard(net.wte, mesh=dp_mesh())
+    fully_shard(net, mesh=dp_mesh())
+    ids = ids_of(0, ws)
+    for loss in (net(ids[r * ROWS_PER_RANK:][:ROWS_PER_RANK]).sum(), reference(ids).sum()):
+        loss.backward(retain_graph=True)
+        loss.backward()
+    for (name, p), q in zip(net.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(full_tensor(p, p.grad), q.grad / ws, rtol=1e-5, atol=1e-5,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_a_checkpointed_region_reading_a_parameter_itself_accumulates_without_sync():
+    """Two micro-batches, the first without gradient sync: the region's gradient of the table
+    (a reentrant checkpoint's) is kept for the synced backward."""
+    ws, r = dist.get_world_size(), dist.get_rank()
+    reference, net = CheckpointsARegion(checkpointed=True), CheckpointsARegion(checkpointed=True)
+    for b in net.blocks:
+        fully_shard(b, mesh=dp_mesh())
+    fully_shard(net, mesh=dp_mesh())
+    for micro in range(2):
+        ids = ids_of(micro, ws)
+        net.set_requires_gradient_sync(micro == 1)
+        net(ids[r * ROWS_PER_RANK:][:ROWS_PER_RANK]).sum().backward()
+        reference(ids).sum().backward()
+    assert all(isinstance(p, nn.Parameter) for p in net.parameters())
+    for (name, p), q in zip(net.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(full_tensor(p, p.grad), q.grad / ws, rtol=1e-5, atol=1e-5,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
 def test_an_owning_module_called_on_its_own_still_gathers_and_puts_the_shards_back():
     """Outside the root's forward (FSDP2 has no such call) a module that owns managed parameters
     gathers them for its call, and the shards are the parameters after it."""
@@ -257,3 +412,32 @@ def test_owners_called_on_their_own_reshard_once_each_has_run(root_owns_one):
             h = b(h)
         net.norm(h)
     assert not net._fsdp_group.is_unsharded
+
+
+class WritesItsInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(DIM, DIM)
+
+    def forward(self, x):
+        return self.up(x.relu_())
+
+
+def test_a_sharded_module_may_write_its_input_in_place():
+    """Its inputs pass through the node that ends its backward: not as views, which torch
+    forbids writing in place."""
+    ws, r = dist.get_world_size(), dist.get_rank()
+
+    def make():
+        torch.manual_seed(5)
+        return nn.Sequential(nn.Linear(DIM, DIM), WritesItsInput())
+
+    reference, net = make(), make()
+    fully_shard(net[1], mesh=dp_mesh())
+    fully_shard(net, mesh=dp_mesh())
+    torch.manual_seed(6)
+    x = torch.randn(ws * ROWS_PER_RANK, DIM)
+    net(x[r * ROWS_PER_RANK:][:ROWS_PER_RANK]).sum().backward()
+    reference(x).sum().backward()
+    for p, q in zip(net.parameters(), reference.parameters()):
+        torch.testing.assert_close(full_tensor(p, p.grad), q.grad / ws, rtol=1e-5, atol=1e-5)

@@ -108,6 +108,21 @@ class ParamGroup {
   /// runs `then` (e.g. gathering the modules to prefetch).
   std::vector<at::Tensor> register_pre_backward(std::vector<at::Tensor> outputs,
                                                 const std::function<void()>& then = {});
+  /// Views of the gathered parameters, for the owning modules to hold in place of the shards
+  /// while the backward of the module fully_shard was applied to runs (from its outputs'
+  /// gradients to its inputs', or to the end of the backward: FSDP2's pre- and post-backward),
+  /// so code that reads a parameter itself there (a checkpointed region's recomputation,
+  /// outside every module's forward) reads it whole. The group's buffers stay until
+  /// release_backward_views, also if its reduction is over before. A gradient that reaches a
+  /// view (the nested backward of a reentrant checkpoint whose region read the parameter) is
+  /// reduce-scattered on its own and added to the shard's .grad (kept, while sync is off, for
+  /// the next synced backward): every rank's region reads alike, so every rank reduces it at the
+  /// same point. None for a row-sparse group (its backward reads no weight) or while a forward
+  /// call of the group is open (a backward inside a forward: that call's parameters stay).
+  std::vector<at::Tensor> backward_views();
+  /// The module's backward is over: the backward views no longer stand in (the caller put the
+  /// shards back), and the buffers are freed if the group's backward is over too.
+  void release_backward_views();
 
   /// Gathers the parameters now (outside a forward, e.g. to read them whole); async_op: starts
   /// the gather and returns (the next pre_forward or wait_for_unshard waits for it). Collective.

@@ -7,8 +7,11 @@ the module: before its forward the group is gathered (one all-gather) and its ga
 stand in for the shards in the ``_parameters`` of the modules that own them, for the whole
 forward (FSDP2's scope: a tied head reading ``emb.weight`` reads it whole); after it the outputs
 pass through a C++ node that gathers the group again for the backward (if it was resharded), the
-shards are put back and the group is resharded (``reshard_after_forward``). The owning modules
-have hooks too, for a call outside that forward (checkpoint's recomputation, a direct call).
+shards are put back and the group is resharded (``reshard_after_forward``). From the group's
+pre-backward to the end of the backward the owning modules hold views of the gathered parameters
+instead, for code that reads them there outside any module's forward (a checkpointed region's
+recomputation). The owning modules have hooks too, for a call outside the module's forward
+(checkpoint's recomputation, a direct call).
 The gradients reach the shards' ``.grad`` through reduce-scatters of buckets that leave as
 autograd produces them (one per group with ``comm_fusion=True``), averaged over the data-parallel
 ranks (then all-reduced over the replicate dim of an HSDP mesh). The module's class becomes a
@@ -58,15 +61,18 @@ class FSDPModule:
     def __call__(self, *args, **kwargs):
         # Torch 1.13's forward pre-hooks do not see keyword arguments (the pre-hook casts the
         # positional ones), and its forward hooks do not run when a forward raises: the call's
-        # gathered parameters are put back here, and its group's open calls ended.
-        if kwargs and self._fsdp_group is not None:
-            kwargs = _cast_inputs(kwargs, self._fsdp_mp_policy) or kwargs
+        # gathered parameters are put back here, and its group's open calls ended. The inputs
+        # pass through the node that ends the module's backward.
+        if self._fsdp_group is not None:
+            if kwargs:
+                kwargs = _cast_inputs(kwargs, self._fsdp_mp_policy) or kwargs
+            args, kwargs = self._fsdp_standing.with_post_backward(args, kwargs)
         try:
             return super().__call__(*args, **kwargs)
         except BaseException:
             if self._fsdp_group is not None:
                 self._fsdp_group.abandon_forward()
-                self._fsdp_put_back()
+                self._fsdp_standing.put_back()
             raise
 
     def _fsdp_modules(self, recurse: bool):
@@ -229,12 +235,14 @@ def _check_earlier_calls(module: nn.Module, ignored: set) -> None:
                              "and shard the modules sharing a parameter in one call)")
 
 
-def _with_pre_backward(group, output, prefetch):
+def _with_pre_backward(group, output, prefetch, on_backward=None):
     """``output`` (any nesting of tuples, lists and dicts) with each tensor passed through the
-    group's pre-backward node."""
+    group's pre-backward node; ``on_backward`` (a hook on each) runs just before it."""
     leaves, spec = tree_flatten(output)
     tensors = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
     for i, wrapped in zip(tensors, group.register_pre_backward([leaves[i] for i in tensors], prefetch)):
+        if on_backward is not None and wrapped.requires_grad:
+            wrapped.register_hook(on_backward)
         leaves[i] = wrapped
     return tree_unflatten(leaves, spec)
 
@@ -248,34 +256,119 @@ def _cast_inputs(inputs, mp_policy: MixedPrecisionPolicy):
                     else a, inputs)
 
 
+class _Standing:
+    """What the owning modules hold in ``_parameters`` for the group's parameters: the gathered
+    ones during a call of the group; between calls the shards, except while the backward of the
+    module fully_shard was applied to runs (from its outputs' gradients to its inputs', or to the
+    end of the backward: FSDP2's pre- and post-backward), where they hold views of the gathered
+    parameters, so a checkpointed region whose recomputation reads a parameter itself
+    (``self.wpe.weight[:T]``, outside every module's forward) reads it whole."""
+
+    def __init__(self, group, owners):
+        self._group = group
+        self._slots = [(mod, name, index) for mod, names in owners.items() for name, index in names]
+        self._backward_views = None
+
+    def stand_in(self, tensors) -> None:
+        for mod, name, index in self._slots:
+            mod._parameters[name] = tensors[index]
+
+    def put_back(self) -> None:
+        """The end of the group's outermost call: the shards, or in its backward the views."""
+        self.stand_in(self._group.parameters if self._backward_views is None else self._backward_views)
+
+    def begin_backward(self, grad) -> None:
+        """A hook on the sharded module's outputs: its backward begins."""
+        del grad
+        if self._backward_views is not None:
+            return
+        views = self._group.backward_views()
+        if not views:  # a row-sparse group, or a backward inside one of the group's calls
+            return
+        self._backward_views = views
+        self.stand_in(views)
+        torch.autograd.Variable._execution_engine.queue_callback(_AtEndOfBackward(self.end_backward))
+
+    def end_backward(self) -> None:
+        """The sharded module's backward is over (its inputs' gradients are computed), or the
+        backward is."""
+        if self._backward_views is None:
+            return
+        self._backward_views = None
+        self.stand_in(self._group.parameters)
+        self._group.release_backward_views()
+
+    def with_post_backward(self, args, kwargs):
+        """The sharded module's inputs that need gradients, through one node whose backward (once
+        all their gradients are computed) ends its backward."""
+        if not torch.is_grad_enabled():
+            return args, kwargs
+        leaves, spec = tree_flatten((args, kwargs))
+        needing = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
+        if needing:
+            for i, passed in zip(needing, _PostBackward.apply(self, *(leaves[i] for i in needing))):
+                leaves[i] = passed
+        return tree_unflatten(leaves, spec)
+
+
+class _PostBackward(torch.autograd.Function):
+    """The identity on a module's inputs; its backward runs once their gradients are all
+    computed: the module's backward is over. Its outputs are detached aliases, not views, so the
+    module may still write its inputs in place (``x.relu_()``)."""
+
+    @staticmethod
+    def forward(ctx, standing, *inputs):  # pylint: disable=arguments-differ
+        ctx.standing = standing
+        return tuple(t.detach() for t in inputs)
+
+    @staticmethod
+    def backward(ctx, *grads):  # pylint: disable=arguments-differ
+        ctx.standing.end_backward()
+        return (None, *grads)
+
+
+class _AtEndOfBackward:
+    """A callback queued on the backward running now: it runs at its end, or, if the backward
+    fails, is dropped with its graph unrun, and runs then (the shards must not stay out)."""
+
+    def __init__(self, end):
+        self._end = end
+
+    def __call__(self) -> None:
+        end, self._end = self._end, None
+        end()
+
+    def __del__(self):
+        if self._end is not None:
+            self.__call__()
+
+
 def _install_hooks(group, owners, mp_policy: MixedPrecisionPolicy, fsdp_module):
     """The module fully_shard was applied to gathers the group for its whole forward and stands
     the gathered parameters in for the shards in every owning module's ``_parameters``, so a read
     outside an owner's own forward (a tied head's ``emb.weight``, a sliced position table,
     MultiheadAttention's ``out_proj``) is whole; its end registers the pre-backward on its outputs,
-    ends the pass and puts the shards back. Each other owning module has hooks of its own for a
-    call outside that forward (checkpoint's recomputation in the backward, a direct call), which
-    stand in the whole group too; inside it they reuse its parameters."""
-    slots = [(mod, name, index) for mod, names in owners.items() for name, index in names]
-
-    def put_back():
-        for mod, name, index in slots:
-            mod._parameters[name] = group.parameters[index]
+    ends the pass and puts the shards back (views of the gathered parameters during the group's
+    backward, see _Standing). Each other owning module has hooks of its own for a call outside
+    that forward (checkpoint's recomputation in the backward, a direct call), which stand in the
+    whole group too; inside it they reuse its parameters."""
+    standing = _Standing(group, owners)
 
     def hooks(sharded_module):
+        on_backward = standing.begin_backward if sharded_module else None
+
         def pre_hook(mod, args):
             # An embedding's forward reads the rows of its ids (a row-sparse group gathers those).
             ids = args[0] if isinstance(mod, nn.Embedding) and args and isinstance(args[0], torch.Tensor) else None
-            gathered = group.pre_forward(ids, getattr(fsdp_module, "_fsdp_forward_prefetch", []),
-                                         sharded_module=sharded_module)
-            for owner, name, index in slots:
-                owner._parameters[name] = gathered[index]
+            standing.stand_in(group.pre_forward(ids, getattr(fsdp_module, "_fsdp_forward_prefetch", []),
+                                                sharded_module=sharded_module))
             return _cast_inputs(args, mp_policy)
 
         def post_hook(mod, args, output):
-            output = _with_pre_backward(group, output, getattr(fsdp_module, "_fsdp_backward_prefetch", []))
+            output = _with_pre_backward(group, output, getattr(fsdp_module, "_fsdp_backward_prefetch", []),
+                                        on_backward)
             if group.post_forward(sharded_module=sharded_module):
-                put_back()
+                standing.put_back()
             return output
 
         return pre_hook, post_hook
@@ -288,7 +381,7 @@ def _install_hooks(group, owners, mp_policy: MixedPrecisionPolicy, fsdp_module):
     pre_hook, post_hook = hooks(sharded_module=True)
     fsdp_module.register_forward_pre_hook(pre_hook)
     fsdp_module.register_forward_hook(post_hook)
-    fsdp_module._fsdp_put_back = put_back
+    fsdp_module._fsdp_standing = standing
     fsdp_module._fsdp_mp_policy = mp_policy
 
 
