@@ -92,8 +92,8 @@ const std::vector<at::Tensor>& ParamGroup::Impl::forward_pass(const std::shared_
   // A pass without grad (an evaluation) leaves the state of the last one with grad, whose
   // backward may still come (and recompute).
   if (grad) s.reached_later = s.part_without_grad = after_part_without_grad;
-  // Views a failed backward never released: the gather below reads the shards again if they
-  // changed.
+  // Views a failed backward never released (gather_for_forward above gathered again if the
+  // shards changed since).
   s.views_out = s.free_when_released = false;
   s.gathered = Impl::attach_reduction(group, s.plain_views());
   if (grad) s.grad_views = s.gathered;

@@ -60,7 +60,7 @@ struct ParamGroup::Impl {
   // so those it does not reach are judged at its end, not at the group's first gradient.
   bool part_without_grad = false, reached_later = false;
   // Backward views stand in for the shards (ParamGroup::backward_views): the buffers stay until
-  // they are released, also if the group's backward is over before; and it was.
+  // they are released, also if the group's backward is over before (free_when_released).
   bool views_out = false, free_when_released = false;
   std::shared_ptr<detail::PassOrder> order = std::make_shared<detail::PassOrder>();
   int64_t position = 0;  // in its root's groups (the same on every rank): names its ops
@@ -149,8 +149,9 @@ struct ParamGroup::Impl {
   int64_t arrived_bytes() const;
   // Adds parameter i's gradient to those kept while sync is off.
   void accumulate(size_t i, const at::Tensor& grad);
-  // Parameter i's gradient through a backward view (ParamGroup::backward_views): reduced alone.
-  void reduce_read_in_backward(size_t i, at::Tensor grad);
+  // Parameter i's gradient through a backward view (ParamGroup::backward_views): it arrives, or
+  // is reduced alone. Returns what arrive returns (for autograd), or an undefined one.
+  at::Tensor reduce_read_in_backward(size_t i, at::Tensor grad);
   // Starts the reduce-scatter of the gradients not yet sent (the first synced backward).
   void send_unsent();
   // Starts the planned buckets whose gradients have all arrived (the later backwards).

@@ -11,14 +11,15 @@
 // next. A forward without grad inside a backward (a hook's) is not a recomputation.
 //
 // A region that reads a parameter itself (not through its module's forward) has no hook to
-// stand the gathered parameters in: the owning modules hold the backward views for the whole
-// backward. The non-reentrant variant reads their values only. The reentrant variant's nested
-// backward brings their gradients, which the group's reduction may no longer take (the outer
-// backward judged the parameter unreached, or the group's backward is over): each is reduced
-// on its own, and the shard's .grad gets the sum of the two reductions. The views stand until
-// the module's backward is over (its inputs' gradients are computed, or the backward ends), as
-// FSDP2's unsharded parameters do until its post-backward: the group's buffers stay until then
-// even if its reduction is over, since the region's recomputation may come later.
+// stand the gathered parameters in: the owning modules hold the backward views while the
+// module's backward runs (from its outputs' gradients to its inputs', or to the end of the
+// backward), as FSDP2's unsharded parameters stand from its pre- to its post-backward; the
+// group's buffers stay until then even if its reduction is over, since the region's
+// recomputation may come later. The non-reentrant variant reads the views' values only. The
+// reentrant variant's nested backward brings their gradients: one arrives in the group's
+// reduction if it still takes it (a bucketed one under way, the parameter not yet arrived);
+// otherwise (the outer backward judged the parameter unreached, or the reduction is over) it is
+// reduced on its own, and the shard's .grad gets the sum of the two reductions.
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/csrc/autograd/graph_task.h>
@@ -88,8 +89,8 @@ std::vector<at::Tensor> ParamGroup::backward_views() {
     views[i] = hyper_parallel::detail::attach_backward(
         {s.params[i]}, {std::move(views[i])},
         [weak, i](std::vector<at::Tensor> grads) {
-          detail::alive(weak)->reduce_read_in_backward(i, std::move(grads[0]));
-          return std::vector<at::Tensor>(1);  // .grad gets it when the reduction is waited for
+          return std::vector<at::Tensor>{
+              detail::alive(weak)->reduce_read_in_backward(i, std::move(grads[0]))};
         },
         "FullyShardReadInBackward")[0];
   }
@@ -105,15 +106,18 @@ void ParamGroup::release_backward_views() {
   }
 }
 
-void ParamGroup::Impl::reduce_read_in_backward(size_t i, at::Tensor grad) {
+at::Tensor ParamGroup::Impl::reduce_read_in_backward(size_t i, at::Tensor grad) {
+  // An arrival before this one queued the reduction's end on the outer backward.
+  if (reduces_in_buckets() && arrivals > 0 && !arrived[i]) return arrive(i, std::move(grad));
   if (!sync) {
     accumulate(i, grad);
-    return;
+    return {};
   }
   std::vector<at::Tensor> grads(params.size());
   grads[i] = std::move(grad);
   defer_to_grad(start_reduce({i}, grads, comm::Agreement::kPerOp), i, /*offset=*/0, /*slot=*/0,
                 /*run_hooks=*/wants(i) == 2);
+  return {};  // .grad gets it when the reduction is waited for
 }
 
 }  // namespace hyper_parallel::fully_shard

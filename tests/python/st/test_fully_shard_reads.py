@@ -441,3 +441,61 @@ def test_a_sharded_module_may_write_its_input_in_place():
     reference(x).sum().backward()
     for p, q in zip(net.parameters(), reference.parameters()):
         torch.testing.assert_close(full_tensor(p, p.grad), q.grad / ws, rtol=1e-5, atol=1e-5)
+
+
+class AppendsToAList(Block):
+    def forward(self, x, sink):
+        sink.append(x.shape[0])
+        return super().forward(x)
+
+
+def test_a_sharded_module_gets_the_callers_lists():
+    """Its inputs pass through the post-backward node; the containers it gets are the caller's."""
+    net = fully_shard(AppendsToAList(), mesh=dp_mesh())
+    sink = []
+    net(torch.randn(2, DIM, requires_grad=True), sink)
+    net(torch.randn(3, DIM), sink)
+    assert sink == [2, 3]
+
+
+class ChecksPartOfItself(Block):
+    """A reentrant region of its own forward reads down's weight itself."""
+
+    def region(self, x):
+        return x + F.linear(torch.relu(self.up(x)), self.down.weight, self.down.bias)
+
+    def forward(self, x):
+        return checkpoint(self.region, x, use_reentrant=True)
+
+
+class ChecksPartOfBlocks(GPT):
+    def __init__(self):
+        super().__init__(tied=None)
+        torch.manual_seed(7)
+        self.blocks = nn.ModuleList(ChecksPartOfItself() for _ in range(2))
+
+    def forward(self, ids):
+        h = self.wte(ids)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(h)
+
+
+def test_a_block_whose_region_reads_its_parameter_is_freed_with_its_backward():
+    """The region's gradient of down.weight arrives in the block's buckets: the block's backward
+    ends with its own, not with the whole backward."""
+    ws, r = dist.get_world_size(), dist.get_rank()
+    assert_trains_like(ChecksPartOfBlocks, shard_blocks=True)
+    net = ChecksPartOfBlocks()
+    for b in net.blocks:
+        fully_shard(b, mesh=dp_mesh())
+    fully_shard(net, mesh=dp_mesh())
+    for step in range(2):
+        embedded = []
+        handle = net.wte.register_forward_hook(lambda mod, args, out: embedded.append(out))
+        loss = net(ids_of(step, ws)[r * ROWS_PER_RANK:][:ROWS_PER_RANK]).sum()
+        handle.remove()
+        gathered = []
+        embedded[0].register_hook(lambda grad: gathered.append([b._fsdp_group.is_unsharded for b in net.blocks]))
+        loss.backward()
+        assert gathered == [[False, False]], f"step {step}: {gathered}"

@@ -7,10 +7,10 @@ the module: before its forward the group is gathered (one all-gather) and its ga
 stand in for the shards in the ``_parameters`` of the modules that own them, for the whole
 forward (FSDP2's scope: a tied head reading ``emb.weight`` reads it whole); after it the outputs
 pass through a C++ node that gathers the group again for the backward (if it was resharded), the
-shards are put back and the group is resharded (``reshard_after_forward``). From the group's
-pre-backward to the end of the backward the owning modules hold views of the gathered parameters
-instead, for code that reads them there outside any module's forward (a checkpointed region's
-recomputation). The owning modules have hooks too, for a call outside the module's forward
+shards are put back and the group is resharded (``reshard_after_forward``). While the module's
+backward runs (from its outputs' gradients to its inputs', or to the end of the backward) the
+owning modules hold views of the gathered parameters instead, for code that reads them there
+outside any module's forward (a checkpointed region's recomputation). The owning modules have hooks too, for a call outside the module's forward
 (checkpoint's recomputation, a direct call).
 The gradients reach the shards' ``.grad`` through reduce-scatters of buckets that leave as
 autograd produces them (one per group with ``comm_fusion=True``), averaged over the data-parallel
@@ -300,15 +300,21 @@ class _Standing:
 
     def with_post_backward(self, args, kwargs):
         """The sharded module's inputs that need gradients, through one node whose backward (once
-        all their gradients are computed) ends its backward."""
+        all their gradients are computed) ends its backward. Only tensors passed directly are
+        replaced (the lists and dicts the module gets stay the caller's); if one inside a
+        container needs a gradient, there is no node, and the end of the backward ends it."""
         if not torch.is_grad_enabled():
             return args, kwargs
-        leaves, spec = tree_flatten((args, kwargs))
-        needing = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
-        if needing:
-            for i, passed in zip(needing, _PostBackward.apply(self, *(leaves[i] for i in needing))):
-                leaves[i] = passed
-        return tree_unflatten(leaves, spec)
+        needing = [leaf for leaf in tree_flatten((args, kwargs))[0]
+                   if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
+        direct = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+        direct += [v for v in kwargs.values() if isinstance(v, torch.Tensor) and v.requires_grad]
+        if not needing or len(direct) != len(needing):
+            return args, kwargs
+        passed = iter(_PostBackward.apply(self, *direct))
+        args = tuple(next(passed) if isinstance(a, torch.Tensor) and a.requires_grad else a for a in args)
+        kwargs = {k: next(passed) if isinstance(v, torch.Tensor) and v.requires_grad else v for k, v in kwargs.items()}
+        return args, kwargs
 
 
 class _PostBackward(torch.autograd.Function):
