@@ -10,8 +10,8 @@ pass through a C++ node that gathers the group again for the backward (if it was
 shards are put back and the group is resharded (``reshard_after_forward``). While the module's
 backward runs (from its outputs' gradients to its inputs', or to the end of the backward) the
 owning modules hold views of the gathered parameters instead, for code that reads them there
-outside any module's forward (a checkpointed region's recomputation). The owning modules have hooks too, for a call outside the module's forward
-(checkpoint's recomputation, a direct call).
+outside any module's forward (a checkpointed region's recomputation). The owning modules have
+hooks too, for a call outside the module's forward (checkpoint's recomputation, a direct call).
 The gradients reach the shards' ``.grad`` through reduce-scatters of buckets that leave as
 autograd produces them (one per group with ``comm_fusion=True``), averaged over the data-parallel
 ranks (then all-reduced over the replicate dim of an HSDP mesh). The module's class becomes a
