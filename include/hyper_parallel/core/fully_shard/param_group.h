@@ -114,10 +114,11 @@ class ParamGroup {
   /// so code that reads a parameter itself there (a checkpointed region's recomputation,
   /// outside every module's forward) reads it whole. The group's buffers stay until
   /// release_backward_views, also if its reduction is over before. A gradient that reaches a
-  /// view (the nested backward of a reentrant checkpoint whose region read the parameter) is
-  /// reduce-scattered on its own and added to the shard's .grad (kept, while sync is off, for
-  /// the next synced backward): every rank's region reads alike, so every rank reduces it at the
-  /// same point. None for a row-sparse group (its backward reads no weight) or while a forward
+  /// view (the nested backward of a reentrant checkpoint whose region read the parameter)
+  /// arrives in the group's buckets if they still take it, and is otherwise reduce-scattered on
+  /// its own and added to the shard's .grad (kept, while sync is off, for the next synced
+  /// backward): every rank's region reads alike, so every rank reduces it at the same point.
+  /// None for a row-sparse group (its backward reads no weight) or while a forward
   /// call of the group is open (a backward inside a forward: that call's parameters stay).
   std::vector<at::Tensor> backward_views();
   /// The module's backward is over: the backward views no longer stand in (the caller put the
