@@ -22,10 +22,9 @@ from typing import Iterable, Optional, Union
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
-
 from hyper_parallel import _C
 from hyper_parallel.core.dtensor.placement_types import Shard
+from hyper_parallel.core.fully_shard.hooks import cast_inputs, install_hooks
 from hyper_parallel.core.fully_shard.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from hyper_parallel.core.tensor_parallel.style import _core_mesh
 
@@ -65,7 +64,7 @@ class FSDPModule:
         # pass through the node that ends the module's backward.
         if self._fsdp_group is not None:
             if kwargs:
-                kwargs = _cast_inputs(kwargs, self._fsdp_mp_policy) or kwargs
+                kwargs = cast_inputs(kwargs, self._fsdp_mp_policy) or kwargs
             args, kwargs = self._fsdp_standing.with_post_backward(args, kwargs)
         try:
             return super().__call__(*args, **kwargs)
@@ -235,162 +234,6 @@ def _check_earlier_calls(module: nn.Module, ignored: set) -> None:
                              "and shard the modules sharing a parameter in one call)")
 
 
-def _with_pre_backward(group, output, prefetch, on_backward=None):
-    """``output`` (any nesting of tuples, lists and dicts) with each tensor passed through the
-    group's pre-backward node; ``on_backward`` (a hook on each) runs just before it."""
-    leaves, spec = tree_flatten(output)
-    tensors = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-    for i, wrapped in zip(tensors, group.register_pre_backward([leaves[i] for i in tensors], prefetch)):
-        if on_backward is not None and wrapped.requires_grad:
-            wrapped.register_hook(on_backward)
-        leaves[i] = wrapped
-    return tree_unflatten(leaves, spec)
-
-
-def _cast_inputs(inputs, mp_policy: MixedPrecisionPolicy):
-    """``inputs`` (any nesting) with floating tensors cast to param_dtype; None if the policy
-    casts nothing."""
-    if mp_policy.param_dtype is None or not mp_policy.cast_forward_inputs:
-        return None
-    return tree_map(lambda a: a.to(mp_policy.param_dtype) if isinstance(a, torch.Tensor) and a.is_floating_point()
-                    else a, inputs)
-
-
-class _Standing:
-    """What the owning modules hold in ``_parameters`` for the group's parameters: the gathered
-    ones during a call of the group; between calls the shards, except while the backward of the
-    module fully_shard was applied to runs (from its outputs' gradients to its inputs', or to the
-    end of the backward: FSDP2's pre- and post-backward), where they hold views of the gathered
-    parameters, so a checkpointed region whose recomputation reads a parameter itself
-    (``self.wpe.weight[:T]``, outside every module's forward) reads it whole."""
-
-    def __init__(self, group, owners):
-        self._group = group
-        self._slots = [(mod, name, index) for mod, names in owners.items() for name, index in names]
-        self._backward_views = None
-
-    def stand_in(self, tensors) -> None:
-        for mod, name, index in self._slots:
-            mod._parameters[name] = tensors[index]
-
-    def put_back(self) -> None:
-        """The end of the group's outermost call: the shards, or in its backward the views."""
-        self.stand_in(self._group.parameters if self._backward_views is None else self._backward_views)
-
-    def begin_backward(self, grad) -> None:
-        """A hook on the sharded module's outputs: its backward begins."""
-        del grad
-        if self._backward_views is not None:
-            return
-        views = self._group.backward_views()
-        if not views:  # a row-sparse group, or a backward inside one of the group's calls
-            return
-        self._backward_views = views
-        self.stand_in(views)
-        torch.autograd.Variable._execution_engine.queue_callback(_AtEndOfBackward(self.end_backward))
-
-    def end_backward(self) -> None:
-        """The sharded module's backward is over (its inputs' gradients are computed), or the
-        backward is."""
-        if self._backward_views is None:
-            return
-        self._backward_views = None
-        self.stand_in(self._group.parameters)
-        self._group.release_backward_views()
-
-    def with_post_backward(self, args, kwargs):
-        """The sharded module's inputs that need gradients, through one node whose backward (once
-        all their gradients are computed) ends its backward. Only tensors passed directly are
-        replaced (the lists and dicts the module gets stay the caller's); if one inside a
-        container needs a gradient, there is no node, and the end of the backward ends it."""
-        if not torch.is_grad_enabled():
-            return args, kwargs
-        needing = [leaf for leaf in tree_flatten((args, kwargs))[0]
-                   if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
-        direct = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
-        direct += [v for v in kwargs.values() if isinstance(v, torch.Tensor) and v.requires_grad]
-        if not needing or len(direct) != len(needing):
-            return args, kwargs
-        passed = iter(_PostBackward.apply(self, *direct))
-        args = tuple(next(passed) if isinstance(a, torch.Tensor) and a.requires_grad else a for a in args)
-        kwargs = {k: next(passed) if isinstance(v, torch.Tensor) and v.requires_grad else v for k, v in kwargs.items()}
-        return args, kwargs
-
-
-class _PostBackward(torch.autograd.Function):
-    """The identity on a module's inputs; its backward runs once their gradients are all
-    computed: the module's backward is over. Its outputs are detached aliases, not views, so the
-    module may still write its inputs in place (``x.relu_()``)."""
-
-    @staticmethod
-    def forward(ctx, standing, *inputs):  # pylint: disable=arguments-differ
-        ctx.standing = standing
-        return tuple(t.detach() for t in inputs)
-
-    @staticmethod
-    def backward(ctx, *grads):  # pylint: disable=arguments-differ
-        ctx.standing.end_backward()
-        return (None, *grads)
-
-
-class _AtEndOfBackward:
-    """A callback queued on the backward running now: it runs at its end, or, if the backward
-    fails, is dropped with its graph unrun, and runs then (the shards must not stay out)."""
-
-    def __init__(self, end):
-        self._end = end
-
-    def __call__(self) -> None:
-        end, self._end = self._end, None
-        end()
-
-    def __del__(self):
-        if self._end is not None:
-            self.__call__()
-
-
-def _install_hooks(group, owners, mp_policy: MixedPrecisionPolicy, fsdp_module):
-    """The module fully_shard was applied to gathers the group for its whole forward and stands
-    the gathered parameters in for the shards in every owning module's ``_parameters``, so a read
-    outside an owner's own forward (a tied head's ``emb.weight``, a sliced position table,
-    MultiheadAttention's ``out_proj``) is whole; its end registers the pre-backward on its outputs,
-    ends the pass and puts the shards back (views of the gathered parameters during the group's
-    backward, see _Standing). Each other owning module has hooks of its own for a call outside
-    that forward (checkpoint's recomputation in the backward, a direct call), which stand in the
-    whole group too; inside it they reuse its parameters."""
-    standing = _Standing(group, owners)
-
-    def hooks(sharded_module):
-        on_backward = standing.begin_backward if sharded_module else None
-
-        def pre_hook(mod, args):
-            # An embedding's forward reads the rows of its ids (a row-sparse group gathers those).
-            ids = args[0] if isinstance(mod, nn.Embedding) and args and isinstance(args[0], torch.Tensor) else None
-            standing.stand_in(group.pre_forward(ids, getattr(fsdp_module, "_fsdp_forward_prefetch", []),
-                                                sharded_module=sharded_module))
-            return _cast_inputs(args, mp_policy)
-
-        def post_hook(mod, args, output):
-            output = _with_pre_backward(group, output, getattr(fsdp_module, "_fsdp_backward_prefetch", []),
-                                        on_backward)
-            if group.post_forward(sharded_module=sharded_module):
-                standing.put_back()
-            return output
-
-        return pre_hook, post_hook
-
-    owner_pre_hook, owner_post_hook = hooks(sharded_module=False)
-    for sub in owners:
-        if sub is not fsdp_module:
-            sub.register_forward_pre_hook(owner_pre_hook)
-            sub.register_forward_hook(owner_post_hook)
-    pre_hook, post_hook = hooks(sharded_module=True)
-    fsdp_module.register_forward_pre_hook(pre_hook)
-    fsdp_module.register_forward_hook(post_hook)
-    fsdp_module._fsdp_standing = standing
-    fsdp_module._fsdp_mp_policy = mp_policy
-
-
 def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: Optional[Union[bool, int]] = True,
                 shard_placement_fn=None, mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
                 offload_policy: OffloadPolicy = OffloadPolicy(), ignored_params: Optional[Iterable] = None,
@@ -440,7 +283,7 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: Optional
         group.set_row_sparse_gradients(True)
     module._fsdp_group = group
     module._fsdp_owners = tuple(owners)
-    _install_hooks(group, owners, mp_policy, module)
+    install_hooks(group, owners, mp_policy, module)
     _share_pass_order(module)
     return module
 
