@@ -33,9 +33,9 @@ struct ChunkCandidate {
 };
 
 /// The chunk counts tried: 1, and those of 2, 4, 8 and 16 whose chunks (torch.chunk sizes) start
-/// at multiples of 32 rows. A row is then computed by the same BLAS kernel whatever the count
-/// (row tiles divide 32), so the automatic choice, which depends on timings, never changes a bit
-/// of the results: a run is reproducible on any machine whose BLAS tiles rows so.
+/// at multiples of 32 rows. Where the BLAS computes a row the same whatever rows come with it
+/// (row tiles divide 32), the automatic choice, which depends on timings, never changes a bit of
+/// the results; OpenBLAS's AVX-512 float32 kernels change last bits for any cut of the rows.
 std::vector<int64_t> candidate_chunk_counts(int64_t rows_per_rank);
 
 /// Predicted seconds of one op on `ranks` ranks (symmetric: every rank's timeline alike).
