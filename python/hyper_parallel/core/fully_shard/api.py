@@ -22,6 +22,7 @@ from typing import Iterable, Optional, Union
 
 import torch
 from torch import nn
+
 from hyper_parallel import _C
 from hyper_parallel.core.dtensor.placement_types import Shard
 from hyper_parallel.core.fully_shard.hooks import cast_inputs, install_hooks

@@ -82,16 +82,17 @@ class _Standing:
         container needs a gradient, there is no node, and the end of the backward ends it."""
         if not torch.is_grad_enabled():
             return args, kwargs
-        needing = [leaf for leaf in tree_flatten((args, kwargs))[0]
-                   if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
-        direct = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
-        direct += [v for v in kwargs.values() if isinstance(v, torch.Tensor) and v.requires_grad]
-        if not needing or len(direct) != len(needing):
+        direct = [a for a in (*args, *kwargs.values()) if _needs_grad(a)]
+        if not direct or len(direct) != sum(map(_needs_grad, tree_flatten((args, kwargs))[0])):
             return args, kwargs
         passed = iter(_PostBackward.apply(self, *direct))
-        args = tuple(next(passed) if isinstance(a, torch.Tensor) and a.requires_grad else a for a in args)
-        kwargs = {k: next(passed) if isinstance(v, torch.Tensor) and v.requires_grad else v for k, v in kwargs.items()}
+        args = tuple(next(passed) if _needs_grad(a) else a for a in args)
+        kwargs = {k: next(passed) if _needs_grad(v) else v for k, v in kwargs.items()}
         return args, kwargs
+
+
+def _needs_grad(value) -> bool:
+    return isinstance(value, torch.Tensor) and value.requires_grad
 
 
 class _PostBackward(torch.autograd.Function):
