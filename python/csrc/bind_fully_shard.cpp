@@ -119,6 +119,8 @@ void bind_fully_shard(py::module& m) {
       .def("set_row_sparse_gradients", &fs::ParamGroup::set_row_sparse_gradients, py::arg("row_sparse"))
       .def("set_gradient_scaling_factor", &fs::ParamGroup::set_gradient_scaling_factor, py::arg("factor"))
       .def("index_of", &fs::ParamGroup::index_of, py::arg("param"))
+      .def("adopt_parameter", &fs::ParamGroup::adopt_parameter, py::arg("index"), py::arg("param"),
+           "Parameter index becomes param, a new tensor a conversion made for it (to_empty from meta).")
       .def_property_readonly("parameters", &fs::ParamGroup::parameters)
       .def_static("is_managed", &fs::ParamGroup::is_managed, py::arg("param"));
 }

@@ -21,6 +21,8 @@ namespace {
 
 void check_dtype(const char* fn, const at::Tensor& t) {
   TORCH_CHECK(t.defined(), "hyper_parallel::comm::", fn, ": expected a defined tensor, got undefined");
+  TORCH_CHECK_VALUE(!t.is_meta(), "hyper_parallel::comm::", fn,
+                    ": expected a tensor with data, got one on meta (materialize it first, e.g. to_empty)");
   switch (t.scalar_type()) {
     case at::kFloat:
     case at::kDouble:

@@ -363,7 +363,9 @@ DTensor distribute_tensor(const at::Tensor& tensor, const DeviceMesh& mesh, cons
   {
     at::NoGradGuard no_grad;
     at::Tensor full = tensor;
-    if (src_data_rank) {
+    // A meta tensor (deferred initialization) has no values to agree on: each rank initializes
+    // its piece later.
+    if (src_data_rank && !tensor.is_meta()) {
       // The source is the rank at coordinate src_data_rank on every mesh dim. Broadcast along
       // mesh dim 0 on the plane whose later coordinates are the source's, then along dim 1 from
       // those ranks, and so on: each rank receives once.

@@ -30,6 +30,7 @@ hyper_parallel::detail::WeakTensorMap<bool>& managed() {
 
 // Storage bytes of `t`'s view, from nothing (resharded) back to what its sizes need, or freed.
 void set_storage(const at::Tensor& t, bool allocated) {
+  if (t.is_meta()) return;  // no memory to free (a meta group's buffers, until materialized)
   auto* storage = t.storage().unsafeGetStorageImpl();
   const size_t bytes = allocated ? static_cast<size_t>(t.numel()) * t.element_size() : 0;
   if (storage->nbytes() != bytes) at::native::resize_bytes_cpu(storage, bytes);
@@ -89,11 +90,11 @@ ParamGroup::ParamGroup(std::vector<at::Tensor> params, std::vector<std::string> 
     TORCH_CHECK_VALUE(p.dim() >= 1,
                       "fully_shard: expected parameters of at least one dim (sharded on dim 0), got ",
                       names[i], " of shape ", p.sizes());
-    // The gathers' buffers are made here, on the parameters' device: a meta parameter would be
-    // gathered from no memory.
-    TORCH_CHECK_NOT_IMPLEMENTED(
-        p.device().is_cpu(), "fully_shard: expected parameters on cpu, got ", names[i], " on ", p.device(),
-        " (materialize the module, e.g. to_empty and initialize, ", "before fully_shard)");
+    // A meta parameter (FSDP2's deferred initialization) is sharded as meta; the group gathers
+    // once module.to_empty has made it a cpu one (adopt_parameter, prepare_gather).
+    TORCH_CHECK_NOT_IMPLEMENTED(p.device().is_cpu() || p.device().is_meta(),
+                                "fully_shard: expected parameters on cpu (or meta, materialized later), got ",
+                                names[i], " on ", p.device());
     TORCH_CHECK_VALUE(
         i == 0 || p.scalar_type() == params[0].scalar_type() || options.mp_policy().param_dtype(),
         "fully_shard: expected one dtype for a group's parameters (or a MixedPrecisionPolicy "
@@ -105,8 +106,8 @@ ParamGroup::ParamGroup(std::vector<at::Tensor> params, std::vector<std::string> 
     shapes.push_back(p.sizes().vec());
     layouts.push_back(composed_layout(p, names[i], mesh));
   }
-  s.gather_dtype =
-      options.mp_policy().param_dtype().value_or(params.empty() ? at::kFloat : params[0].scalar_type());
+  s.policy_dtype = options.mp_policy().param_dtype();
+  s.gather_dtype = s.policy_dtype.value_or(params.empty() ? at::kFloat : params[0].scalar_type());
   s.layout = detail::FlatLayout(shapes, s.shard_group.size(), s.shard_group.rank());
   for (size_t i = 0; i < params.size(); ++i) {
     TORCH_CHECK_VALUE(managed().try_insert(params[i], true),
@@ -147,6 +148,7 @@ int64_t ParamGroup::Impl::content_of(const std::vector<size_t>& indices) const {
       h = (h ^ static_cast<const unsigned char*>(data)[b]) * 0x100000001b3ULL;
   };
   add(&position, sizeof(position));
+  add(&gather_dtype, sizeof(gather_dtype));
   for (const auto i : indices) {
     add(names[i].data(), names[i].size() + 1);
     const auto elements = layout.padded_elements(static_cast<int64_t>(i));
@@ -161,11 +163,14 @@ int64_t ParamGroup::Impl::content_of(const std::vector<size_t>& indices) const {
 // nothing and is gathered at once).
 void ParamGroup::Impl::start_gather() {
   if (unsharded || gather_in_flight) return;
+  prepare_gather();
   auto flat =
       at::zeros({layout.flat_elements()}, buffers.empty() ? at::TensorOptions() : buffers[0].options());
   versions_at_gather.clear();
+  read_at_gather.clear();
   for (size_t i = 0; i < params.size(); ++i) {
-    layout.local(flat, static_cast<int64_t>(i)).copy_(params[i].detach().reshape({-1}));
+    read_at_gather.push_back(params[i].detach());
+    layout.local(flat, static_cast<int64_t>(i)).copy_(read_at_gather.back().reshape({-1}));
     versions_at_gather.push_back(static_cast<int64_t>(params[i]._version()));
   }
   ++stats.gathers;
@@ -176,8 +181,8 @@ void ParamGroup::Impl::start_gather() {
     } catch (const comm::DisagreementError& e) {
       // Compared before any data moves: say what a gather's content stands for.
       TORCH_CHECK(false, "fully_shard: expected every rank to gather the group (", label(),
-                  ") with the same parameters, sizes, requires_grad flags and gradient hooks, in the "
-                  "same order of groups, got an error: ",
+                  ") with the same parameters, sizes, requires_grad flags and gradient hooks, in the same "
+                  "dtype and the same order of groups, got an error: ",
                   e.what_without_backtrace());
     }
     return;
@@ -220,6 +225,7 @@ void ParamGroup::Impl::finish_gather() {
 // embedding's tokens) travel, into the buffer; the rows not asked for read NaN. It leaves the
 // group not unsharded: an unshard() still gathers the whole parameter.
 void ParamGroup::Impl::gather_rows(const at::Tensor& ids) {
+  prepare_gather();
   const auto unique = std::get<0>(at::_unique(ids.reshape({-1}).to(at::kLong), /*sorted=*/true));
   const auto shard = params[0].detach().reshape({-1, row_sparse_cols}).to(gather_dtype);
   const auto rows =
@@ -233,9 +239,62 @@ void ParamGroup::Impl::gather_rows(const at::Tensor& ids) {
 
 bool ParamGroup::Impl::shards_changed() const {
   for (size_t i = 0; i < params.size(); ++i) {
-    if (static_cast<int64_t>(params[i]._version()) != versions_at_gather[i]) return true;
+    // Replaced data (a .data write, a cast) has a storage of its own, also where this rank's
+    // piece is empty, so every rank sees the change.
+    const auto& read = read_at_gather[i];
+    if (static_cast<int64_t>(params[i]._version()) != versions_at_gather[i] || !params[i].is_alias_of(read) ||
+        params[i].storage_offset() != read.storage_offset() || params[i].scalar_type() != read.scalar_type())
+      return true;
   }
   return false;
+}
+
+bool ParamGroup::Impl::buffers_stale() const {
+  if (params.empty()) return false;
+  if (!policy_dtype && params[0].scalar_type() != gather_dtype) return true;
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (params[i].device() != buffers[i].device()) return true;  // a part made on meta, say
+  }
+  return false;
+}
+
+void ParamGroup::Impl::check_not_cast_since(int64_t made) const {
+  TORCH_CHECK_VALUE(made == buffers_made && !buffers_stale(), "fully_shard: expected the parameters of ",
+                    label(),
+                    " to keep the dtype and device their forward read them in until its backward, got ",
+                    "them converted to ", params.empty() ? gather_dtype : params[0].scalar_type(), " on ",
+                    params.empty() ? at::Device(at::kCPU) : params[0].device(),
+                    " in between (module.to between a forward and its backward: run the backward first, or "
+                    "convert before the forward)");
+}
+
+void ParamGroup::Impl::prepare_gather() {
+  TORCH_INTERNAL_ASSERT(!unsharded && !gather_in_flight, "fully_shard: buffers remade while in use");
+  for (size_t i = 0; i < params.size(); ++i) {
+    const auto& p = params[i];
+    const auto elements = layout.local_elements(static_cast<int64_t>(i));
+    TORCH_CHECK_VALUE(!p.is_meta(), "fully_shard: expected ", names[i],
+                      " on cpu when its group gathers, got it on meta (materialize the module passed to "
+                      "fully_shard: module.to_empty(device=\"cpu\"), then initialize it)");
+    TORCH_CHECK_VALUE(p.device().is_cpu() && p.numel() == elements, "fully_shard: expected ", names[i],
+                      " to stay this rank's piece of it (", elements, " elements on cpu), got ", p.numel(),
+                      " elements on ", p.device(), " (its .data replaced by another tensor)");
+    TORCH_CHECK_VALUE(policy_dtype || p.scalar_type() == params[0].scalar_type(),
+                      "fully_shard: expected one dtype for a group's parameters (or a MixedPrecisionPolicy "
+                      "param_dtype), got ",
+                      params[0].scalar_type(), " for ", names[0], " and ", p.scalar_type(), " for ", names[i],
+                      " (a cast of part of the group)");
+  }
+  if (!buffers_stale()) return;
+  // The shards were cast (module.to(dtype) after fully_shard) or materialized (to_empty): gather
+  // in their dtype, on their device. Views of the old buffers (a graph not yet backpropagated)
+  // keep those (register_pre_backward).
+  if (!policy_dtype) gather_dtype = params[0].scalar_type();
+  for (size_t i = 0; i < buffers.size(); ++i) {
+    buffers[i] = at::empty(buffers[i].sizes(), params[i].options().dtype(gather_dtype));
+    set_storage(buffers[i], false);
+  }
+  ++buffers_made;
 }
 
 void ParamGroup::Impl::free_buffers() {
@@ -305,6 +364,23 @@ int64_t ParamGroup::index_of(const at::Tensor& param) const {
     if (impl_->params[i].unsafeGetTensorImpl() == param.unsafeGetTensorImpl()) return static_cast<int64_t>(i);
   }
   return -1;
+}
+
+void ParamGroup::adopt_parameter(int64_t i, const at::Tensor& param) {
+  auto& s = *impl_;
+  TORCH_CHECK_VALUE(i >= 0 && i < static_cast<int64_t>(s.params.size()),
+                    "ParamGroup::adopt_parameter: expected an index in [0, ", s.params.size(), "), got ", i);
+  if (param.unsafeGetTensorImpl() == s.params[i].unsafeGetTensorImpl()) return;
+  TORCH_CHECK_VALUE(!s.unsharded && !s.gather_in_flight, "fully_shard: expected ", s.names[i],
+                    " replaced while its group is resharded, got the group gathered (a conversion "
+                    "inside a forward or backward, or after unshard(): reshard() first)");
+  TORCH_CHECK_VALUE(param.sizes() == s.params[i].sizes(), "fully_shard: expected ", s.names[i],
+                    " replaced by a tensor of its piece's shape ", s.params[i].sizes(), ", got ",
+                    param.sizes());
+  TORCH_CHECK_VALUE(managed().try_insert(param, true), "fully_shard: expected ", s.names[i],
+                    " replaced by a tensor no fully_shard manages, got a managed one");
+  if (auto layout = nn::recorded_layout(s.params[i])) nn::record_layout(param, std::move(*layout));
+  s.params[i] = param;
 }
 
 bool ParamGroup::is_managed(const at::Tensor& param) { return managed().find(param).has_value(); }

@@ -41,7 +41,9 @@ struct ParamGroup::Impl {
   dtensor::DeviceMesh mesh;
   comm::Group shard_group;
   std::optional<comm::Group> replicate_group;
-  at::ScalarType gather_dtype = at::kFloat;
+  at::ScalarType gather_dtype = at::kFloat;    // the buffers' dtype
+  std::optional<at::ScalarType> policy_dtype;  // MixedPrecisionPolicy param_dtype: fixes it
+  int64_t buffers_made = 1;                    // made anew when the shards' dtype changes (module.to(dtype))
   std::optional<at::ScalarType> reduce_dtype;
   bool reshard_after_forward = true, sync = true, unsharded = false;
   bool backward_prefetched = false;  // this backward of the group has started the next gather
@@ -67,6 +69,7 @@ struct ParamGroup::Impl {
   int64_t serial = 0;    // groups made in this process before it (the same on every rank)
   std::optional<comm::PendingAllGather> gather_in_flight;  // started ahead of its use
   std::vector<int64_t> versions_at_gather;                 // the shards' versions it read
+  std::vector<at::Tensor> read_at_gather;  // aliases of the shards it read (a .data write replaces them)
   GatherStats stats;
 
   // Reduction in buckets (param_group_reduce.cpp): this backward's gradients, by parameter, as
@@ -115,9 +118,19 @@ struct ParamGroup::Impl {
   void prefetch_next_backward(const std::shared_ptr<Impl>& self);
   void gather_rows(const at::Tensor& ids);
   void free_buffers();
+  // Before a gather into the buffers (not gathered, none in flight): checks that each parameter
+  // is still this rank's piece, on the cpu, and (without a policy dtype) that the group's share
+  // one dtype; if the buffers are stale (module.to(dtype) or to_empty after fully_shard), they
+  // are made anew.
+  void prepare_gather();
+  // Whether the shards' dtype (without a policy dtype) or device is no longer the buffers'.
+  bool buffers_stale() const;
+  // The backward of a forward that gathered into the buffers made `made`-th: a c10::ValueError if
+  // the shards were cast since (that graph's views are of buffers no longer gathered).
+  void check_not_cast_since(int64_t made) const;
   // Whether this unfinished pass will not end by itself (pre_forward then begins a new one).
   bool pass_left_open() const;
-  // Whether a shard changed in place since the last gather read it.
+  // Whether a shard changed in place, or its data was replaced, since the last gather read it.
   bool shards_changed() const;
 
   // The gathered views of this pass, each parameter's gradient reduced when autograd has every

@@ -456,13 +456,6 @@ def test_module_zero_grad_without_set_to_none_zeroes_as_torch_does():
         torch.testing.assert_close(full_tensor(p), q.detach(), rtol=1e-5, atol=1e-6)
 
 
-def test_parameters_on_meta_are_a_clear_error_not_a_gather_from_no_memory():
-    """FSDP2's meta-device initialization (fully_shard, then to_empty) is not supported: the gathers'
-    buffers are made with the group."""
-    with pytest.raises(NotImplementedError, match="fully_shard: expected parameters on cpu, got weight on meta"):
-        fully_shard(nn.Linear(4, 4, device="meta"), mesh=dp_mesh())
-
-
 class DictLinear(nn.Linear):
     """Owns its parameters and returns a dict."""
 

@@ -3,12 +3,14 @@
 // sync, mixed precision, uneven and empty shards; exact collective counts per phase; implicit
 // and explicit prefetch; groups gathered right after their own optimizer step; the shards' sizes
 // and the optimizer state's; an embedding's row-sparse gather and reduce-scatter, bitwise the
-// dense ones, also under a TP style that cuts its vocabulary; every error a user can cause.
+// dense ones, also under a TP style that cuts its vocabulary; the module cast after fully_shard;
+// every error a user can cause.
 #include <gtest/gtest.h>
 
 #include <new>
 #include <optional>
 #include <string>
+#include <tuple>
 
 #include <ATen/ATen.h>
 #include <torch/nn/modules/linear.h>
@@ -282,6 +284,43 @@ TEST(FullyShard, AGatherStartedBeforeAnInPlaceChangeIsDoneAgain) {
   block1->unshard(/*async_op=*/true);
   block1->wait_for_unshard();
   EXPECT_TRUE(block1->group()->is_unsharded());
+}
+
+// The module cast after fully_shard (module->to(dtype), as FSDP2 allows): the group gathers in
+// the shards' new dtype and trains as the reference cast alike, to float64's precision (a block:
+// Net's RMSNorm computes in float32); a cast between a forward and its backward is an error at
+// the backward, after which training goes on.
+TEST(FullyShard, AModuleCastAfterFullyShardTrainsLikeTheReferenceCastAlike) {
+  const int64_t p = hp_test::world_size(), r = hp_test::rank();
+  at::manual_seed(7);
+  Block reference;
+  at::manual_seed(7);
+  Block block;
+  fs::fully_shard(block, fs::FullyShardOptions().mesh(dp_mesh()));
+  auto pending = loss_of(block.forward(batch(0, p).narrow(0, r * kRowsPerRank, kRowsPerRank)));
+  block.to(at::kDouble);
+  HP_EXPECT_THROW_MSG(pending.backward(),
+                      "to keep the dtype and device their forward read them in until its backward");
+  pending = at::Tensor();
+  reference.to(at::kDouble);
+  torch::optim::AdamW ref_opt(reference.parameters(), torch::optim::AdamWOptions(1e-2));
+  torch::optim::AdamW opt(block.parameters(), torch::optim::AdamWOptions(1e-2));
+  for (int64_t s = 0; s < 3; ++s) {
+    const auto x = batch(s, p).to(at::kDouble);
+    for (auto [module, optimizer, input] :
+         {std::tuple<Block*, torch::optim::AdamW*, at::Tensor>{&reference, &ref_opt, x},
+          {&block, &opt, x.narrow(0, r * kRowsPerRank, kRowsPerRank)}}) {
+      optimizer->zero_grad();
+      loss_of(module->forward(input)).backward();
+      optimizer->step();
+    }
+  }
+  const auto params = block.parameters(), ref_params = reference.parameters();
+  for (size_t i = 0; i < params.size(); ++i) {
+    EXPECT_EQ(params[i].scalar_type(), at::kDouble) << "parameter " << i;
+    hp_test::expect_close(hp::tensor_parallel::full_tensor(params[i]), ref_params[i].detach(),
+                          "parameter " + std::to_string(i));
+  }
 }
 
 // One optimizer per group, stepped in the forward's order, with the first groups gathered for
@@ -640,6 +679,26 @@ TEST(FullyShard, ErrorsNameWhatWasExpected) {
       "(an embedding's weight), got 2 parameters, the first of shape [4, 2]");
   fs::ParamGroup vector({at::zeros({4})}, {"v"}, fs::FullyShardOptions().mesh(dp_mesh()));
   HP_EXPECT_THROW_MSG(vector.set_row_sparse_gradients(true), "got 1 parameters, the first of shape [4]");
+  // adopt_parameter: a new tensor for a parameter (a conversion from meta, say).
+  const auto piece = two.parameters()[0].sizes().vec();
+  HP_EXPECT_THROW_MSG(two.adopt_parameter(2, at::zeros(piece)),
+                      "ParamGroup::adopt_parameter: expected an index in [0, 2), got 2");
+  HP_EXPECT_THROW_MSG(two.adopt_parameter(0, at::zeros({5, 2})),
+                      "fully_shard: expected a replaced by a tensor of its piece's shape");
+  HP_EXPECT_THROW_MSG(
+      two.adopt_parameter(0, two.parameters()[1]),
+      "fully_shard: expected a replaced by a tensor no fully_shard manages, got a managed one");
+  two.unshard();
+  HP_EXPECT_THROW_MSG(
+      two.adopt_parameter(0, at::zeros(piece)),
+      "fully_shard: expected a replaced while its group is resharded, got the group gathered");
+  two.reshard();
+  const auto adopted = at::ones(piece);
+  two.adopt_parameter(0, adopted);
+  EXPECT_TRUE(two.parameters()[0].is_same(adopted) && fs::ParamGroup::is_managed(adopted));
+  // A collective on meta (no data) is an error, not a transfer from no memory.
+  HP_EXPECT_THROW_MSG(hp::comm::broadcast(at::zeros({2}, at::kMeta), 0, hp::comm::world()),
+                      "hyper_parallel::comm::broadcast: expected a tensor with data, got one on meta");
 }
 
 }  // namespace

@@ -26,8 +26,10 @@
 //     parameter with gradient hooks (a sequence-parallel norm weight's sum over the
 //     tensor-parallel ranks; registered before the forward) ends its bucket, waits for it at
 //     once and hands its gradient to autograd, which runs the hooks.
-// A gather (prefetched, or unshard()) whose shards changed in place before the forward used it
-// is done again.
+// A gather (prefetched, or unshard()) whose shards changed in place, or were replaced (a write
+// to .data), before the forward used it is done again. Shards cast after construction (without a
+// policy param_dtype: module.to(dtype)) are gathered in their new dtype from the next gather;
+// a cast between a forward and its backward is a c10::ValueError at that backward.
 //
 // Contract: every rank of the mesh builds the same groups in the same order and runs the same
 // forwards and backwards (the collective order of comm/process_group.h).
@@ -51,9 +53,10 @@ class ParamGroup {
  public:
   /// Shards `params` (each rank keeps its own copy's piece: no communication; every rank must
   /// hold the same values) and records each one's layout: its tensor-parallel layout, if a style
-  /// recorded one, with Shard(0) over the data-parallel mesh nested inside it.
-  /// `names` name them in errors. A c10::ValueError for a scalar parameter, a mesh of another
-  /// rank than 1 or 2, an offload policy that cannot apply, or a parameter already sharded by
+  /// recorded one, with Shard(0) over the data-parallel mesh nested inside it. Meta parameters
+  /// (deferred initialization) are sharded as meta: the group gathers once they are replaced by
+  /// cpu ones (adopt_parameter). `names` name them in errors. A c10::ValueError for a scalar parameter, a
+  /// mesh of another rank than 1 or 2, an offload policy that cannot apply, or a parameter already sharded by
   /// another group.
   ParamGroup(std::vector<at::Tensor> params, std::vector<std::string> names,
              const FullyShardOptions& options);
@@ -160,6 +163,12 @@ class ParamGroup {
   const std::vector<at::Tensor>& parameters() const;
   /// The gathered parameters of the current forward pass (pre_forward's result).
   const std::vector<at::Tensor>& gathered() const;
+  /// Parameter i becomes `param`, a new tensor a conversion made for it (torch's
+  /// Module._apply from meta to cpu: module.to_empty after fully_shard): the group gathers it
+  /// from now on, and it is managed and laid out as the one it replaces. A c10::ValueError for
+  /// another shape than this rank's piece, a tensor another group manages, or while the group
+  /// is gathered or a gather of it is under way.
+  void adopt_parameter(int64_t i, const at::Tensor& param);
   /// Whether some group manages `param`.
   static bool is_managed(const at::Tensor& param);
   /// The index of `param` (the managed tensor or an alias of it) in parameters(); -1 if absent.

@@ -75,6 +75,17 @@ class FSDPModule:
                 self._fsdp_standing.put_back()
             raise
 
+    def _apply(self, fn, *args, **kwargs):
+        # torch's conversions (to, double, to_empty) reach the shards (resharded first, as FSDP2
+        # does); a parameter they replace by a new tensor (to_empty from meta, FSDP2's deferred
+        # initialization, or any conversion with torch.__future__'s overwrite flag) joins the group.
+        if self._fsdp_group is not None:
+            self._fsdp_group.reshard()
+        module = super()._apply(fn, *args, **kwargs)
+        if self._fsdp_group is not None and self._fsdp_standing.shards_in_place:
+            self._fsdp_standing.adopt_replaced()
+        return module
+
     def _fsdp_modules(self, recurse: bool):
         if not recurse:
             return [self]

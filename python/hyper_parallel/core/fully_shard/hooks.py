@@ -45,14 +45,39 @@ class _Standing:
         self._group = group
         self._slots = [(mod, name, index) for mod, names in owners.items() for name, index in names]
         self._backward_views = None
+        self.shards_in_place = True  # the owners hold the shards (no call or backward of the group)
 
-    def stand_in(self, tensors) -> None:
+    def stand_in(self, tensors, shards: bool = False) -> None:
         for mod, name, index in self._slots:
             mod._parameters[name] = tensors[index]
+        self.shards_in_place = shards
+
+    def adopt_replaced(self) -> None:
+        """With the shards in place: a parameter a holder now has in their stead (torch's
+        conversions from meta to cpu, to_empty, or any with torch.__future__'s overwrite flag,
+        also on a holder alone) is the group's from then on, in every module holding it (a tied
+        one, converted once per holder, keeps one tensor). A cast in place (to(dtype)) keeps the
+        tensor: the next gather follows its dtype."""
+        current, replaced = self._group.parameters, {}
+        for mod, name, index in self._slots:
+            param = mod._parameters.get(name)
+            if param is not None and param is not current[index]:
+                replaced.setdefault(index, param)
+        if not replaced:
+            return
+        self._group.reshard()  # gathered from the tensors replaced
+        for mod, name, index in self._slots:
+            if index in replaced:
+                mod._parameters[name] = replaced[index]
+        for index, param in replaced.items():
+            self._group.adopt_parameter(index, param)
 
     def put_back(self) -> None:
         """The end of the group's outermost call: the shards, or in its backward the views."""
-        self.stand_in(self._group.parameters if self._backward_views is None else self._backward_views)
+        if self._backward_views is None:
+            self.stand_in(self._group.parameters, shards=True)
+        else:
+            self.stand_in(self._backward_views)
 
     def begin_backward(self, grad) -> None:
         """A hook on the sharded module's outputs: its backward begins."""
@@ -72,7 +97,7 @@ class _Standing:
         if self._backward_views is None:
             return
         self._backward_views = None
-        self.stand_in(self._group.parameters)
+        self.stand_in(self._group.parameters, shards=True)
         self._group.release_backward_views()
 
     def with_post_backward(self, args, kwargs):
@@ -142,6 +167,8 @@ def install_hooks(group, owners, mp_policy: MixedPrecisionPolicy, fsdp_module):
         on_backward = standing.begin_backward if sharded_module else None
 
         def pre_hook(mod, args):
+            if standing.shards_in_place:
+                standing.adopt_replaced()
             # An embedding's forward reads the rows of its ids (a row-sparse group gathers those).
             ids = args[0] if isinstance(mod, nn.Embedding) and args and isinstance(args[0], torch.Tensor) else None
             standing.stand_in(group.pre_forward(ids, getattr(fsdp_module, "_fsdp_forward_prefetch", []),
