@@ -30,6 +30,12 @@ int64_t FlatLayout::local_elements(int64_t i) const {
   return comm::chunk_size(rows_[i], ranks_, rank_) * row_elements_[i];
 }
 
+std::vector<int64_t> FlatLayout::local_shape(int64_t i) const {
+  auto shape = shapes_[i];
+  shape[0] = comm::chunk_size(rows_[i], ranks_, rank_);
+  return shape;
+}
+
 at::Tensor FlatLayout::local(const at::Tensor& flat, int64_t i) const {
   return flat.narrow(0, offsets_[i], local_elements(i));
 }

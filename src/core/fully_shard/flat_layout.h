@@ -28,6 +28,8 @@ class FlatLayout {
   int64_t padded_elements(int64_t i) const { return padded_rows_[i] * row_elements_[i]; }
   /// Elements of this rank's piece of parameter i (the padded piece without its padding).
   int64_t local_elements(int64_t i) const;
+  /// The shape of this rank's piece of parameter i.
+  std::vector<int64_t> local_shape(int64_t i) const;
   /// This rank's piece of parameter i, contiguous (torch.chunk rows: possibly none).
   at::Tensor shard_of(const at::Tensor& full, int64_t i) const;
   /// The elements of this rank's piece of parameter i within a one-rank flat buffer.

@@ -134,7 +134,7 @@ std::vector<at::Tensor> ParamGroup::register_pre_backward(std::vector<at::Tensor
                                                           const std::function<void()>& then) {
   if (!torch::autograd::GradMode::is_enabled()) return outputs;
   std::weak_ptr<Impl> weak = impl_;
-  const int64_t made = impl_->buffers_made;
+  const int64_t made = impl_->generation;
   for (auto& out : outputs) {
     if (!out.defined() || !out.requires_grad()) continue;
     out = hyper_parallel::detail::attach_backward(

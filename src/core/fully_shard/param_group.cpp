@@ -28,6 +28,14 @@ hyper_parallel::detail::WeakTensorMap<bool>& managed() {
   return table;
 }
 
+std::string mixed_dtypes(const std::string& first, at::ScalarType a, const std::string& other,
+                         at::ScalarType b) {
+  return c10::str(
+      "fully_shard: expected one dtype for a group's parameters (or a MixedPrecisionPolicy "
+      "param_dtype), got ",
+      a, " for ", first, " and ", b, " for ", other);
+}
+
 // Storage bytes of `t`'s view, from nothing (resharded) back to what its sizes need, or freed.
 void set_storage(const at::Tensor& t, bool allocated) {
   if (t.is_meta()) return;  // no memory to free (a meta group's buffers, until materialized)
@@ -97,9 +105,7 @@ ParamGroup::ParamGroup(std::vector<at::Tensor> params, std::vector<std::string> 
                                 names[i], " on ", p.device());
     TORCH_CHECK_VALUE(
         i == 0 || p.scalar_type() == params[0].scalar_type() || options.mp_policy().param_dtype(),
-        "fully_shard: expected one dtype for a group's parameters (or a MixedPrecisionPolicy "
-        "param_dtype), got ",
-        params[0].scalar_type(), " for ", names[0], " and ", p.scalar_type(), " for ", names[i]);
+        mixed_dtypes(names[0], params[0].scalar_type(), names[i], p.scalar_type()));
     TORCH_CHECK_VALUE(!is_managed(p), "fully_shard: expected a parameter no fully_shard manages yet, got ",
                       names[i],
                       " (managed by another group: apply fully_shard bottom-up, each parameter once)");
@@ -259,7 +265,7 @@ bool ParamGroup::Impl::buffers_stale() const {
 }
 
 void ParamGroup::Impl::check_not_cast_since(int64_t made) const {
-  TORCH_CHECK_VALUE(made == buffers_made && !buffers_stale(), "fully_shard: expected the parameters of ",
+  TORCH_CHECK_VALUE(made == generation && !buffers_stale(), "fully_shard: expected the parameters of ",
                     label(),
                     " to keep the dtype and device their forward read them in until its backward, got ",
                     "them converted to ", params.empty() ? gather_dtype : params[0].scalar_type(), " on ",
@@ -270,31 +276,54 @@ void ParamGroup::Impl::check_not_cast_since(int64_t made) const {
 
 void ParamGroup::Impl::prepare_gather() {
   TORCH_INTERNAL_ASSERT(!unsharded && !gather_in_flight, "fully_shard: buffers remade while in use");
-  for (size_t i = 0; i < params.size(); ++i) {
-    const auto& p = params[i];
-    const auto elements = layout.local_elements(static_cast<int64_t>(i));
-    TORCH_CHECK_VALUE(!p.is_meta(), "fully_shard: expected ", names[i],
-                      " on cpu when its group gathers, got it on meta (materialize the module passed to "
-                      "fully_shard: module.to_empty(device=\"cpu\"), then initialize it)");
-    TORCH_CHECK_VALUE(p.device().is_cpu() && p.numel() == elements, "fully_shard: expected ", names[i],
-                      " to stay this rank's piece of it (", elements, " elements on cpu), got ", p.numel(),
-                      " elements on ", p.device(), " (its .data replaced by another tensor)");
-    TORCH_CHECK_VALUE(policy_dtype || p.scalar_type() == params[0].scalar_type(),
-                      "fully_shard: expected one dtype for a group's parameters (or a MixedPrecisionPolicy "
-                      "param_dtype), got ",
-                      params[0].scalar_type(), " for ", names[0], " and ", p.scalar_type(), " for ", names[i],
-                      " (a cast of part of the group)");
-  }
+  if (const auto problem = piece_problem(); !problem.empty()) fail_on_every_rank(problem);
   if (!buffers_stale()) return;
   // The shards were cast (module.to(dtype) after fully_shard) or materialized (to_empty): gather
-  // in their dtype, on their device. Views of the old buffers (a graph not yet backpropagated)
-  // keep those (register_pre_backward).
+  // in their dtype, on their device. A graph made before keeps views of the old buffers, which
+  // its pre-backward refuses (check_not_cast_since); the views kept for a recomputation go.
   if (!policy_dtype) gather_dtype = params[0].scalar_type();
   for (size_t i = 0; i < buffers.size(); ++i) {
     buffers[i] = at::empty(buffers[i].sizes(), params[i].options().dtype(gather_dtype));
     set_storage(buffers[i], false);
   }
-  ++buffers_made;
+  grad_views.clear();
+  gathered.clear();
+  ++generation;
+}
+
+std::string ParamGroup::Impl::piece_problem() const {
+  for (size_t i = 0; i < params.size(); ++i) {
+    const auto& p = params[i];
+    if (p.is_meta()) {
+      return c10::str("fully_shard: expected ", names[i],
+                      " on cpu when its group gathers, got it on meta (materialize the module passed to "
+                      "fully_shard: module.to_empty(device=\"cpu\"), then initialize it)");
+    }
+    const auto piece = layout.local_shape(static_cast<int64_t>(i));
+    if (!p.device().is_cpu() || p.sizes() != at::IntArrayRef(piece)) {
+      return c10::str("fully_shard: expected ", names[i], " to stay this rank's piece of it (shape ",
+                      at::IntArrayRef(piece), " on cpu), got shape ", p.sizes(), " on ", p.device(),
+                      " (its .data replaced, or the parameter assigned anew, by another tensor)");
+    }
+    if (!policy_dtype && p.scalar_type() != params[0].scalar_type()) {
+      return mixed_dtypes(names[0], params[0].scalar_type(), names[i], p.scalar_type()) +
+             " (a cast of part of the group)";
+    }
+  }
+  return {};
+}
+
+void ParamGroup::Impl::fail_on_every_rank(const std::string& problem) {
+  if (shard_group.size() > 1) {
+    const auto flat = at::zeros({layout.flat_elements()}, at::TensorOptions().dtype(gather_dtype));
+    try {
+      // Ranks that can gather disagree with this content before any data moves; if every rank
+      // fails alike, the gather of zeros completes.
+      comm::start_all_gather(flat, shard_group, comm::Agreement::kPerOp, ~content_of(all_params())).wait();
+    } catch (const comm::DisagreementError&) {
+    }
+  }
+  TORCH_CHECK_VALUE(false, problem);
 }
 
 void ParamGroup::Impl::free_buffers() {
@@ -303,6 +332,7 @@ void ParamGroup::Impl::free_buffers() {
     gather_in_flight.reset();
   }
   for (auto& b : buffers) set_storage(b, false);
+  read_at_gather.clear();  // the pieces a gather read: not kept alive past it
   unsharded = false;
 }
 
@@ -374,13 +404,11 @@ void ParamGroup::adopt_parameter(int64_t i, const at::Tensor& param) {
   TORCH_CHECK_VALUE(!s.unsharded && !s.gather_in_flight, "fully_shard: expected ", s.names[i],
                     " replaced while its group is resharded, got the group gathered (a conversion "
                     "inside a forward or backward, or after unshard(): reshard() first)");
-  TORCH_CHECK_VALUE(param.sizes() == s.params[i].sizes(), "fully_shard: expected ", s.names[i],
-                    " replaced by a tensor of its piece's shape ", s.params[i].sizes(), ", got ",
-                    param.sizes());
   TORCH_CHECK_VALUE(managed().try_insert(param, true), "fully_shard: expected ", s.names[i],
                     " replaced by a tensor no fully_shard manages, got a managed one");
   if (auto layout = nn::recorded_layout(s.params[i])) nn::record_layout(param, std::move(*layout));
-  s.params[i] = param;
+  s.params[i] = param;  // its shape is checked, on every rank, by the next gather
+  ++s.generation;
 }
 
 bool ParamGroup::is_managed(const at::Tensor& param) { return managed().find(param).has_value(); }

@@ -43,7 +43,9 @@ struct ParamGroup::Impl {
   std::optional<comm::Group> replicate_group;
   at::ScalarType gather_dtype = at::kFloat;    // the buffers' dtype
   std::optional<at::ScalarType> policy_dtype;  // MixedPrecisionPolicy param_dtype: fixes it
-  int64_t buffers_made = 1;                    // made anew when the shards' dtype changes (module.to(dtype))
+  // Bumped when the buffers are made anew (a cast, to_empty) or a parameter is replaced
+  // (adopt_parameter): a graph made before reads tensors no longer gathered.
+  int64_t generation = 1;
   std::optional<at::ScalarType> reduce_dtype;
   bool reshard_after_forward = true, sync = true, unsharded = false;
   bool backward_prefetched = false;  // this backward of the group has started the next gather
@@ -118,11 +120,16 @@ struct ParamGroup::Impl {
   void prefetch_next_backward(const std::shared_ptr<Impl>& self);
   void gather_rows(const at::Tensor& ids);
   void free_buffers();
-  // Before a gather into the buffers (not gathered, none in flight): checks that each parameter
-  // is still this rank's piece, on the cpu, and (without a policy dtype) that the group's share
-  // one dtype; if the buffers are stale (module.to(dtype) or to_empty after fully_shard), they
-  // are made anew.
+  // Before a gather into the buffers (not gathered, none in flight): an error on every rank if
+  // some rank's parameters are not its pieces (piece_problem); the buffers made anew if they are
+  // stale (module.to(dtype) or to_empty after fully_shard).
   void prepare_gather();
+  // Why this rank's parameters cannot be gathered (not this rank's piece, on meta, one dtype not
+  // shared without a policy dtype); empty if they can.
+  std::string piece_problem() const;
+  // Enters the group's gather under a content no rank that can gather names, so that every rank
+  // fails rather than waiting for this one, then raises `problem` (a c10::ValueError).
+  [[noreturn]] void fail_on_every_rank(const std::string& problem);
   // Whether the shards' dtype (without a policy dtype) or device is no longer the buffers'.
   bool buffers_stale() const;
   // The backward of a forward that gathered into the buffers made `made`-th: a c10::ValueError if

@@ -51,7 +51,7 @@ const std::vector<at::Tensor>& ParamGroup::Impl::recompute(const std::shared_ptr
                                                            const at::Tensor& rows) {
   auto& s = *group;
   // The pass it recomputes kept views of the buffers it gathered into.
-  if (!s.grad_views.empty()) s.check_not_cast_since(s.buffers_made);
+  if (!s.grad_views.empty()) s.check_not_cast_since(s.generation);
   s.gather_for_forward(rows);
   if (!torch::autograd::GradMode::is_enabled()) {  // not checkpoint's (a hook's forward): no pass
     s.gathered = s.plain_views();

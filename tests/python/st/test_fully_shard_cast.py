@@ -123,6 +123,35 @@ def test_a_cast_between_a_forward_and_its_backward_is_a_clear_error_and_training
     assert_params_match(net, reference, TOLERANCE[torch.float64])
 
 
+def test_a_forward_never_backpropagated_then_a_cast_then_a_reentrant_checkpoint_trains():
+    """The views a recomputation would reuse are of the buffers before the cast: they go with them."""
+    reference, net = Net().double(), shard(Net())
+    net(batch(0, dist.get_world_size(), torch.float32, True))  # with grad, no backward
+    net.double()
+    ref_opt, opt = torch.optim.SGD(reference.parameters(), lr=0.1), torch.optim.SGD(net.parameters(), lr=0.1)
+    for s in range(2):
+        step(reference, s, torch.float64, False, ref_opt)
+        opt.zero_grad()
+        x = batch(s, dist.get_world_size(), torch.float64, True).requires_grad_()
+        checkpoint(net, x, use_reentrant=True).pow(2).mean().backward()
+        opt.step()
+    assert_params_match(net, reference, TOLERANCE[torch.float64])
+
+
+def test_a_conversion_inside_the_forward_is_a_clear_error_and_training_goes_on():
+    reference, net = Net(), shard(Net())
+    handle = net.blocks[1].register_forward_pre_hook(lambda m, args: net.float() and None)
+    with pytest.raises(ValueError, match="FSDPModule: expected a conversion .* of FSDPNet outside its forward and "
+                                         "backward, got one while its gathered parameters stand in for the shards"):
+        net(batch(0, dist.get_world_size(), torch.float32, True))
+    handle.remove()
+    ref_opt, opt = torch.optim.SGD(reference.parameters(), lr=0.1), torch.optim.SGD(net.parameters(), lr=0.1)
+    for s in range(2):
+        step(reference, s, torch.float32, False, ref_opt)
+        step(net, s, torch.float32, True, opt)
+    assert_params_match(net, reference, dict(rtol=1e-5, atol=1e-6))
+
+
 def test_a_cast_of_part_of_a_group_is_a_clear_error():
     net = shard(Net())
     net.blocks[0].up.double()
@@ -137,9 +166,25 @@ def test_data_replaced_by_a_tensor_of_another_size_is_a_clear_error():
         net.head.weight.data = torch.zeros(3, DIM)  # the whole weight, not this rank's piece
     pieces = -(-3 // dist.get_world_size())
     local = min(pieces, max(0, 3 - dist.get_rank() * pieces)) * DIM
-    with pytest.raises(ValueError, match=rf"expected head.weight to stay this rank's piece of it \({local} elements "
-                                         rf"on cpu\), got {3 * DIM} elements on cpu"):
+    with pytest.raises(ValueError, match=rf"expected head.weight to stay this rank's piece of it \(shape "
+                                         rf"\[{local // DIM}, {DIM}\] on cpu\), got shape \[3, {DIM}\] on cpu"):
         net(batch(0, dist.get_world_size(), torch.float32, True))
+
+
+def test_data_that_is_the_piece_of_some_ranks_only_is_an_error_on_every_rank_not_a_hang():
+    ws, r = dist.get_world_size(), dist.get_rank()
+    net, first_piece = shard(Net()), -(-3 // ws)
+    net.head.bias.data = torch.zeros(first_piece)  # rank 0's piece size; the last rank's is smaller
+    last = 3 - (ws - 1) * first_piece
+    if last == first_piece:
+        pytest.skip("every rank's piece of the head's bias has one size")
+    if r == ws - 1:
+        with pytest.raises(ValueError, match=rf"expected head.bias to stay this rank's piece of it \(shape "
+                                             rf"\[{max(last, 0)}\] on cpu\), got shape \[{first_piece}\]"):
+            net(batch(0, ws, torch.float32, True))
+    else:
+        with pytest.raises(RuntimeError, match=r"expected every rank to gather the group \(head.weight, head.bias\)"):
+            net(batch(0, ws, torch.float32, True))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -194,8 +239,9 @@ def test_a_parameter_assigned_after_fully_shard_joins_the_group_or_is_a_clear_er
     net(x)
     assert torch.equal(full_tensor(net.head.weight), before * 2)
     net.head.bias = nn.Parameter(torch.zeros(3))  # the whole bias, not this rank's piece
-    with pytest.raises(ValueError, match=r"expected head.bias replaced by a tensor of its piece's shape "
-                                         r"\[\d\], got \[3\]"):
+    with pytest.raises(ValueError, match=r"expected head.bias to stay this rank's piece of it \(shape \[\d\] on "
+                                         r"cpu\), got shape \[3\] on cpu \(its .data replaced, or the parameter "
+                                         r"assigned anew, by another tensor\)"):
         net(x)
 
 

@@ -28,8 +28,10 @@
 //     once and hands its gradient to autograd, which runs the hooks.
 // A gather (prefetched, or unshard()) whose shards changed in place, or were replaced (a write
 // to .data), before the forward used it is done again. Shards cast after construction (without a
-// policy param_dtype: module.to(dtype)) are gathered in their new dtype from the next gather;
-// a cast between a forward and its backward is a c10::ValueError at that backward.
+// policy param_dtype: module.to(dtype)) are gathered in their new dtype from the next gather; a
+// cast between a forward and its backward is a c10::ValueError at that backward. A parameter
+// that is not this rank's piece (another shape, on meta) is a c10::ValueError at the next
+// gather, on every rank.
 //
 // Contract: every rank of the mesh builds the same groups in the same order and runs the same
 // forwards and backwards (the collective order of comm/process_group.h).
@@ -165,8 +167,9 @@ class ParamGroup {
   const std::vector<at::Tensor>& gathered() const;
   /// Parameter i becomes `param`, a new tensor a conversion made for it (torch's
   /// Module._apply from meta to cpu: module.to_empty after fully_shard): the group gathers it
-  /// from now on, and it is managed and laid out as the one it replaces. A c10::ValueError for
-  /// another shape than this rank's piece, a tensor another group manages, or while the group
+  /// from now on, and it is managed and laid out as the one it replaces (the caller puts it in
+  /// the modules that held the old one: a C++ module registers it anew). Its shape is checked by
+  /// the next gather. A c10::ValueError for a tensor another group manages, or while the group
   /// is gathered or a gather of it is under way.
   void adopt_parameter(int64_t i, const at::Tensor& param);
   /// Whether some group manages `param`.

@@ -80,6 +80,10 @@ class FSDPModule:
         # does); a parameter they replace by a new tensor (to_empty from meta, FSDP2's deferred
         # initialization, or any conversion with torch.__future__'s overwrite flag) joins the group.
         if self._fsdp_group is not None:
+            if not self._fsdp_standing.shards_in_place:
+                raise ValueError(f"FSDPModule: expected a conversion (to, double, to_empty, ...) of "
+                                 f"{type(self).__name__} outside its forward and backward, got one while its gathered "
+                                 "parameters stand in for the shards")
             self._fsdp_group.reshard()
         module = super()._apply(fn, *args, **kwargs)
         if self._fsdp_group is not None and self._fsdp_standing.shards_in_place:

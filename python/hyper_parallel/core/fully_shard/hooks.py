@@ -66,11 +66,11 @@ class _Standing:
         if not replaced:
             return
         self._group.reshard()  # gathered from the tensors replaced
-        for mod, name, index in self._slots:
-            if index in replaced:
-                mod._parameters[name] = replaced[index]
         for index, param in replaced.items():
             self._group.adopt_parameter(index, param)
+            for mod, name, i in self._slots:
+                if i == index:
+                    mod._parameters[name] = param
 
     def put_back(self) -> None:
         """The end of the group's outermost call: the shards, or in its backward the views."""
