@@ -143,7 +143,7 @@ std::vector<at::Tensor> ParamGroup::register_pre_backward(std::vector<at::Tensor
           // Before the module's own backward reads its parameters: gather them if resharded,
           // and start the gather of the group whose backward comes next.
           if (auto self = weak.lock()) {
-            self->check_not_cast_since(made);
+            self->check_not_converted_since(made);
             self->backward_began = true;
             // An embedding's backward reads no weight: a row-sparse group is not gathered again.
             if (self->row_sparse_cols == 0) self->finish_gather();

@@ -264,7 +264,7 @@ bool ParamGroup::Impl::buffers_stale() const {
   return false;
 }
 
-void ParamGroup::Impl::check_not_cast_since(int64_t made) const {
+void ParamGroup::Impl::check_not_converted_since(int64_t made) const {
   TORCH_CHECK_VALUE(made == generation && !buffers_stale(), "fully_shard: expected the parameters of ",
                     label(),
                     " to keep the dtype and device their forward read them in until its backward, got ",
@@ -275,12 +275,14 @@ void ParamGroup::Impl::check_not_cast_since(int64_t made) const {
 }
 
 void ParamGroup::Impl::prepare_gather() {
-  TORCH_INTERNAL_ASSERT(!unsharded && !gather_in_flight, "fully_shard: buffers remade while in use");
+  TORCH_INTERNAL_ASSERT(
+      !unsharded && !gather_in_flight,
+      "fully_shard: a gather prepared while the group is gathered or a gather is in flight");
   if (const auto problem = piece_problem(); !problem.empty()) fail_on_every_rank(problem);
   if (!buffers_stale()) return;
   // The shards were cast (module.to(dtype) after fully_shard) or materialized (to_empty): gather
   // in their dtype, on their device. A graph made before keeps views of the old buffers, which
-  // its pre-backward refuses (check_not_cast_since); the views kept for a recomputation go.
+  // its pre-backward refuses (check_not_converted_since); the views kept for a recomputation go.
   if (!policy_dtype) gather_dtype = params[0].scalar_type();
   for (size_t i = 0; i < buffers.size(); ++i) {
     buffers[i] = at::empty(buffers[i].sizes(), params[i].options().dtype(gather_dtype));

@@ -132,9 +132,10 @@ struct ParamGroup::Impl {
   [[noreturn]] void fail_on_every_rank(const std::string& problem);
   // Whether the shards' dtype (without a policy dtype) or device is no longer the buffers'.
   bool buffers_stale() const;
-  // The backward of a forward that gathered into the buffers made `made`-th: a c10::ValueError if
-  // the shards were cast since (that graph's views are of buffers no longer gathered).
-  void check_not_cast_since(int64_t made) const;
+  // The backward of a forward made at generation `made`: a c10::ValueError if the group's
+  // parameters were converted or replaced since, or are now stale for the buffers (a cast not yet
+  // gathered): that graph's views are of buffers no longer (or not to be) gathered.
+  void check_not_converted_since(int64_t made) const;
   // Whether this unfinished pass will not end by itself (pre_forward then begins a new one).
   bool pass_left_open() const;
   // Whether a shard changed in place, or its data was replaced, since the last gather read it.

@@ -50,8 +50,9 @@ void ParamGroup::Impl::note_part_without_grad() {
 const std::vector<at::Tensor>& ParamGroup::Impl::recompute(const std::shared_ptr<Impl>& group,
                                                            const at::Tensor& rows) {
   auto& s = *group;
-  // The pass it recomputes kept views of the buffers it gathered into.
-  if (!s.grad_views.empty()) s.check_not_cast_since(s.generation);
+  // The pass it recomputes kept views of the current buffers (remade buffers drop them): a cast
+  // since, which the gather below would follow, is refused.
+  if (!s.grad_views.empty()) s.check_not_converted_since(s.generation);
   s.gather_for_forward(rows);
   if (!torch::autograd::GradMode::is_enabled()) {  // not checkpoint's (a hook's forward): no pass
     s.gathered = s.plain_views();

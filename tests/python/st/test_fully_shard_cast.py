@@ -68,7 +68,18 @@ def assert_params_match(net, reference, tolerance):
         torch.testing.assert_close(full_tensor(p), q.detach(), **tolerance, msg=name)
 
 
-TOLERANCE = {torch.float64: dict(rtol=1e-9, atol=1e-11), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.float64: dict(rtol=1e-9, atol=1e-11),
+             torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+
+def train_alike(reference, net, dtype):
+    """Two SGD steps of the reference on the whole batch and of net on this rank's rows; then their
+    parameters match."""
+    ref_opt, opt = torch.optim.SGD(reference.parameters(), lr=0.1), torch.optim.SGD(net.parameters(), lr=0.1)
+    for s in range(2):
+        step(reference, s, dtype, False, ref_opt)
+        step(net, s, dtype, True, opt)
+    assert_params_match(net, reference, TOLERANCE[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
@@ -90,7 +101,7 @@ def test_a_cast_between_training_steps_and_back():
         reference.to(dtype), net.to(dtype)
         step(reference, s, dtype, False, ref_opt)
         step(net, s, dtype, True, opt)
-        assert_params_match(net, reference, dict(rtol=1e-5, atol=1e-6))
+        assert_params_match(net, reference, TOLERANCE[torch.float32])
 
 
 def test_a_cast_beside_a_mixed_precision_policy_keeps_the_policys_gathers():
@@ -116,11 +127,7 @@ def test_a_cast_between_a_forward_and_its_backward_is_a_clear_error_and_training
                                          "backward, got them converted to Double on cpu"):
         loss.backward()
     del loss
-    ref_opt, opt = torch.optim.SGD(reference.parameters(), lr=0.1), torch.optim.SGD(net.parameters(), lr=0.1)
-    for s in range(2):
-        step(reference, s, torch.float64, False, ref_opt)
-        step(net, s, torch.float64, True, opt)
-    assert_params_match(net, reference, TOLERANCE[torch.float64])
+    train_alike(reference, net, torch.float64)
 
 
 def test_a_forward_never_backpropagated_then_a_cast_then_a_reentrant_checkpoint_trains():
@@ -145,11 +152,7 @@ def test_a_conversion_inside_the_forward_is_a_clear_error_and_training_goes_on()
                                          "backward, got one while its gathered parameters stand in for the shards"):
         net(batch(0, dist.get_world_size(), torch.float32, True))
     handle.remove()
-    ref_opt, opt = torch.optim.SGD(reference.parameters(), lr=0.1), torch.optim.SGD(net.parameters(), lr=0.1)
-    for s in range(2):
-        step(reference, s, torch.float32, False, ref_opt)
-        step(net, s, torch.float32, True, opt)
-    assert_params_match(net, reference, dict(rtol=1e-5, atol=1e-6))
+    train_alike(reference, net, torch.float32)
 
 
 def test_a_cast_of_part_of_a_group_is_a_clear_error():
@@ -223,11 +226,7 @@ def test_a_cast_that_makes_new_parameters_puts_them_in_the_group():
         old = list(net.parameters())
         net.double()
         assert all(p is not q for p, q in zip(net.parameters(), old))
-        ref_opt, opt = torch.optim.SGD(reference.parameters(), lr=0.1), torch.optim.SGD(net.parameters(), lr=0.1)
-        for s in range(2):
-            step(reference, s, torch.float64, False, ref_opt)
-            step(net, s, torch.float64, True, opt)
-        assert_params_match(net, reference, TOLERANCE[torch.float64])
+        train_alike(reference, net, torch.float64)
     finally:
         torch.__future__.set_overwrite_module_params_on_conversion(False)
 
@@ -265,7 +264,7 @@ def test_fully_shard_on_meta_then_to_empty_and_an_initialization_trains_like_the
     for s in range(3):
         step(reference, s, torch.float32, False, ref_opt)
         step(net, s, torch.float32, True, opt)
-        assert_params_match(net, reference, dict(rtol=1e-5, atol=1e-6))
+        assert_params_match(net, reference, TOLERANCE[torch.float32])
 
 
 def test_reset_parameters_after_to_empty_initializes_each_rank_s_piece():
@@ -327,11 +326,7 @@ def test_a_group_made_partly_on_meta_trains_once_materialized():
     net = fully_shard(net)
     net.to_empty(device="cpu")
     load_pieces(net, reference)
-    ref_opt, opt = torch.optim.SGD(reference.parameters(), lr=0.1), torch.optim.SGD(net.parameters(), lr=0.1)
-    for s in range(2):
-        step(reference, s, torch.float32, False, ref_opt)
-        step(net, s, torch.float32, True, opt)
-    assert_params_match(net, reference, dict(rtol=1e-5, atol=1e-6))
+    train_alike(reference, net, torch.float32)
 
 
 def test_a_holder_converted_alone_into_new_parameters_trains_them():
@@ -343,12 +338,8 @@ def test_a_holder_converted_alone_into_new_parameters_trains_them():
         reference.head.double(), net.head.double()  # new Parameter objects in head alone
         for module in (reference, net):
             module.head.forward = (lambda head: lambda x: nn.Linear.forward(head, x.double()))(module.head)
-        ref_opt, opt = torch.optim.SGD(reference.parameters(), lr=0.1), torch.optim.SGD(net.parameters(), lr=0.1)
-        for s in range(2):
-            step(reference, s, torch.float32, False, ref_opt)
-            step(net, s, torch.float32, True, opt)
+        train_alike(reference, net, torch.float32)
         assert net.head.weight.dtype == torch.float64
-        assert_params_match(net, reference, dict(rtol=1e-5, atol=1e-6))
     finally:
         torch.__future__.set_overwrite_module_params_on_conversion(False)
 

@@ -57,9 +57,9 @@ class ParamGroup {
   /// hold the same values) and records each one's layout: its tensor-parallel layout, if a style
   /// recorded one, with Shard(0) over the data-parallel mesh nested inside it. Meta parameters
   /// (deferred initialization) are sharded as meta: the group gathers once they are replaced by
-  /// cpu ones (adopt_parameter). `names` name them in errors. A c10::ValueError for a scalar parameter, a
-  /// mesh of another rank than 1 or 2, an offload policy that cannot apply, or a parameter already sharded by
-  /// another group.
+  /// cpu ones (adopt_parameter). `names` name them in errors. A c10::ValueError for a scalar
+  /// parameter, a mesh of another rank than 1 or 2, an offload policy that cannot apply, or a
+  /// parameter already sharded by another group.
   ParamGroup(std::vector<at::Tensor> params, std::vector<std::string> names,
              const FullyShardOptions& options);
   ~ParamGroup();

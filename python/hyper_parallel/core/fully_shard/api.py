@@ -86,7 +86,7 @@ class FSDPModule:
                                  "parameters stand in for the shards")
             self._fsdp_group.reshard()
         module = super()._apply(fn, *args, **kwargs)
-        if self._fsdp_group is not None and self._fsdp_standing.shards_in_place:
+        if self._fsdp_group is not None:
             self._fsdp_standing.adopt_replaced()
         return module
 

@@ -53,11 +53,13 @@ class _Standing:
         self.shards_in_place = shards
 
     def adopt_replaced(self) -> None:
-        """With the shards in place: a parameter a holder now has in their stead (torch's
-        conversions from meta to cpu, to_empty, or any with torch.__future__'s overwrite flag,
-        also on a holder alone) is the group's from then on, in every module holding it (a tied
-        one, converted once per holder, keeps one tensor). A cast in place (to(dtype)) keeps the
-        tensor: the next gather follows its dtype."""
+        """With the shards in place (otherwise nothing): a parameter a holder now has in their
+        stead (torch's conversions from meta to cpu, to_empty, or any with torch.__future__'s
+        overwrite flag, also on a holder alone) is the group's from then on, in every module
+        holding it (a tied one, converted once per holder, keeps one tensor). A cast in place
+        (to(dtype)) keeps the tensor: the next gather follows its dtype."""
+        if not self.shards_in_place:
+            return
         current, replaced = self._group.parameters, {}
         for mod, name, index in self._slots:
             param = mod._parameters.get(name)
@@ -167,8 +169,7 @@ def install_hooks(group, owners, mp_policy: MixedPrecisionPolicy, fsdp_module):
         on_backward = standing.begin_backward if sharded_module else None
 
         def pre_hook(mod, args):
-            if standing.shards_in_place:
-                standing.adopt_replaced()
+            standing.adopt_replaced()
             # An embedding's forward reads the rows of its ids (a row-sparse group gathers those).
             ids = args[0] if isinstance(mod, nn.Embedding) and args and isinstance(args[0], torch.Tensor) else None
             standing.stand_in(group.pre_forward(ids, getattr(fsdp_module, "_fsdp_forward_prefetch", []),
