@@ -137,8 +137,9 @@ void bind_dtensor_class(py::module& m) {
           "tagged_ancestor",
           [](const at::Tensor& t, int64_t max_nodes) {
             std::string mixed_by;
-            auto tagged = dtensor::DTensor::tagged_ancestor(t, &mixed_by, max_nodes);
-            return std::make_pair(tagged, mixed_by);
+            bool from_leaves_only = false;
+            auto tagged = dtensor::DTensor::tagged_ancestor(t, &mixed_by, max_nodes, &from_leaves_only);
+            return std::make_tuple(tagged, mixed_by, from_leaves_only);
           },
           py::arg("t"), py::arg("max_nodes") = 64)
       .def(

@@ -83,6 +83,7 @@ void bind_parameters(py::module& m) {
         py::arg("parameters"), py::arg("max_norm"));
   m.def("vocab_parallel_cross_entropy", &tp::vocab_parallel_cross_entropy, py::arg("local_logits"),
         py::arg("targets"), py::arg("vocab_size"), py::arg("mesh"));
+  m.def("untraced_vocab_shard_source", &tp::untraced_vocab_shard_source, py::arg("t"));
   m.def(
       "lay_out_parameters",
       [](const tp::ParallelStyle& style, const std::string& kind, const std::string& type,

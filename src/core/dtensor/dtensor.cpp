@@ -1,6 +1,8 @@
 #include <hyper_parallel/core/dtensor/dtensor.h>
 
+#include <algorithm>
 #include <deque>
+#include <mutex>
 #include <sstream>
 #include <unordered_set>
 #include <utility>
@@ -296,10 +298,43 @@ hyper_parallel::detail::WeakTensorMap<Tag>& tags() {
   return table;
 }
 
+// The tensors tagged (by any thread) whose DTensor shards its last dim, newest first, each with its
+// layout and held weakly (no mesh is held): every one still alive and the last kGoneShards that are
+// gone. What recent_last_dim_shards returns.
+struct RecentShard {
+  c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl> local;
+  std::vector<int64_t> shape, mesh_shape;
+  Placements placements;
+};
+constexpr size_t kGoneShards = 8;
+std::mutex recent_mutex;
+std::deque<RecentShard> recent_shards;  // guarded by recent_mutex
+
+bool shards_last_dim(const Placements& placements, int64_t ndim) {
+  return std::any_of(placements.begin(), placements.end(),
+                     [&](const Placement& p) { return ndim > 0 && p.is_shard(ndim - 1); });
+}
+
+void remember_last_dim_shard(RecentShard shard) {
+  std::lock_guard<std::mutex> lock(recent_mutex);
+  const auto* impl = shard.local._unsafe_get_target();
+  std::deque<RecentShard> kept{std::move(shard)};
+  size_t gone = 0;
+  for (auto& r : recent_shards) {
+    if (r.local._unsafe_get_target() == impl || (r.local.expired() && ++gone > kGoneShards)) continue;
+    kept.push_back(std::move(r));
+  }
+  recent_shards = std::move(kept);
+}
+
 }  // namespace
 
 at::Tensor DTensor::to_local_tagged() const {
   tags().insert_or_assign(local_, Tag{mesh_, placements_, shape_, grad_slot_});
+  if (shards_last_dim(placements_, dim()))
+    remember_last_dim_shard(
+        {c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>(local_.getIntrusivePtr()), shape_,
+         mesh_.shape(), placements_});
   // On its node too: tensors computed from it find it there (tagged_ancestor), even once it is gone.
   if (local_.grad_fn())
     detail::annotate_node(*local_.grad_fn(), std::make_shared<Tag>(Tag{mesh_, placements_, shape_, nullptr}));
@@ -314,10 +349,12 @@ std::optional<DTensor> DTensor::from_tagged(const at::Tensor& local) {
   return result;
 }
 
-std::optional<DTensor> DTensor::tagged_ancestor(const at::Tensor& t, std::string* mixed_by,
-                                                int64_t max_nodes) {
+std::optional<DTensor> DTensor::tagged_ancestor(const at::Tensor& t, std::string* mixed_by, int64_t max_nodes,
+                                                bool* from_leaves_only) {
+  if (from_leaves_only != nullptr) *from_leaves_only = false;
   if (!t.defined() || !t.grad_fn()) return std::nullopt;
   std::unordered_set<const torch::autograd::Node*> seen;
+  bool layout_started = false;  // a matmul or an untagged DTensor's node on the way
   // Breadth first from t's node, each with the first op on its path that may mix the last dim.
   std::deque<std::pair<torch::autograd::Node*, std::string>> queue{{t.grad_fn().get(), ""}};
   while (!queue.empty() && static_cast<int64_t>(seen.size()) < max_nodes) {
@@ -332,13 +369,37 @@ std::optional<DTensor> DTensor::tagged_ancestor(const at::Tensor& t, std::string
       return DTensor(local, tag->mesh, tag->placements, tag->shape);
     }
     const auto effect = last_dim_after(*node);
-    if (effect == LastDim::kNew) continue;
+    if (effect == LastDim::kNew) {
+      layout_started = true;
+      continue;
+    }
     if (effect == LastDim::kMixed && mixed.empty()) mixed = node->name();
     for (const auto& edge : node->next_edges()) {
       if (edge.function) queue.emplace_back(edge.function.get(), mixed);
     }
   }
+  if (from_leaves_only != nullptr) *from_leaves_only = queue.empty() && !layout_started;
   return std::nullopt;
+}
+
+std::vector<RecentLastDimShard> DTensor::recent_last_dim_shards() {
+  std::vector<std::pair<at::Tensor, RecentLastDimShard>> found;
+  {
+    std::lock_guard<std::mutex> lock(recent_mutex);
+    for (const auto& r : recent_shards) {
+      at::Tensor local;
+      if (auto alive = r.local.lock()) local = at::Tensor(std::move(alive));
+      found.push_back(
+          {std::move(local), RecentLastDimShard{r.shape, r.mesh_shape, r.placements, std::nullopt}});
+    }
+  }
+  // Outside the lock: a tensor released here may be the last reference of one in the list.
+  std::vector<RecentLastDimShard> result;
+  for (auto& [local, recent] : found) {
+    if (local.defined()) recent.alive = from_tagged(local);
+    result.push_back(std::move(recent));
+  }
+  return result;
 }
 
 std::string DTensor::str() const {

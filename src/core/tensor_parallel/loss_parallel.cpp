@@ -1,6 +1,9 @@
 #include <hyper_parallel/core/tensor_parallel/loss_parallel.h>
 
 #include <algorithm>
+#include <sstream>
+#include <string>
+#include <vector>
 
 #include <ATen/ATen.h>
 
@@ -35,7 +38,87 @@ at::Tensor logits_gradient(const at::Tensor& softmax_local, const at::Tensor& ta
   return out;
 }
 
+// Whether some rank's torch.chunk piece of `size` among `ranks` is `width` wide.
+bool some_shard_is(int64_t width, int64_t size, int64_t ranks) {
+  const int64_t chunk = (size + ranks - 1) / std::max<int64_t>(ranks, 1);
+  for (int64_t r = 0; r < ranks; ++r) {
+    if (std::clamp<int64_t>(size - r * chunk, 0, chunk) == width) return true;
+  }
+  return false;
+}
+
+// Vocabulary-sharded logits (Shard(-1) on a 1-d mesh of 2 or more ranks) that `t` may have been
+// computed from: as wide as some rank's shard, any rows (a shift, a mask, a concatenation). For a
+// tensor each rank computed from its own shard the answer is the same on every rank.
+bool could_come_from(const dtensor::RecentLastDimShard& logits, const at::Tensor& t) {
+  return logits.mesh_shape.size() == 1 && logits.mesh_shape[0] >= 2 && logits.placements.size() == 1 &&
+         some_shard_is(t.size(-1), logits.shape.back(), logits.mesh_shape[0]);
+}
+
+// Whether `t` holds the values of `local` (its elements in order, after a cast; NaN equal to NaN),
+// compared a block of rows at a time, each block of the shard cast on its own.
+bool holds_values_of(const at::Tensor& t, const at::Tensor& local) {
+  if (t.numel() != local.numel() || t.size(-1) != local.size(-1)) return false;
+  at::NoGradGuard no_grad;
+  const int64_t width = std::max<int64_t>(t.size(-1), 1);
+  const auto a = t.detach().reshape({-1, width}), b = local.detach().reshape({-1, width});
+  const int64_t block = std::max<int64_t>(1, (int64_t{1} << 22) / width);
+  for (int64_t row = 0; row < a.size(0); row += block) {
+    const int64_t rows = std::min(block, a.size(0) - row);
+    const auto x = a.narrow(0, row, rows), y = b.narrow(0, row, rows).to(a.scalar_type());
+    if (!x.equal(y) && !((x == y) | (x.isnan() & y.isnan())).all().item<bool>()) return false;
+  }
+  return true;
+}
+
+std::string as_wide_as(const at::Tensor& t, const dtensor::RecentLastDimShard& logits) {
+  std::ostringstream s;
+  s << "loss_parallel: expected the vocabulary-sharded logits, a view or a cast of them, where no autograd "
+       "graph "
+       "traces a tensor back (under no_grad, after detach), got a "
+    << t.sizes() << " tensor that may come from the " << c10::IntArrayRef(logits.shape)
+    << " vocabulary-sharded logits";
+  return s.str();
+}
+
+const char* const kPass =
+    "; pass the logits (kept alive until the loss), a view or a cast of them (16-bit logits are upcast "
+    "inside; "
+    "shift the labels, not the logits), or compute with grad enabled; logits of another model that merely "
+    "share "
+    "the size take torch's loss outside loss_parallel()";
+
 }  // namespace
+
+std::optional<dtensor::DTensor> untraced_vocab_shard_source(const at::Tensor& t) {
+  if (!t.defined() || t.dim() == 0) return std::nullopt;
+  const auto recent = dtensor::DTensor::recent_last_dim_shards();
+  std::vector<const dtensor::RecentLastDimShard*> alive, gone;
+  for (const auto& logits : recent) {
+    if (could_come_from(logits, t)) (logits.alive ? alive : gone).push_back(&logits);
+  }
+  if (alive.empty() && gone.empty()) return std::nullopt;
+  TORCH_CHECK_VALUE(!alive.empty(), as_wide_as(t, *gone.front()),
+                    ", which are gone: nothing to compare its values with", kPass);
+  const dtensor::DTensor* source = nullptr;
+  for (const auto* logits : alive) {
+    if (holds_values_of(t, logits->alive->to_local())) {
+      source = &*logits->alive;
+      break;
+    }
+  }
+  // The ranks agree: each rank's tensor is its own shard's, or none computes the loss.
+  const auto& mesh = alive.front()->alive->device_mesh();
+  const auto differing =
+      static_cast<int64_t>(comm::all_reduce(at::full({1}, source != nullptr ? 0.0F : 1.0F, at::kFloat),
+                                            comm::ReduceOp::kSum, mesh.get_group(0))
+                               .item<float>());
+  TORCH_CHECK_VALUE(differing == 0, as_wide_as(t, *alive.front()),
+                    source != nullptr ? ", holding this rank's shard of them, but other ranks' do not"
+                                      : ", not holding this rank's shard of them",
+                    " (", differing, " of ", mesh.size(), " ranks differ)", kPass);
+  return *source;
+}
 
 at::Tensor vocab_parallel_cross_entropy(const at::Tensor& local_logits, const at::Tensor& targets,
                                         int64_t vocab_size, const dtensor::DeviceMesh& mesh) {
@@ -56,6 +139,7 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& local_logits, const at
   auto group = mesh.get_group(0);
   // The target's logit lives on exactly one rank.
   const at::Tensor target_mask = shard.outside, local_target = shard.local_ids;
+  const bool needs_grad = at::GradMode::is_enabled() && local_logits.requires_grad();
   at::Tensor loss, softmax_local;
   {
     at::NoGradGuard no_grad;
@@ -73,6 +157,8 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& local_logits, const at
                         : at::zeros(targets.sizes(), logits.options());
     picked = comm::all_reduce(picked.masked_fill(target_mask, 0), comm::ReduceOp::kSum, group);
     loss = (sum_exp.log() - picked).mean();
+    // Only a backward reads the softmax: an eval loss skips its pass over the logits.
+    if (!needs_grad) return loss;
     softmax_local = exp / sum_exp.unsqueeze(-1);
   }
   return hyper_parallel::detail::attach_backward(

@@ -6,6 +6,7 @@ And what a style cannot honour is a clear error, never a silent result: a keywor
 cannot see, a Linear subclass whose own forward a style would replace, embedding options the
 sharded lookup cannot keep, a list output where PrepareModuleOutput expects a tensor."""
 
+import contextlib
 import copy
 import os
 
@@ -333,6 +334,125 @@ def test_loss_parallel_over_logits_that_lost_the_vocabulary_shards_width_is_an_e
     message = "vocab_parallel_cross_entropy: expected local logits \\[..., 8\\]"
     with loss_parallel(), pytest.raises(ValueError, match=message):
         F.cross_entropy(pred[..., :2].flatten(0, 1), labels)  # a view of the logits themselves
+
+
+UNTRACED = {"no_grad_scaled": (torch.no_grad, lambda pred: (pred / 0.7).flatten(0, 1)),
+            "no_grad_shifted": (torch.no_grad, lambda pred: pred[:, 1:].double().flatten(0, 1)),
+            "detached_masked": (torch.enable_grad, lambda pred: pred.detach().clamp_min(0).flatten(0, 1)),
+            "no_grad_concatenated": (torch.no_grad, lambda pred: torch.cat([pred, pred]).flatten(0, 1))}
+
+
+@multirank
+@pytest.mark.parametrize("untraced", list(UNTRACED))
+def test_loss_parallel_over_logits_computed_without_a_graph_is_an_error_not_a_local_loss(mesh, untraced):
+    """Without autograd a tensor computed from the logits cannot be traced back to them, and read as
+    whole logits each rank got its own loss (silently, with every target inside rank 0's shard, as
+    here). Every rank raises: none waits in a collective."""
+    grad_mode, apply = UNTRACED[untraced]
+    torch.manual_seed(16)
+    out = nn.Linear(4, 4 * WORLD, bias=False)
+    parallelize_module(out, mesh, ColwiseParallel(use_local_output=False))
+    x, labels = same_everywhere(2, 3, 4), same_everywhere(6, high=4)
+    labels = {"no_grad_shifted": labels[:4], "no_grad_concatenated": torch.cat([labels, labels])}.get(untraced, labels)
+    message = ("loss_parallel: expected the vocabulary-sharded logits, a view or a cast of them, where no autograd "
+               "graph traces a tensor back \\(under no_grad, after detach\\), got a \\[(4|6|12), 4\\] tensor that may "
+               f"come from the \\[2, 3, {4 * WORLD}\\] vocabulary-sharded logits, not holding this rank's shard of "
+               f"them \\({WORLD} of {WORLD} ranks differ\\)")
+    pred = out(x)
+    with grad_mode(), loss_parallel(), pytest.raises(ValueError, match=message):
+        F.cross_entropy(apply(pred), labels)
+
+
+@multirank
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("form", ["logits", "cast", "detached_cast"])
+def test_an_eval_loss_over_the_logits_or_a_cast_without_a_graph_matches_the_single_process_one(mesh, dtype, form):
+    """torchtitan's eval loss: ``F.cross_entropy(pred.flatten(0, 1).float(), labels)`` under
+    no_grad, over a vocabulary the ranks split unevenly; whole logits of another width beside them
+    go to torch as they are."""
+    apply = {"logits": lambda pred: pred.flatten(0, 1), "cast": lambda pred: pred.flatten(0, 1).double(),
+             "detached_cast": lambda pred: pred.detach().flatten(0, 1).double()}[form]
+    torch.manual_seed(17)
+    out = nn.Linear(4, 3 * WORLD + 1, bias=False).to(dtype)
+    ref = copy.deepcopy(out).double()
+    parallelize_module(out, mesh, ColwiseParallel(use_local_output=False))
+    x, labels = same_everywhere(2, 3, 4).to(dtype), same_everywhere(6, high=3 * WORLD + 1)
+    with torch.no_grad(), loss_parallel():
+        pred = out(x)
+        loss = F.cross_entropy(apply(pred), labels)
+        whole = ref(x.double()).flatten(0, 1)
+        ref_loss = F.cross_entropy(whole, labels)
+        assert F.cross_entropy(whole * 1, labels).equal(ref_loss)
+    tolerance = 1e-6 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(loss.double(), ref_loss, rtol=tolerance, atol=tolerance)
+
+
+@multirank
+def test_a_loss_over_a_detached_copy_made_to_require_grad_matches_and_its_gradient_goes_back(mesh):
+    """A loss computed apart (chunked losses): its backward runs on a detached copy of the logits,
+    whose gradient then goes into the logits' backward. The copy's graph leads to no logits."""
+    torch.manual_seed(18)
+    out = nn.Linear(4, 3 * WORLD + 1, bias=False)
+    ref = copy.deepcopy(out)
+    parallelize_module(out, mesh, ColwiseParallel(use_local_output=False))
+    x, labels = same_everywhere(2, 3, 4), same_everywhere(6, high=3 * WORLD + 1)
+    losses, preds, copies = [], [], []
+    for model, context in ((out, loss_parallel), (ref, contextlib.nullcontext)):
+        preds.append(model(x))
+        copies.append(preds[-1].detach().requires_grad_())
+        with context():
+            loss = F.cross_entropy(copies[-1].flatten(0, 1).double(), labels)
+        loss.backward()
+        preds[-1].backward(copies[-1].grad)
+        losses.append(loss)
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(full_grad(out.weight), ref.weight.grad, rtol=1e-5, atol=1e-7)
+    with loss_parallel(), pytest.raises(ValueError, match="not holding this rank's shard of them"):
+        F.cross_entropy((copies[0] / 0.7).flatten(0, 1), labels)
+
+
+@multirank
+def test_an_eval_loss_finds_its_logits_past_later_sharded_activations_and_keeps_a_nan(mesh):
+    """Logits found among many later last-dim shards still alive (another model's activations);
+    a NaN in them is the loss's NaN, not a mismatch."""
+    out, other = nn.Linear(4, 2 * WORLD, bias=False), nn.Linear(4, 3 * WORLD, bias=False)
+    parallelize_module(out, mesh, ColwiseParallel(use_local_output=False))
+    parallelize_module(other, mesh, ColwiseParallel(use_local_output=False))
+    x, labels = same_everywhere(2, 3, 4), same_everywhere(6, high=2 * WORLD)
+    with torch.no_grad():
+        pred = out(x)
+        later = [other(x) for _ in range(70)]
+        with loss_parallel():
+            loss = F.cross_entropy(pred.double().flatten(0, 1), labels)
+            expected = F.cross_entropy(pred.flatten(0, 1), labels)
+            pred[0, 0, 0] = float("nan")
+            assert torch.isnan(F.cross_entropy(pred.double().flatten(0, 1), labels))
+    torch.testing.assert_close(loss, expected.double(), rtol=1e-6, atol=1e-7)
+    assert len(later) == 70
+
+
+@multirank
+def test_an_untraced_tensor_that_is_the_shard_on_some_ranks_only_is_an_error_on_every_rank(mesh):
+    """A mask that changed rank 0's piece only: rank 0's difference is every rank's error."""
+    out = nn.Linear(4, 2 * WORLD, bias=False)
+    parallelize_module(out, mesh, ColwiseParallel(use_local_output=False))
+    with torch.no_grad():
+        pred = out(torch.randn(2, 3, 4))
+        masked = pred.masked_fill(pred > (0 if dist.get_rank() == 0 else 1e9), 0.0).flatten(0, 1)
+    how = ", not holding this rank's shard" if dist.get_rank() == 0 else ", holding this rank's shard of them, but"
+    message = f"vocabulary-sharded logits{how}.* \\(1 of {WORLD} ranks differ"
+    with loss_parallel(), pytest.raises(ValueError, match=message):
+        F.cross_entropy(masked, torch.zeros(6, dtype=torch.long))
+
+
+@multirank
+def test_an_eval_loss_over_a_cast_of_logits_that_are_gone_is_an_error(mesh):
+    out = nn.Linear(4, 5 * WORLD, bias=False)  # no other test's logits are 5 wide on a rank
+    parallelize_module(out, mesh, ColwiseParallel(use_local_output=False))
+    message = (f"got a \\[6, 5\\] tensor that may come from the \\[2, 3, {5 * WORLD}\\] vocabulary-sharded logits, "
+               "which are gone: nothing to compare its values with; pass the logits \\(kept alive until the loss\\)")
+    with torch.no_grad(), loss_parallel(), pytest.raises(ValueError, match=message):
+        F.cross_entropy(out(torch.randn(2, 3, 4)).double().flatten(0, 1), torch.zeros(6, dtype=torch.long))
 
 
 @multirank

@@ -33,6 +33,8 @@ struct FromLocalOptions {
   TORCH_ARG(std::optional<std::vector<int64_t>>, shape) = std::nullopt;
 };
 
+struct RecentLastDimShard;
+
 class DTensor {
  public:
   /// Wraps this rank's `local` shard. No communication unless options.run_check().
@@ -62,8 +64,16 @@ class DTensor {
   /// `t` has no graph: a result computed under no_grad is not traced back). The walk stops at a
   /// matmul or another DTensor's node. `mixed_by`, if given, gets the name of the first op on the
   /// path that may mix the last dim (a softmax, a slice of it; empty if none did).
+  /// `from_leaves_only`, if given, gets whether, with no tagged DTensor found, the whole graph was
+  /// walked and no op on it starts a layout: t was computed from leaves alone (a detached copy made
+  /// to require grad), so where its values came from is not traced.
   static std::optional<DTensor> tagged_ancestor(const at::Tensor& t, std::string* mixed_by = nullptr,
-                                                int64_t max_nodes = 64);
+                                                int64_t max_nodes = 64, bool* from_leaves_only = nullptr);
+  /// The local tensors tagged (to_local_tagged, by any thread) whose DTensor shards its last dim,
+  /// newest first: those still alive and the last eight that are gone. Their layouts,
+  /// and the DTensor while its local tensor is alive. For a consumer given a tensor with no autograd graph to
+  /// trace (computed under no_grad, or after detach) that may hold one of these shards.
+  static std::vector<RecentLastDimShard> recent_last_dim_shards();
 
   /// Moves the data to `placements` (docs/tp-semantics.md: Shard->Replicate all_gather,
   /// Partial->Replicate all_reduce, Partial->Shard reduce_scatter, Replicate->Shard local slice,
@@ -95,6 +105,14 @@ class DTensor {
 
   friend DTensor distribute_tensor(const at::Tensor&, const DeviceMesh&, const Placements&,
                                    std::optional<int64_t>);
+};
+
+/// A DTensor tagged recently that shards its last dim (DTensor::recent_last_dim_shards).
+struct RecentLastDimShard {
+  std::vector<int64_t> shape;       // global
+  std::vector<int64_t> mesh_shape;  // of the mesh it was on
+  Placements placements;
+  std::optional<DTensor> alive;  // while its local tensor is
 };
 
 /// Splits a full tensor over the mesh, as torch.distributed.tensor.distribute_tensor does.

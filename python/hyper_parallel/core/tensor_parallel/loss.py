@@ -4,7 +4,9 @@ tagged (``ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)``), 
 (``pred.flatten(0, 1)``), or a tensor computed from them that keeps the vocabulary shard's width
 (``pred.float()``, ``pred / temperature``, ``pred[:, :-1]``, masking); one computed from them
 through an op that may mix the vocabulary dim (a softmax, a slice of it) is an error. Under
-no_grad, or with every parameter frozen, only the logits and their views are recognized::
+no_grad, after detach, or with every parameter frozen no graph traces a tensor back: the logits,
+their views and casts of them (``pred.flatten(0, 1).float()``, the logits kept alive) are recognized
+by their values, and another tensor that may come from them (a scale, a shift) is an error::
 
     with loss_parallel():
         loss = F.cross_entropy(pred.flatten(0, 1), labels.flatten(0, 1))
@@ -40,7 +42,11 @@ def _sharded_logits(input: torch.Tensor):
             return tagged if _vocabulary_sharded(tagged) else None
         t = t._base
     # Computed from them: a local shard read as whole logits would give each rank its own loss.
-    tagged, mixed_by = _C.DTensor.tagged_ancestor(input)
+    tagged, mixed_by, from_leaves_only = _C.DTensor.tagged_ancestor(input)
+    if tagged is None and (input.grad_fn is None or from_leaves_only):
+        # Where its values came from is not traced (no_grad, detach): the shard of logits whose values
+        # it holds, if any; an error where it may have been computed from such a shard.
+        return _C.untraced_vocab_shard_source(input)
     if tagged is None or not _vocabulary_sharded(tagged):
         return None
     if mixed_by:
