@@ -134,12 +134,11 @@ void bind_dtensor_class(py::module& m) {
           py::arg("shape") = py::none())
       .def_static("from_tagged", &dtensor::DTensor::from_tagged, py::arg("local"))
       .def_static(
-          "tagged_ancestor",
+          "trace_back",
           [](const at::Tensor& t, int64_t max_nodes) {
-            std::string mixed_by;
-            bool from_leaves_only = false;
-            auto tagged = dtensor::DTensor::tagged_ancestor(t, &mixed_by, max_nodes, &from_leaves_only);
-            return std::make_tuple(tagged, mixed_by, from_leaves_only);
+            auto trace = dtensor::DTensor::trace_back(t, max_nodes);
+            return std::make_tuple(trace.tagged, trace.mixed_by, trace.other_gradient,
+                                   trace.from_leaves_only);
           },
           py::arg("t"), py::arg("max_nodes") = 64)
       .def(

@@ -335,7 +335,7 @@ at::Tensor DTensor::to_local_tagged() const {
     remember_last_dim_shard(
         {c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>(local_.getIntrusivePtr()), shape_,
          mesh_.shape(), placements_});
-  // On its node too: tensors computed from it find it there (tagged_ancestor), even once it is gone.
+  // On its node too: tensors computed from it find it there (trace_back), even once it is gone.
   if (local_.grad_fn())
     detail::annotate_node(*local_.grad_fn(), std::make_shared<Tag>(Tag{mesh_, placements_, shape_, nullptr}));
   return local_;
@@ -349,28 +349,33 @@ std::optional<DTensor> DTensor::from_tagged(const at::Tensor& local) {
   return result;
 }
 
-std::optional<DTensor> DTensor::tagged_ancestor(const at::Tensor& t, std::string* mixed_by, int64_t max_nodes,
-                                                bool* from_leaves_only) {
-  if (from_leaves_only != nullptr) *from_leaves_only = false;
-  if (!t.defined() || !t.grad_fn()) return std::nullopt;
+TaggedTrace DTensor::trace_back(const at::Tensor& t, int64_t max_nodes) {
+  TaggedTrace trace;
+  if (!t.defined() || !t.grad_fn()) return trace;
   std::unordered_set<const torch::autograd::Node*> seen;
   bool layout_started = false;  // a matmul or an untagged DTensor's node on the way
-  // Breadth first from t's node, each with the first op on its path that may mix the last dim.
+  std::string other;            // the first such node, or a leaf's (an AccumulateGrad)
+  // Breadth first from t's node, each with the first op on its path that may mix the last dim. The
+  // walk goes on past the tag to the other branches, whose gradients it would not see.
   std::deque<std::pair<torch::autograd::Node*, std::string>> queue{{t.grad_fn().get(), ""}};
   while (!queue.empty() && static_cast<int64_t>(seen.size()) < max_nodes) {
     auto [node, mixed] = std::move(queue.front());
     queue.pop_front();
     if (!seen.insert(node).second) continue;
     if (auto tag = std::static_pointer_cast<Tag>(detail::node_annotation(*node))) {
-      if (mixed_by != nullptr) *mixed_by = mixed;
-      auto local =
-          at::empty(local_shape(tag->shape, tag->mesh.shape(), tag->mesh.coordinate(), tag->placements),
-                    t.options().device(at::kMeta));
-      return DTensor(local, tag->mesh, tag->placements, tag->shape);
+      if (!trace.tagged) {
+        trace.mixed_by = mixed;
+        auto local =
+            at::empty(local_shape(tag->shape, tag->mesh.shape(), tag->mesh.coordinate(), tag->placements),
+                      t.options().device(at::kMeta));
+        trace.tagged = DTensor(local, tag->mesh, tag->placements, tag->shape);
+      }
+      continue;
     }
     const auto effect = last_dim_after(*node);
-    if (effect == LastDim::kNew) {
-      layout_started = true;
+    if (effect == LastDim::kNew || node->next_edges().empty()) {
+      layout_started = layout_started || effect == LastDim::kNew;
+      if (other.empty()) other = node->name();
       continue;
     }
     if (effect == LastDim::kMixed && mixed.empty()) mixed = node->name();
@@ -378,8 +383,12 @@ std::optional<DTensor> DTensor::tagged_ancestor(const at::Tensor& t, std::string
       if (edge.function) queue.emplace_back(edge.function.get(), mixed);
     }
   }
-  if (from_leaves_only != nullptr) *from_leaves_only = queue.empty() && !layout_started;
-  return std::nullopt;
+  if (trace.tagged) {
+    trace.other_gradient = other;
+  } else {
+    trace.from_leaves_only = queue.empty() && !layout_started;
+  }
+  return trace;
 }
 
 std::vector<RecentLastDimShard> DTensor::recent_last_dim_shards() {

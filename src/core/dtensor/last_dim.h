@@ -1,6 +1,6 @@
 #pragma once
 // Internal (dtensor.cpp): what an op does to the last dim of a tensor, read from its backward
-// node; DTensor::tagged_ancestor walks through the ops that keep it.
+// node; DTensor::trace_back walks through the ops that keep it.
 
 #include <string>
 

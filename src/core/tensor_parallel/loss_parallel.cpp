@@ -71,22 +71,18 @@ bool holds_values_of(const at::Tensor& t, const at::Tensor& local) {
   return true;
 }
 
-std::string as_wide_as(const at::Tensor& t, const dtensor::RecentLastDimShard& logits) {
+std::string may_come_from(const at::Tensor& t, const dtensor::RecentLastDimShard& logits) {
   std::ostringstream s;
-  s << "loss_parallel: expected the vocabulary-sharded logits, a view or a cast of them, where no autograd "
-       "graph "
-       "traces a tensor back (under no_grad, after detach), got a "
-    << t.sizes() << " tensor that may come from the " << c10::IntArrayRef(logits.shape)
-    << " vocabulary-sharded logits";
+  s << "loss_parallel: expected the vocabulary-sharded logits, a view or a cast of them, where no "
+    << "autograd graph traces a tensor back (under no_grad, after detach), got a " << t.sizes()
+    << " tensor that may come from the " << c10::IntArrayRef(logits.shape) << " vocabulary-sharded logits";
   return s.str();
 }
 
 const char* const kPass =
-    "; pass the logits (kept alive until the loss), a view or a cast of them (16-bit logits are upcast "
-    "inside; "
-    "shift the labels, not the logits), or compute with grad enabled; logits of another model that merely "
-    "share "
-    "the size take torch's loss outside loss_parallel()";
+    "; pass the logits (kept alive until the loss), a view or a cast of them (16-bit logits are "
+    "upcast inside; shift the labels, not the logits), or compute with grad enabled; logits of "
+    "another model that merely share the size take torch's loss outside loss_parallel()";
 
 }  // namespace
 
@@ -98,7 +94,7 @@ std::optional<dtensor::DTensor> untraced_vocab_shard_source(const at::Tensor& t)
     if (could_come_from(logits, t)) (logits.alive ? alive : gone).push_back(&logits);
   }
   if (alive.empty() && gone.empty()) return std::nullopt;
-  TORCH_CHECK_VALUE(!alive.empty(), as_wide_as(t, *gone.front()),
+  TORCH_CHECK_VALUE(!alive.empty(), may_come_from(t, *gone.front()),
                     ", which are gone: nothing to compare its values with", kPass);
   const dtensor::DTensor* source = nullptr;
   for (const auto* logits : alive) {
@@ -113,7 +109,7 @@ std::optional<dtensor::DTensor> untraced_vocab_shard_source(const at::Tensor& t)
       static_cast<int64_t>(comm::all_reduce(at::full({1}, source != nullptr ? 0.0F : 1.0F, at::kFloat),
                                             comm::ReduceOp::kSum, mesh.get_group(0))
                                .item<float>());
-  TORCH_CHECK_VALUE(differing == 0, as_wide_as(t, *alive.front()),
+  TORCH_CHECK_VALUE(differing == 0, may_come_from(t, *alive.front()),
                     source != nullptr ? ", holding this rank's shard of them, but other ranks' do not"
                                       : ", not holding this rank's shard of them",
                     " (", differing, " of ", mesh.size(), " ranks differ)", kPass);

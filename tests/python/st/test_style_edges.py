@@ -521,6 +521,29 @@ def test_loss_parallel_over_logits_through_an_op_that_mixes_the_vocabulary_is_an
 
 
 @multirank
+@pytest.mark.parametrize("operand", ["temperature", "gate"])
+def test_loss_parallel_over_logits_combined_with_a_tensor_that_takes_a_gradient_is_an_error(mesh, operand):
+    """That tensor's gradient, computed beside one rank's vocabulary shard, would be the rank's part
+    only (a learnable temperature's was, silently); detached, it is a constant."""
+    torch.manual_seed(19)
+    out, gate = nn.Linear(4, 2 * WORLD, bias=False), nn.Linear(4, 1)
+    parallelize_module(out, mesh, ColwiseParallel(use_local_output=False))
+    x, labels = same_everywhere(2, 3, 4), same_everywhere(6, high=2 * WORLD)
+    temperature = torch.tensor(1.3, requires_grad=True)
+    pred = out(x)
+    combined = pred / temperature if operand == "temperature" else pred * torch.sigmoid(gate(x))
+    message = ("loss_parallel: expected logits computed from the vocabulary-sharded ones and tensors that take no "
+               "gradient, got one that also differentiates through (torch::autograd::AccumulateGrad|AddmmBackward0)")
+    with loss_parallel(), pytest.raises(NotImplementedError, match=message):
+        F.cross_entropy(combined.flatten(0, 1), labels)
+    with loss_parallel():
+        loss = F.cross_entropy((pred / temperature.detach()).flatten(0, 1), labels)
+    whole = full_tensor(out.weight)
+    ref = F.cross_entropy((x @ whole.t() / 1.3).flatten(0, 1), labels)
+    torch.testing.assert_close(loss, ref, rtol=1e-6, atol=1e-6)
+
+
+@multirank
 def test_a_padding_idx_outside_the_vocabulary_is_an_error(mesh):
     """nn.Embedding checks its own; the core's lookup, reachable from C++, checks too."""
     core = RowwiseParallel(input_layouts=Replicate())._core()

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -34,6 +35,7 @@ struct FromLocalOptions {
 };
 
 struct RecentLastDimShard;
+struct TaggedTrace;
 
 class DTensor {
  public:
@@ -58,17 +60,10 @@ class DTensor {
   /// The DTensor whose to_local_tagged() returned `local`, if any (and `local` is that very
   /// tensor, still alive).
   static std::optional<DTensor> from_tagged(const at::Tensor& local);
-  /// The layout of the tagged DTensor `t` was computed from (a cast, a scale, rows selected),
-  /// found among the first `max_nodes` nodes of its autograd graph, as a DTensor whose local
-  /// tensor is on the meta device (the tagged tensor itself may be gone); nullopt if none is (or
-  /// `t` has no graph: a result computed under no_grad is not traced back). The walk stops at a
-  /// matmul or another DTensor's node. `mixed_by`, if given, gets the name of the first op on the
-  /// path that may mix the last dim (a softmax, a slice of it; empty if none did).
-  /// `from_leaves_only`, if given, gets whether, with no tagged DTensor found, the whole graph was
-  /// walked and no op on it starts a layout: t was computed from leaves alone (a detached copy made
-  /// to require grad), so where its values came from is not traced.
-  static std::optional<DTensor> tagged_ancestor(const at::Tensor& t, std::string* mixed_by = nullptr,
-                                                int64_t max_nodes = 64, bool* from_leaves_only = nullptr);
+  /// What the first `max_nodes` nodes of `t`'s autograd graph say of the tagged DTensor `t` was
+  /// computed from (a cast, a scale, rows selected): see TaggedTrace. The walk stops at a matmul or
+  /// another DTensor's node; a tensor without a graph (computed under no_grad) is not traced back.
+  static TaggedTrace trace_back(const at::Tensor& t, int64_t max_nodes = 64);
   /// The local tensors tagged (to_local_tagged, by any thread) whose DTensor shards its last dim,
   /// newest first: those still alive and the last eight that are gone. Their layouts,
   /// and the DTensor while its local tensor is alive. For a consumer given a tensor with no autograd graph to
@@ -105,6 +100,23 @@ class DTensor {
 
   friend DTensor distribute_tensor(const at::Tensor&, const DeviceMesh&, const Placements&,
                                    std::optional<int64_t>);
+};
+
+/// What DTensor::trace_back finds on a tensor's autograd graph.
+struct TaggedTrace {
+  /// The layout of the tagged DTensor the tensor was computed from, as a DTensor whose local
+  /// tensor is on the meta device (the tagged tensor itself may be gone); nullopt if none.
+  std::optional<DTensor> tagged;
+  /// The first op on the path to it that may mix the last dim (a softmax, a slice of it), or "".
+  std::string mixed_by;
+  /// With `tagged`: the first op found that takes a gradient to something else (a learnable
+  /// temperature's AccumulateGrad, a gate's matmul), or "". Computed beside one rank's shard of
+  /// the last dim, such a gradient is that rank's part only.
+  std::string other_gradient;
+  /// Without `tagged`: whether the whole graph was walked and no op on it starts a layout, so the
+  /// tensor was computed from leaves alone (a detached copy made to require grad) and where its
+  /// values came from is not traced.
+  bool from_leaves_only = false;
 };
 
 /// A DTensor tagged recently that shards its last dim (DTensor::recent_last_dim_shards).

@@ -3,7 +3,8 @@ never gathered. The logits are those of an output projection whose style keeps t
 tagged (``ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)``), a view of them
 (``pred.flatten(0, 1)``), or a tensor computed from them that keeps the vocabulary shard's width
 (``pred.float()``, ``pred / temperature``, ``pred[:, :-1]``, masking); one computed from them
-through an op that may mix the vocabulary dim (a softmax, a slice of it) is an error. Under
+through an op that may mix the vocabulary dim (a softmax, a slice of it) is an error, and so is one
+that also takes a gradient to another tensor (``pred / learned_temperature``). Under
 no_grad, after detach, or with every parameter frozen no graph traces a tensor back: the logits,
 their views and casts of them (``pred.flatten(0, 1).float()``, the logits kept alive) are recognized
 by their values, and another tensor that may come from them (a scale, a shift) is an error::
@@ -42,7 +43,7 @@ def _sharded_logits(input: torch.Tensor):
             return tagged if _vocabulary_sharded(tagged) else None
         t = t._base
     # Computed from them: a local shard read as whole logits would give each rank its own loss.
-    tagged, mixed_by, from_leaves_only = _C.DTensor.tagged_ancestor(input)
+    tagged, mixed_by, other_gradient, from_leaves_only = _C.DTensor.trace_back(input)
     if tagged is None and (input.grad_fn is None or from_leaves_only):
         # Where its values came from is not traced (no_grad, detach): the shard of logits whose values
         # it holds, if any; an error where it may have been computed from such a shard.
@@ -53,6 +54,11 @@ def _sharded_logits(input: torch.Tensor):
         raise ValueError(f"loss_parallel: expected logits computed from the vocabulary-sharded ones by ops that keep "
                          f"each vocabulary entry apart (views, casts, elementwise arithmetic, masking), got one "
                          f"through {mixed_by}, which may mix a rank's shard; pass the logits (or a view) instead")
+    if other_gradient:
+        raise NotImplementedError(f"loss_parallel: expected logits computed from the vocabulary-sharded ones and "
+                                  f"tensors that take no gradient, got one that also differentiates through "
+                                  f"{other_gradient}: computed beside this rank's vocabulary shard, that gradient "
+                                  f"would be this rank's part only; detach that operand (a learnable temperature)")
     width = tagged.to_local().shape[-1]
     if input.dim() == 0 or input.shape[-1] != width:
         raise ValueError(f"loss_parallel: expected logits that keep this rank's vocabulary shard ({width} wide) "
