@@ -7,6 +7,7 @@
 
 #include <ATen/ATen.h>
 
+#include <hyper_parallel/core/comm/chunks.h>
 #include <hyper_parallel/core/comm/collectives.h>
 #include <hyper_parallel/core/dtensor/placement.h>
 #include <hyper_parallel/core/tensor_parallel/parallelize.h>
@@ -38,21 +39,14 @@ at::Tensor logits_gradient(const at::Tensor& softmax_local, const at::Tensor& ta
   return out;
 }
 
-// Whether some rank's torch.chunk piece of `size` among `ranks` is `width` wide.
-bool some_shard_is(int64_t width, int64_t size, int64_t ranks) {
-  const int64_t chunk = (size + ranks - 1) / std::max<int64_t>(ranks, 1);
-  for (int64_t r = 0; r < ranks; ++r) {
-    if (std::clamp<int64_t>(size - r * chunk, 0, chunk) == width) return true;
-  }
-  return false;
-}
-
 // Vocabulary-sharded logits (Shard(-1) on a 1-d mesh of 2 or more ranks) that `t` may have been
 // computed from: as wide as some rank's shard, any rows (a shift, a mask, a concatenation). For a
 // tensor each rank computed from its own shard the answer is the same on every rank.
 bool could_come_from(const dtensor::RecentLastDimShard& logits, const at::Tensor& t) {
-  return logits.mesh_shape.size() == 1 && logits.mesh_shape[0] >= 2 && logits.placements.size() == 1 &&
-         some_shard_is(t.size(-1), logits.shape.back(), logits.mesh_shape[0]);
+  if (logits.mesh_shape.size() != 1 || logits.mesh_shape[0] < 2 || logits.placements.size() != 1)
+    return false;
+  const auto widths = comm::chunk_sizes(logits.shape.back(), logits.mesh_shape[0]);
+  return std::find(widths.begin(), widths.end(), t.size(-1)) != widths.end();
 }
 
 // Whether `t` holds the values of `local` (its elements in order, after a cast; NaN equal to NaN),
