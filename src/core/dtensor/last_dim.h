@@ -1,5 +1,5 @@
 #pragma once
-// Internal (dtensor.cpp): what an op does to the last dim of a tensor, read from its backward
+// Internal (tagged.cpp): what an op does to the last dim of a tensor, read from its backward
 // node; DTensor::trace_back walks through the ops that keep it.
 
 #include <string>
