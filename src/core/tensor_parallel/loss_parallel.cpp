@@ -68,33 +68,24 @@ bool holds_values_of(const at::Tensor& t, const at::Tensor& local) {
 std::string may_come_from(const at::Tensor& t, const dtensor::RecentLastDimShard& logits) {
   std::ostringstream s;
   s << "loss_parallel: expected the vocabulary-sharded logits, a view or a cast of them, where no "
-    << "autograd graph leads back to them (under no_grad, after detach), got a " << t.sizes()
+    << "autograd graph traces a tensor back (under no_grad, after detach), got a " << t.sizes()
     << " tensor that may come from the " << c10::IntArrayRef(logits.shape) << " vocabulary-sharded logits";
   return s.str();
 }
 
 const char* const kPass =
     "; pass the logits (kept alive until the loss), a view or a cast of them (16-bit logits are "
-    "upcast inside; shift the labels, not the logits), or keep the graph to them (grad enabled, "
-    "no detach); logits of "
+    "upcast inside; shift the labels, not the logits), or compute with grad enabled; logits of "
     "another model that merely share the size take torch's loss outside loss_parallel()";
 
 }  // namespace
 
 std::optional<dtensor::DTensor> untraced_vocab_shard_source(const at::Tensor& t) {
   if (!t.defined() || t.dim() == 0) return std::nullopt;
-  // A graph into other computation (a matmul) may be another model's logits: logits that are gone
-  // are no evidence against it. One from leaves alone (a detached copy) is only theirs.
-  const bool computed_apart = t.grad_fn() && !dtensor::DTensor::trace_back(t).from_leaves_only;
   const auto recent = dtensor::DTensor::recent_last_dim_shards();
   std::vector<const dtensor::RecentLastDimShard*> alive, gone;
   for (const auto& logits : recent) {
-    if (!could_come_from(logits, t)) continue;
-    if (logits.alive) {
-      alive.push_back(&logits);
-    } else if (!computed_apart) {
-      gone.push_back(&logits);
-    }
+    if (could_come_from(logits, t)) (logits.alive ? alive : gone).push_back(&logits);
   }
   if (alive.empty() && gone.empty()) return std::nullopt;
   TORCH_CHECK_VALUE(!alive.empty(), may_come_from(t, *gone.front()),

@@ -20,16 +20,14 @@ namespace hyper_parallel::tensor_parallel {
 at::Tensor vocab_parallel_cross_entropy(const at::Tensor& local_logits, const at::Tensor& targets,
                                         int64_t vocab_size, const dtensor::DeviceMesh& mesh);
 
-/// For `t`, a tensor whose autograd graph does not lead to tagged logits (an eval loss under
-/// no_grad: `pred.flatten(0, 1).float()`; a detached copy; a gate over `pred.detach()`): the
-/// vocabulary-sharded logits (Shard(-1) on a 1-d mesh) among DTensor::recent_last_dim_shards()
-/// whose local shard t holds, its elements in order after a cast, on every rank of their mesh (one
-/// all-reduce of a flag agrees). nullopt if t is as wide as no rank's shard of any such logits: it
-/// is not theirs. Where t's graph leads into other computation (a matmul) only logits still alive
-/// count: t may be another model's logits, sharing a width with logits already freed. Otherwise a
-/// c10::ValueError on every rank, as t may have been computed from a shard by something else (a
-/// scale, a shift, a concatenation, a gate) that, read as whole logits, gives each rank its own
-/// loss: t does not hold its shard on some rank, or the logits it may come from are gone.
+/// For `t`, a tensor no autograd graph traces back (an eval loss under no_grad:
+/// `pred.flatten(0, 1).float()`; a detached copy): the vocabulary-sharded logits (Shard(-1) on a
+/// 1-d mesh) among DTensor::recent_last_dim_shards() whose local shard t holds, its elements in
+/// order after a cast, on every rank of their mesh (one all-reduce of a flag agrees). nullopt if t
+/// is as wide as no rank's shard of any such logits: it is not theirs. Otherwise a c10::ValueError
+/// on every rank, as t may have been computed from a shard by something else (a scale, a shift, a
+/// concatenation) that, read as whole logits, gives each rank its own loss: t does not hold its
+/// shard on some rank, or the logits it may come from are gone.
 /// Collective over the logits' mesh when some are alive: every rank calls it with a tensor of its
 /// own shard's sizes, as it would the loss. The ranks decide from their own shards' sizes and from
 /// which logits are alive on them; where these differ (logits kept on one rank only; a freed

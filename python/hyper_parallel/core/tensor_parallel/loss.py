@@ -4,11 +4,10 @@ tagged (``ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)``), 
 (``pred.flatten(0, 1)``), or a tensor computed from them that keeps the vocabulary shard's width
 (``pred.float()``, ``pred / temperature``, ``pred[:, :-1]``, masking); one computed from them
 through an op that may mix the vocabulary dim (a softmax, a slice of it) is an error, and so is one
-that also takes a gradient to another tensor (``pred / learned_temperature``). Where no graph
-leads back to the logits (under no_grad, after detach, every parameter frozen) the logits, their
-views and casts of them (``pred.flatten(0, 1).float()``, the logits kept alive) are recognized by
-their values, and another tensor as wide as a shard that may come from them (a scale, a shift, a
-gate over ``pred.detach()``) is an error::
+that also takes a gradient to another tensor (``pred / learned_temperature``). Under
+no_grad, after detach, or with every parameter frozen no graph traces a tensor back: the logits,
+their views and casts of them (``pred.flatten(0, 1).float()``, the logits kept alive) are recognized
+by their values, and another tensor that may come from them (a scale, a shift) is an error::
 
     with loss_parallel():
         loss = F.cross_entropy(pred.flatten(0, 1), labels.flatten(0, 1))
@@ -44,12 +43,12 @@ def _sharded_logits(input: torch.Tensor):
             return tagged if _vocabulary_sharded(tagged) else None
         t = t._base
     # Computed from them: a local shard read as whole logits would give each rank its own loss.
-    tagged, mixed_by, other_gradient, _ = _C.DTensor.trace_back(input)
-    if tagged is None:
-        # No graph leads back to them (no_grad, detach, a detached operand): the shard of logits whose
-        # values it holds, if any; an error where it may have been computed from such a shard.
+    tagged, mixed_by, other_gradient, from_leaves_only = _C.DTensor.trace_back(input)
+    if tagged is None and (input.grad_fn is None or from_leaves_only):
+        # Where its values came from is not traced (no_grad, detach): the shard of logits whose values
+        # it holds, if any; an error where it may have been computed from such a shard.
         return _C.untraced_vocab_shard_source(input)
-    if not _vocabulary_sharded(tagged):
+    if tagged is None or not _vocabulary_sharded(tagged):
         return None
     if mixed_by:
         raise ValueError(f"loss_parallel: expected logits computed from the vocabulary-sharded ones by ops that keep "
