@@ -10,6 +10,7 @@
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
 
 #include "../autograd/attach_backward.h"
 #include "../util/weak_tensor_map.h"
@@ -111,6 +112,8 @@ TaggedTrace DTensor::trace_back(const at::Tensor& t, int64_t max_nodes) {
     if (effect == LastDim::kNew || node->next_edges().empty()) {
       layout_started = layout_started || effect == LastDim::kNew;
       if (other.empty()) other = node->name();
+      if (const auto* leaf = dynamic_cast<const torch::autograd::AccumulateGrad*>(node))
+        trace.leaves.push_back(leaf->variable);
       continue;
     }
     if (effect == LastDim::kMixed && mixed.empty()) mixed = node->name();
@@ -123,6 +126,7 @@ TaggedTrace DTensor::trace_back(const at::Tensor& t, int64_t max_nodes) {
   } else {
     trace.from_leaves_only = queue.empty() && !layout_started;
   }
+  if (!trace.from_leaves_only) trace.leaves.clear();
   return trace;
 }
 

@@ -73,6 +73,22 @@ std::string may_come_from(const at::Tensor& t, const dtensor::RecentLastDimShard
   return s.str();
 }
 
+// A graph from leaves alone (a detached copy made to require grad) whose leaf is not as wide as t
+// (a learnable temperature, a per-row scale) has another operand: its gradient, computed beside
+// this rank's vocabulary shard, would be this rank's part only. The same answer on every rank.
+void check_no_other_operand(const at::Tensor& t) {
+  if (!t.grad_fn()) return;
+  for (const auto& leaf : dtensor::DTensor::trace_back(t).leaves) {
+    TORCH_CHECK_NOT_IMPLEMENTED(
+        leaf.dim() > 0 && leaf.size(-1) == t.size(-1),
+        "loss_parallel: expected logits computed from the vocabulary-sharded ones and tensors that take no "
+        "gradient, got a ",
+        t.sizes(), " tensor that also differentiates through a ", leaf.sizes(),
+        " leaf: computed beside this rank's vocabulary shard, that gradient would be this rank's part only; "
+        "detach that operand (a learnable temperature)");
+  }
+}
+
 const char* const kPass =
     "; pass the logits (kept alive until the loss), a view or a cast of them (16-bit logits are "
     "upcast inside; shift the labels, not the logits), or compute with grad enabled; logits of "
@@ -88,6 +104,7 @@ std::optional<dtensor::DTensor> untraced_vocab_shard_source(const at::Tensor& t)
     if (could_come_from(logits, t)) (logits.alive ? alive : gone).push_back(&logits);
   }
   if (alive.empty() && gone.empty()) return std::nullopt;
+  check_no_other_operand(t);
   TORCH_CHECK_VALUE(!alive.empty(), may_come_from(t, *gone.front()),
                     ", which are gone: nothing to compare its values with", kPass);
   const dtensor::DTensor* source = nullptr;

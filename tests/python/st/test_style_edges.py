@@ -544,6 +544,25 @@ def test_loss_parallel_over_logits_combined_with_a_tensor_that_takes_a_gradient_
 
 
 @multirank
+@pytest.mark.parametrize("init", [1.0, 1.3])
+@pytest.mark.parametrize("logits", ["frozen", "detached"])
+def test_loss_parallel_over_detached_logits_over_a_learnable_temperature_is_an_error(mesh, logits, init):
+    """Temperature scaling of logits computed without grad: the temperature's gradient, computed beside
+    one rank's vocabulary shard, would be the rank's part only (at 1.0 the values are the shard's, and
+    it was, silently; at 1.3 the error said the tensor was not the logits)."""
+    out = nn.Linear(4, 2 * WORLD, bias=False)
+    parallelize_module(out, mesh, ColwiseParallel(use_local_output=False))
+    x, labels = same_everywhere(2, 3, 4), same_everywhere(6, high=2 * WORLD)
+    with torch.no_grad() if logits == "frozen" else contextlib.nullcontext():
+        pred = out(x)
+    temperature = torch.tensor(init, requires_grad=True)
+    message = ("loss_parallel: expected logits computed from the vocabulary-sharded ones and tensors that take no "
+               "gradient, got a \\[6, 2\\] tensor that also differentiates through a \\[\\] leaf")
+    with loss_parallel(), pytest.raises(NotImplementedError, match=message):
+        F.cross_entropy((pred.detach() / temperature).flatten(0, 1), labels)
+
+
+@multirank
 def test_a_padding_idx_outside_the_vocabulary_is_an_error(mesh):
     """nn.Embedding checks its own; the core's lookup, reachable from C++, checks too."""
     core = RowwiseParallel(input_layouts=Replicate())._core()

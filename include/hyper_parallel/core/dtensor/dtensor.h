@@ -117,6 +117,9 @@ struct TaggedTrace {
   /// tensor was computed from leaves alone (a detached copy made to require grad) and where its
   /// values came from is not traced.
   bool from_leaves_only = false;
+  /// With from_leaves_only: the tensors at its leaves (those their AccumulateGrad nodes add
+  /// into): the detached copy itself, or another operand that takes a gradient.
+  std::vector<at::Tensor> leaves;
 };
 
 /// A DTensor tagged recently that shards its last dim (DTensor::recent_last_dim_shards).
