@@ -59,7 +59,8 @@ std::unique_ptr<torch::optim::AdamW> adamw(const std::vector<at::Tensor>& params
 
 // One AdamW over the model, or with early_gather one per group in the forward's order (the root's
 // own parameters, the embedding, each block, the output layer); the root, the embedding and block 0
-// gather after their step. AdamW is per parameter, so the updates are those of one optimizer.
+// (steady: every group) gather after their step. AdamW is per parameter, so the updates are those
+// of one optimizer.
 void add_optimizers(Run& run, const Config& c) {
   if (!c.early_gather) {
     run.optimizers.push_back({adamw(run.model->parameters()), std::nullopt});
@@ -72,9 +73,9 @@ void add_optimizers(Run& run, const Config& c) {
   std::vector<std::pair<FSDPModule, bool>> order{{*FSDPModule::of(*run.model), true},
                                                  {*FSDPModule::of(*run.model->tok_embeddings), c.ddp_layout}};
   for (size_t i = 0; i < run.model->layers->size(); ++i) {
-    order.emplace_back(*FSDPModule::of(*run.model->layers[i]), i == 0);
+    order.emplace_back(*FSDPModule::of(*run.model->layers[i]), i == 0 || c.steady);
   }
-  order.emplace_back(*FSDPModule::of(*run.model->output), false);
+  order.emplace_back(*FSDPModule::of(*run.model->output), c.steady);
   for (auto& [module, gather_after] : order) {
     if (module.group() == nullptr) continue;
     run.optimizers.push_back({adamw(module.group()->parameters()),
@@ -136,11 +137,21 @@ struct StepTimes {
   std::vector<hp::comm::ExposedWait> waits;  // this rank's blocked time per region and op
 };
 
-StepTimes step(Run& run, at::Tensor batch, int64_t seq_len, int64_t vocab, const Meshes& meshes) {
+// The next step's gathers that `run`'s optimizer phase started (early_gather) are over.
+void wait_for_early_gathers(Run& run) {
+  for (auto& o : run.optimizers) {
+    if (o.gather_after) o.gather_after->wait_for_unshard();
+  }
+}
+
+// `steady`: the step follows one of the same run, whose gathers are still in flight (no barrier
+// first, which would wait behind them untimed), and does not wait for its own.
+StepTimes step(Run& run, at::Tensor batch, int64_t seq_len, int64_t vocab, const Meshes& meshes,
+               bool steady = false) {
   const auto& mesh = meshes.tp;
   const int64_t rows = batch.size(0) / meshes.replicas();
   batch = batch.narrow(0, meshes.replica() * rows, rows);  // this replica's share
-  hp::comm::barrier(meshes.world);
+  if (!steady) hp::comm::barrier(meshes.world);
   hp::comm::reset_collective_counts();  // after the barrier: its wait is rank skew, not the step's
   StepTimes t;
   const int64_t before = hp::comm::payload_bytes_sent();
@@ -173,10 +184,9 @@ StepTimes step(Run& run, at::Tensor batch, int64_t seq_len, int64_t vocab, const
       o.optimizer->step();
       if (o.gather_after) o.gather_after->unshard(/*async_op=*/true);
     }
-    // The next step's first gathers end within this step: steps of other configurations run next.
-    for (auto& o : run.optimizers) {
-      if (o.gather_after) o.gather_after->wait_for_unshard();
-    }
+    // Unless steady, the next step's first gathers end within this step: steps of other
+    // configurations run next.
+    if (!steady) wait_for_early_gathers(run);
   }
   t.optimizer = since(t2);
   t.optimizer_bytes = hp::comm::payload_bytes_sent() - before - t.forward_bytes - t.backward_bytes;
@@ -207,7 +217,10 @@ std::vector<Measured> measure(Bench& b, const Meshes& mesh) {
     auto batch = llama3::synthetic_batch(42, b.step_index, b.batch_size, b.seq_len, b.args.vocab_size);
     for (size_t c = 0; c < n; ++c) {
       reset_peak_rss();
-      const auto t = step(b.real[c], batch, b.seq_len, b.args.vocab_size, mesh);
+      const bool steady = b.configs[c].steady;
+      if (steady) step(b.real[c], batch, b.seq_len, b.args.vocab_size, mesh, true);  // untimed
+      const auto t = step(b.real[c], batch, b.seq_len, b.args.vocab_size, mesh, steady);
+      if (steady) wait_for_early_gathers(b.real[c]);
       out[c].peak_rss_mb = std::max(out[c].peak_rss_mb, peak_rss_mb());
       StepTimes twin;
       {
@@ -269,7 +282,10 @@ Meshes make_meshes(int64_t dp) {
 // gathered whole and reduce-scattered dense ("FSDP keep early dense emb"; with a group of its own,
 // the embedding's forward gathers only the rows of its tokens and its reduce-scatter sends only
 // the rows they touched), and that with each group's gradients in one reduce-scatter after its
-// whole backward ("FSDP keep early fused RS"; by default they leave in buckets as they come).
+// whole backward ("FSDP keep early fused RS"; by default they leave in buckets as they come), and
+// "FSDP keep early" as a training loop runs it: every group gathers after its step, and the next
+// step's forward finds the gathers in flight ("FSDP keep early steady", see Config::steady), also with
+// the embedding gathered whole, first ("FSDP keep early dense emb steady").
 std::vector<Config> configs_for(const Meshes& meshes) {
   if (!meshes.dp) {
     return {{"plain TP", false, llama3::MC2Scope::kFfn},
@@ -288,7 +304,11 @@ std::vector<Config> configs_for(const Meshes& meshes) {
           {"FSDP keep early", mc2, scope, GradientSync::kFullyShard, true, false, false, true, true},
           {"FSDP keep early dense emb", mc2, scope, GradientSync::kFullyShard, true, true, false, true, true},
           {"FSDP keep early fused RS", mc2, scope, GradientSync::kFullyShard, true, false, false, true, true,
-           true}};
+           true},
+          {"FSDP keep early steady", mc2, scope, GradientSync::kFullyShard, true, false, false, true, true,
+           false, true},
+          {"FSDP keep early dense emb steady", mc2, scope, GradientSync::kFullyShard, true, true, false, true,
+           true, false, true}};
 }
 
 // The configurations named in `only` (all if empty), in that order; a c10::ValueError names the

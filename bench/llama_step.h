@@ -38,6 +38,12 @@ struct Config {
   // kFullyShard: one reduce-scatter per group once its whole backward is over, not buckets that
   // leave as its gradients come (reduce_bucket_cap_bytes 0).
   bool fused_reduce = false;
+  // kFullyShard (with early_gather): as a training loop runs, every group but a row-sparse
+  // embedding gathers right after its own step and the step does not wait for these gathers: the
+  // next step's forward finds them in flight. Timed after an untimed step of the same
+  // configuration with no barrier between the two, and its gathers waited for (untimed) before
+  // another configuration's step.
+  bool steady = false;
 };
 
 // The meshes: TP over the world, or {dp, tp}.
