@@ -73,20 +73,23 @@ std::string may_come_from(const at::Tensor& t, const dtensor::RecentLastDimShard
   return s.str();
 }
 
-// A graph from leaves alone (a detached copy made to require grad) whose leaf is not as wide as t
-// (a learnable temperature, a per-row scale) has another operand: its gradient, computed beside
-// this rank's vocabulary shard, would be this rank's part only. The same answer on every rank.
-void check_no_other_operand(const at::Tensor& t) {
-  if (!t.grad_fn()) return;
+// A graph from leaves alone (a detached copy made to require grad) that reaches a leaf of another
+// size than t (a learnable temperature, a per-row scale) has another operand: its gradient, computed
+// beside this rank's vocabulary shard, would be this rank's part only. "a <sizes> leaf", or "".
+std::string other_operand(const at::Tensor& t) {
+  if (!t.grad_fn()) return {};
   for (const auto& leaf : dtensor::DTensor::trace_back(t).leaves) {
-    TORCH_CHECK_NOT_IMPLEMENTED(
-        leaf.dim() > 0 && leaf.size(-1) == t.size(-1),
-        "loss_parallel: expected logits computed from the vocabulary-sharded ones and tensors that take no "
-        "gradient, got a ",
-        t.sizes(), " tensor that also differentiates through a ", leaf.sizes(),
-        " leaf: computed beside this rank's vocabulary shard, that gradient would be this rank's part only; "
-        "detach that operand (a learnable temperature)");
+    if (leaf.numel() != t.numel()) return c10::str("a ", leaf.sizes(), " leaf");
   }
+  return {};
+}
+
+std::string other_operand_error(const at::Tensor& t, const std::string& leaf) {
+  return c10::str(
+      "loss_parallel: expected logits computed from the vocabulary-sharded ones and tensors that take ",
+      "no gradient, got a ", t.sizes(), " tensor that also differentiates through ", leaf,
+      ": computed beside this rank's vocabulary shard, that gradient would be this rank's part "
+      "only; detach that operand (a learnable temperature)");
 }
 
 const char* const kPass =
@@ -104,7 +107,8 @@ std::optional<dtensor::DTensor> untraced_vocab_shard_source(const at::Tensor& t)
     if (could_come_from(logits, t)) (logits.alive ? alive : gone).push_back(&logits);
   }
   if (alive.empty() && gone.empty()) return std::nullopt;
-  check_no_other_operand(t);
+  const auto other = other_operand(t);
+  TORCH_CHECK_NOT_IMPLEMENTED(!alive.empty() || other.empty(), other_operand_error(t, other));
   TORCH_CHECK_VALUE(!alive.empty(), may_come_from(t, *gone.front()),
                     ", which are gone: nothing to compare its values with", kPass);
   const dtensor::DTensor* source = nullptr;
@@ -114,12 +118,19 @@ std::optional<dtensor::DTensor> untraced_vocab_shard_source(const at::Tensor& t)
       break;
     }
   }
-  // The ranks agree: each rank's tensor is its own shard's, or none computes the loss.
+  // The ranks agree: each rank's tensor is its own shard's and has no other operand, or none
+  // computes the loss (shards of uneven widths: the sizes compared differ between ranks).
   const auto& mesh = alive.front()->alive->device_mesh();
-  const auto differing =
-      static_cast<int64_t>(comm::all_reduce(at::full({1}, source != nullptr ? 0.0F : 1.0F, at::kFloat),
-                                            comm::ReduceOp::kSum, mesh.get_group(0))
-                               .item<float>());
+  const auto flags =
+      comm::all_reduce(at::tensor({source != nullptr ? 0.0F : 1.0F, other.empty() ? 0.0F : 1.0F}),
+                       comm::ReduceOp::kSum, mesh.get_group(0));
+  const auto differing = static_cast<int64_t>(flags[0].item<float>());
+  const auto with_other = static_cast<int64_t>(flags[1].item<float>());
+  TORCH_CHECK_NOT_IMPLEMENTED(
+      with_other == 0,
+      other_operand_error(
+          t, other.empty() ? c10::str("a leaf of another size on ", with_other, " of ", mesh.size(), " ranks")
+                           : other));
   TORCH_CHECK_VALUE(differing == 0, may_come_from(t, *alive.front()),
                     source != nullptr ? ", holding this rank's shard of them, but other ranks' do not"
                                       : ", not holding this rank's shard of them",

@@ -387,10 +387,22 @@ def test_an_eval_loss_over_the_logits_or_a_cast_without_a_graph_matches_the_sing
     torch.testing.assert_close(loss.double(), ref_loss, rtol=tolerance, atol=tolerance)
 
 
+# A detached copy of the logits [B, S, V] made to require grad, in some layout: (copy, the loss's
+# [B * S, V] input computed from it, the copy's gradient as the logits').
+COPY_LAYOUTS = {
+    "same": lambda pred: (lambda c: (c, c.flatten(0, 1), lambda g: g))(pred.detach().requires_grad_()),
+    "flat": lambda pred: (lambda c: (c, c.view(-1, pred.shape[-1]), lambda g: g.view_as(pred)))(
+        pred.detach().reshape(-1).requires_grad_()),
+    "class_major": lambda pred: (lambda c: (c, c.transpose(1, 2).flatten(0, 1), lambda g: g.transpose(1, 2)))(
+        pred.detach().transpose(1, 2).requires_grad_())}
+
+
 @multirank
-def test_a_loss_over_a_detached_copy_made_to_require_grad_matches_and_its_gradient_goes_back(mesh):
+@pytest.mark.parametrize("layout", list(COPY_LAYOUTS))
+def test_a_loss_over_a_detached_copy_made_to_require_grad_matches_and_its_gradient_goes_back(mesh, layout):
     """A loss computed apart (chunked losses): its backward runs on a detached copy of the logits,
-    whose gradient then goes into the logits' backward. The copy's graph leads to no logits."""
+    whose gradient then goes into the logits' backward. The copy's graph leads to no logits; its
+    leaf, the copy, has as many elements as the loss's input in any layout."""
     torch.manual_seed(18)
     out = nn.Linear(4, 3 * WORLD + 1, bias=False)
     ref = copy.deepcopy(out)
@@ -399,16 +411,17 @@ def test_a_loss_over_a_detached_copy_made_to_require_grad_matches_and_its_gradie
     losses, preds, copies = [], [], []
     for model, context in ((out, loss_parallel), (ref, contextlib.nullcontext)):
         preds.append(model(x))
-        copies.append(preds[-1].detach().requires_grad_())
+        leaf, input, to_pred = COPY_LAYOUTS[layout](preds[-1])
+        copies.append(input)
         with context():
-            loss = F.cross_entropy(copies[-1].flatten(0, 1).double(), labels)
+            loss = F.cross_entropy(input.double(), labels)
         loss.backward()
-        preds[-1].backward(copies[-1].grad)
+        preds[-1].backward(to_pred(leaf.grad))
         losses.append(loss)
     torch.testing.assert_close(losses[0], losses[1], rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(full_grad(out.weight), ref.weight.grad, rtol=1e-5, atol=1e-7)
     with loss_parallel(), pytest.raises(ValueError, match="not holding this rank's shard of them"):
-        F.cross_entropy((copies[0] / 0.7).flatten(0, 1), labels)
+        F.cross_entropy(copies[0].detach() / 0.7, labels)
 
 
 @multirank
@@ -545,21 +558,25 @@ def test_loss_parallel_over_logits_combined_with_a_tensor_that_takes_a_gradient_
 
 @multirank
 @pytest.mark.parametrize("init", [1.0, 1.3])
+@pytest.mark.parametrize("temperature", ["scalar", "per_position"])
 @pytest.mark.parametrize("logits", ["frozen", "detached"])
-def test_loss_parallel_over_detached_logits_over_a_learnable_temperature_is_an_error(mesh, logits, init):
+def test_loss_parallel_over_detached_logits_over_a_learnable_temperature_is_an_error(mesh, logits, temperature,
+                                                                                     init):
     """Temperature scaling of logits computed without grad: the temperature's gradient, computed beside
-    one rank's vocabulary shard, would be the rank's part only (at 1.0 the values are the shard's, and
-    it was, silently; at 1.3 the error said the tensor was not the logits)."""
-    out = nn.Linear(4, 2 * WORLD, bias=False)
+    one rank's vocabulary shard, would be the rank's part only (at 1.0 the values are the shard's, and it
+    was, silently; at 1.3 the error said the tensor was not the logits). A temperature per position as
+    wide as some ranks' shards (widths 3 and 2 here) is an error on every rank: none waits."""
+    out = nn.Linear(4, 3 * WORLD - 1, bias=False)
     parallelize_module(out, mesh, ColwiseParallel(use_local_output=False))
-    x, labels = same_everywhere(2, 3, 4), same_everywhere(6, high=2 * WORLD)
+    x, labels = same_everywhere(2, 3, 4), same_everywhere(6, high=2)
     with torch.no_grad() if logits == "frozen" else contextlib.nullcontext():
         pred = out(x)
-    temperature = torch.tensor(init, requires_grad=True)
+    t = torch.full(() if temperature == "scalar" else (3,), init, requires_grad=True)
+    leaf = "a \\[\\] leaf" if temperature == "scalar" else "(a \\[3\\] leaf|a leaf of another size on)"
     message = ("loss_parallel: expected logits computed from the vocabulary-sharded ones and tensors that take no "
-               "gradient, got a \\[6, 2\\] tensor that also differentiates through a \\[\\] leaf")
+               f"gradient, got a \\[6, (2|3)\\] tensor that also differentiates through {leaf}")
     with loss_parallel(), pytest.raises(NotImplementedError, match=message):
-        F.cross_entropy((pred.detach() / temperature).flatten(0, 1), labels)
+        F.cross_entropy((pred.detach() / (t if temperature == "scalar" else t[:, None])).flatten(0, 1), labels)
 
 
 @multirank

@@ -27,9 +27,10 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& local_logits, const at
 /// is as wide as no rank's shard of any such logits: it is not theirs. Otherwise a c10::ValueError
 /// on every rank, as t may have been computed from a shard by something else (a scale, a shift, a
 /// concatenation) that, read as whole logits, gives each rank its own loss: t does not hold its
-/// shard on some rank, or the logits it may come from are gone. A c10::NotImplementedError where
-/// t's graph reaches a leaf not as wide as t (`pred.detach() / learnable_temperature`): computed
-/// beside this rank's shard, that leaf's gradient would be this rank's part only.
+/// shard on some rank, or the logits it may come from are gone. A c10::NotImplementedError, on every
+/// rank, where t's graph reaches leaves alone and one of another size than t on some rank
+/// (`pred.detach() / learnable_temperature`): computed beside this rank's shard, that leaf's
+/// gradient would be this rank's part only.
 /// Collective over the logits' mesh when some are alive: every rank calls it with a tensor of its
 /// own shard's sizes, as it would the loss. The ranks decide from their own shards' sizes and from
 /// which logits are alive on them; where these differ (logits kept on one rank only; a freed
