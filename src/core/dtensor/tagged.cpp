@@ -124,7 +124,9 @@ TaggedTrace DTensor::trace_back(const at::Tensor& t, int64_t max_nodes) {
   if (trace.tagged) {
     trace.other_gradient = other;
   } else {
-    trace.from_leaves_only = queue.empty() && !layout_started;
+    // A walk cut off before any op that starts a layout is taken as one from leaves: a graph of
+    // another model's logits reaches its matmul within a few nodes.
+    trace.from_leaves_only = !layout_started;
   }
   if (!trace.from_leaves_only) trace.leaves.clear();
   return trace;

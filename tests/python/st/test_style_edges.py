@@ -425,6 +425,24 @@ def test_a_loss_over_a_detached_copy_made_to_require_grad_matches_and_its_gradie
 
 
 @multirank
+def test_a_loss_over_a_detached_copy_through_more_ops_than_the_graph_walk_follows_matches(mesh):
+    """Past the walk's 64 nodes, a graph that reached no matmul is still taken as one from leaves:
+    its values are compared (each rank took torch's loss of its own shard)."""
+    torch.manual_seed(20)
+    out = nn.Linear(4, 2 * WORLD, bias=False)
+    ref = copy.deepcopy(out)
+    parallelize_module(out, mesh, ColwiseParallel(use_local_output=False))
+    x, labels = same_everywhere(2, 3, 4), same_everywhere(6, high=2 * WORLD)
+    pred = out(x)
+    input = pred.detach().requires_grad_()
+    for _ in range(70):
+        input = input * 1.0
+    with loss_parallel():
+        loss = F.cross_entropy(input.flatten(0, 1), labels)
+    torch.testing.assert_close(loss, F.cross_entropy(ref(x).flatten(0, 1), labels), rtol=1e-6, atol=1e-6)
+
+
+@multirank
 def test_an_eval_loss_finds_its_logits_past_later_sharded_activations_and_keeps_a_nan(mesh):
     """Logits found among many later last-dim shards still alive (another model's activations);
     a NaN in them is the loss's NaN, not a mismatch."""

@@ -113,9 +113,9 @@ struct TaggedTrace {
   /// temperature's AccumulateGrad, a gate's matmul), or "". Computed beside one rank's shard of
   /// the last dim, such a gradient is that rank's part only.
   std::string other_gradient;
-  /// Without `tagged`: whether the whole graph was walked and no op on it starts a layout, so the
-  /// tensor was computed from leaves alone (a detached copy made to require grad) and where its
-  /// values came from is not traced.
+  /// Without `tagged`: whether no op on the graph, as far as the walk went, starts a layout: the
+  /// tensor was computed from leaves alone (a detached copy made to require grad), or through more
+  /// nodes than `max_nodes` that keep the last dim, and where its values came from is not traced.
   bool from_leaves_only = false;
   /// With from_leaves_only: the tensors at its leaves (those their AccumulateGrad nodes add
   /// into): the detached copy itself, or another operand that takes a gradient.
