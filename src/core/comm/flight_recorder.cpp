@@ -114,6 +114,7 @@ std::string FlightRecorder::dump() const {
     out << "  #" << r->id << " " << r->kind << " seq " << r->seq << " on " << r->group << ": " << r->shape
         << " — " << state_name(r->state);
     if (r->peer >= 0) out << " while waiting on rank " << r->peer << " (" << r->waiting << ")";
+    if (r->peer < 0 && !r->waiting.empty()) out << " while waiting on " << r->waiting;
     const int64_t end = r->end_us ? r->end_us : trace::detail::now_us();
     out << ", " << (end - r->start_us) / 1000 << " ms\n";
   }

@@ -10,6 +10,8 @@
 #include <hyper_parallel/core/comm/op.h>
 #include <hyper_parallel/core/comm/p2p.h>
 
+#include "control_channel.h"
+
 namespace hyper_parallel::comm {
 
 namespace {
@@ -70,8 +72,8 @@ at::Tensor gather_rows(const at::Tensor& shard, int64_t rows, const at::Tensor& 
   std::vector<Work> works;
   for (int64_t q = 0; q < p; ++q) {
     if (q == r) continue;
-    works.push_back(irecv(counts_in.narrow(0, q, 1), q, group, tags.step(kCountStep)));
-    works.push_back(isend(counts_out.narrow(0, q, 1), q, group, tags.step(kCountStep)));
+    works.push_back(detail::post_express(false, counts_in.narrow(0, q, 1), q, group, tags.step(kCountStep)));
+    works.push_back(detail::post_express(true, counts_out.narrow(0, q, 1), q, group, tags.step(kCountStep)));
   }
   wait_all(works);
   counts_in[r] = asked[r];
@@ -92,8 +94,8 @@ at::Tensor gather_rows(const at::Tensor& shard, int64_t rows, const at::Tensor& 
       continue;
     }
     offsets_in[q] = at::empty({in[q]}, at::kLong);
-    works.push_back(irecv(offsets_in[q], q, group, tags.step(kOffsetStep)));
-    works.push_back(isend(mine.contiguous(), q, group, tags.step(kOffsetStep)));
+    works.push_back(detail::post_express(false, offsets_in[q], q, group, tags.step(kOffsetStep)));
+    works.push_back(detail::post_express(true, mine.contiguous(), q, group, tags.step(kOffsetStep)));
     rows_in[q] = at::empty({asked[q], cols}, shard.options());
   }
   wait_all(works);
@@ -104,8 +106,8 @@ at::Tensor gather_rows(const at::Tensor& shard, int64_t rows, const at::Tensor& 
       rows_in[r] = rows_out[r];
       continue;
     }
-    works.push_back(irecv(rows_in[q], q, group, tags.step(kRowStep)));
-    works.push_back(isend(rows_out[q], q, group, tags.step(kRowStep)));
+    works.push_back(detail::post_express(false, rows_in[q], q, group, tags.step(kRowStep)));
+    works.push_back(detail::post_express(true, rows_out[q], q, group, tags.step(kRowStep)));
   }
   wait_all(works);
   return at::cat(rows_in, 0);

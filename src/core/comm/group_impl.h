@@ -3,6 +3,8 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdint>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -16,7 +18,20 @@
 
 #include "worker_thread.h"
 
+namespace gloo::transport {
+class Device;
+}  // namespace gloo::transport
+
 namespace hyper_parallel::comm::detail {
+
+/// Where a group's control channel meets: the world store's master, which the channel reaches
+/// with a store client of its own (a client's waits hold its lock, so a channel never waits on
+/// another thread's rendezvous), and the transport device.
+struct ControlRendezvous {
+  std::string host;
+  uint16_t port = 0;
+  std::shared_ptr<::gloo::transport::Device> device;
+};
 
 struct GroupImpl {
   c10::intrusive_ptr<c10d::ProcessGroup> backend;
@@ -29,6 +44,13 @@ struct GroupImpl {
   std::atomic<std::thread::id> issuing_thread{};  // the thread inside an OpScope on it, if any
   std::mutex link_mutex;                          // guards link (not held while probing)
   std::optional<LinkEstimate> link;               // link_probe.h, once measured
+  // The control channel (control_channel.h): where its connections meet, set when the group is
+  // made (none: a world whose store is not a TCPStore, and the channel is the group's own
+  // connections); the connections, made by the group's first op that uses the channel; the
+  // failure to make them, if that failed. Only the issuing thread touches the last two.
+  std::optional<ControlRendezvous> control_rendezvous;
+  c10::intrusive_ptr<c10d::ProcessGroup> control;
+  std::string control_failure;
   // The ops agreed in advance since the last per-op agreement (op.h): their count, the call
   // number of the first, and a digest of their signatures. Only the issuing thread touches them.
   int64_t unagreed_ops = 0, unagreed_first_seq = -1;

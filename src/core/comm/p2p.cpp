@@ -40,8 +40,9 @@ c10::intrusive_ptr<c10d::Work> Transfer::wait_posted() {
 }
 
 void Transfer::wait_completed() {
-  // Gloo's wait with a timeout throws "Timed out waiting ... ms" and fails the group's other
-  // pending transfers, so none completes later into a freed buffer.
+  // Gloo's wait with a timeout throws "Timed out waiting ... ms" and fails the other pending
+  // transfers on the same connections (the group's own, or its control channel's:
+  // control_channel.h), so none completes later into a freed buffer.
   wait_posted()->wait(timeout);
 }
 
@@ -129,7 +130,7 @@ OpTags reserve_tags(const Group& group) {
 namespace detail {
 
 Work post_transfer(bool is_send, const at::Tensor& tensor, int64_t peer, const Group& group, int tag,
-                   bool traceable) {
+                   bool traceable, c10::intrusive_ptr<c10d::ProcessGroup> backend) {
   if (test_hooks::transfers_skipped()) {
     if (!is_send) tensor.zero_();
     return Work();
@@ -140,7 +141,7 @@ Work post_transfer(bool is_send, const at::Tensor& tensor, int64_t peer, const G
                         " has no timeout");
   auto transfer = std::make_shared<Transfer>(group.timeout());
   auto wire = as_wire_tensor(tensor);
-  const auto& backend = group.impl().backend;
+  if (!backend) backend = group.impl().backend;
   if (is_send && bytes >= SendPoster::kMinBytes) {
     SendPoster::get().submit(backend, wire, static_cast<int>(peer), tag, transfer);
   } else {

@@ -12,6 +12,7 @@
 #include <optional>
 #include <sstream>
 #include <thread>
+#include <utility>
 
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -52,6 +53,8 @@ struct World {
   // HP_TIMEOUT_S set one; else each waits with its backend's own.
   std::optional<std::chrono::milliseconds> adopted_timeout;
   std::thread::id init_thread;  // the thread that made or joined the world
+  // The master of the world's store, if it is a TCPStore: where control channels meet.
+  std::optional<std::pair<std::string, uint16_t>> store_master;
 };
 
 World& world_state() {
@@ -130,6 +133,33 @@ std::chrono::milliseconds own_timeout(c10::intrusive_ptr<c10d::ProcessGroup> bac
   if (gloo == nullptr) return fallback;
   const auto timeout = gloo->getOptions()->timeout;
   return timeout.count() > 0 ? timeout : fallback;
+}
+
+// The master of a TCPStore under any PrefixStores, if the store is one.
+std::optional<std::pair<std::string, uint16_t>> tcp_master(c10::intrusive_ptr<c10d::Store> store) {
+  while (auto* prefixed = dynamic_cast<c10d::PrefixStore*>(store.get()))
+    store = prefixed->getUnderlyingStore();
+  auto* tcp = dynamic_cast<c10d::TCPStore*>(store.get());
+  if (tcp == nullptr) return std::nullopt;
+  return std::make_pair(tcp->getHost(), tcp->getPort());
+}
+
+// The transport device of a Gloo backend another front end made (torch's follows
+// GLOO_SOCKET_IFNAME), or `fallback` if it tells none.
+std::shared_ptr<::gloo::transport::Device> own_device(c10::intrusive_ptr<c10d::ProcessGroup> backend,
+                                                      std::shared_ptr<::gloo::transport::Device> fallback) {
+  if (auto* wrapper = dynamic_cast<c10d::ProcessGroupWrapper*>(backend.get()))
+    backend = wrapper->getWrappedPg();
+  auto* gloo = dynamic_cast<c10d::ProcessGroupGloo*>(backend.get());
+  if (gloo == nullptr || gloo->getOptions()->devices.empty()) return fallback;
+  return gloo->getOptions()->devices.front();
+}
+
+// Where a group's control channel meets (group_impl.h), over `device`; none without a TCPStore.
+std::optional<detail::ControlRendezvous> control_rendezvous(
+    const World& w, std::shared_ptr<::gloo::transport::Device> device) {
+  if (!w.store_master) return std::nullopt;
+  return detail::ControlRendezvous{w.store_master->first, w.store_master->second, std::move(device)};
 }
 
 // Destroys groups on a thread of this library's own: a ProcessGroupGloo's destructor joins its
@@ -230,6 +260,8 @@ void init_process_group(const InitOptions& options) {
   for (int64_t r = 0; r < *size; ++r) impl->global_ranks.push_back(r);
   impl->name = "world";
   impl->timeout = timeout;
+  w.store_master = std::make_pair(*addr, static_cast<uint16_t>(*port));
+  impl->control_rendezvous = control_rendezvous(w, w.device);
   w.adopted_timeout = timeout;  // a C++ world's groups all wait with its timeout
   w.group = std::move(impl);
   w.init_thread = std::this_thread::get_id();
@@ -263,7 +295,9 @@ void init_process_group_from(c10::intrusive_ptr<c10d::ProcessGroup> world_backen
   } else {
     w.device = c10d::ProcessGroupGloo::createDefaultDevice();
   }
+  w.store_master = tcp_master(w.store);
   auto impl = std::make_shared<detail::GroupImpl>();
+  impl->control_rendezvous = control_rendezvous(w, own_device(world_backend, w.device));
   impl->backend = std::move(world_backend);
   impl->rank = rank;
   for (int64_t r = 0; r < size; ++r) impl->global_ranks.push_back(r);
@@ -306,6 +340,7 @@ void destroy_process_group() {
     for (auto& entry : w.adopted) adopted.push_back(std::move(entry.second));
     w.adopted.clear();
     w.adopted_timeout.reset();
+    w.store_master.reset();
   }
   // Outside the lock (and, from Python, without Python's lock): a group's destructor joins its
   // threads, whose callbacks may need either. On the releaser's thread: the caller may be one of
@@ -346,6 +381,7 @@ Group adopt_group(c10::intrusive_ptr<c10d::ProcessGroup> backend, std::vector<in
   full_name << name << c10::IntArrayRef(impl->global_ranks);
   impl->name = full_name.str();
   impl->timeout = w.adopted_timeout.value_or(own_timeout(backend, world_impl.timeout));
+  impl->control_rendezvous = control_rendezvous(w, own_device(backend, w.device));
   impl->backend = std::move(backend);
   w.adopted[impl->backend.get()] = impl;
   lock.unlock();
@@ -378,6 +414,7 @@ Group new_group(const std::vector<int64_t>& ranks) {
   impl->global_ranks = ranks;
   impl->name = name.str();
   impl->timeout = world_impl.timeout;
+  impl->control_rendezvous = control_rendezvous(w, w.device);
   auto gloo_options = c10d::ProcessGroupGloo::Options::create(world_impl.timeout);
   gloo_options->devices.push_back(w.device);
   impl->backend = c10::make_intrusive<c10d::ProcessGroupGloo>(

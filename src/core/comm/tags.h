@@ -1,6 +1,8 @@
 #pragma once
 // Internal: how this library's tags are laid out above the user range (p2p.h's kMaxUserTag):
-//   kControlTag                                   every group's control channel (signatures)
+//   kControlTag                                   every group's control messages (signatures on its
+//                                                 control channel; the channel's name, drawn on
+//                                                 the group's own connections)
 //   kInternalTagBase + block · OpTags::kMaxSteps   the steps of one operation's tag block
 // Blocks wrap after kOpBlocks operations on a group; operations that far apart never overlap.
 

@@ -36,8 +36,9 @@ struct Transfer {
 
 /// Posts a send or receive of `tensor` with `tag` on `group` and wraps it as a Work whose
 /// wait() reports a failure as a c10::Error naming the op, the peer and the chunk. `traceable`
-/// transfers get a span in the trace. The one way this library hands bytes to the transport.
+/// transfers get a span in the trace. The one way this library hands bytes to the transport:
+/// on `backend` if given (the control channel's connections), else on the group's own.
 Work post_transfer(bool is_send, const at::Tensor& tensor, int64_t peer, const Group& group, int tag,
-                   bool traceable);
+                   bool traceable, c10::intrusive_ptr<c10d::ProcessGroup> backend = {});
 
 }  // namespace hyper_parallel::comm::detail

@@ -3,9 +3,12 @@
 // transfers must be covered by matmuls, the control's must not. Also the column Linear's fused
 // backward, whose reduce-scatter must be covered by its weight gradient (spans "wgrad"), and a
 // serial control that computes the weight gradient after the reduce-scatter. With an argument,
-// the row chain below instead (deferred weight gradients in a gather window, or not).
+// the row chain below instead (deferred weight gradients in a gather window, or not), or an
+// agreement started beside a gather in flight.
+#include <chrono>
 #include <cstdio>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -45,10 +48,56 @@ int row_chain(bool deferred) {
   return 0;
 }
 
+// `trace_overlap_main agreement`: a large all-gather in flight, then a second one started with
+// its per-op agreement, then an embedding's row gather (blocking). The agreement's messages and
+// the row gather travel on the control channel's own connections, so each returns while the
+// first gather's payload is still on the link; on one connection per peer they queued behind
+// that payload, and the first gather was complete by then (on one rank in one instance of three,
+// its completion was marked late). Prints how often it was still in flight.
+int agreement_beside_payload() {
+  auto group = hp::comm::world();
+  const int64_t p = group.size();
+  const auto payload = at::ones({int64_t{16} << 20});  // 64 MiB per rank: 0.5 s at 1 Gbit/s
+  const auto small = at::ones({16});
+  // This rank's rows of a [64 P, 256] table: row i of the whole table holds i.
+  const auto table =
+      (at::arange(64, at::kFloat) + 64 * group.rank()).unsqueeze(1).expand({64, 256}).contiguous();
+  const auto ids = at::arange(64 * p, at::kLong);
+  hp::comm::barrier(group);  // the control channel's connections are made here
+  // The completion thread marks a gather complete shortly after its last transfer: give it that
+  // time, a fraction of the 0.5 s the payload takes, so that only a gather in flight reads so.
+  auto in_flight = [](hp::comm::PendingAllGather& large) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    return !large.is_completed();
+  };
+  int started = 0, rows = 0;
+  for (int i = 0; i < 3; ++i) {
+    auto large = hp::comm::start_all_gather(payload, group);
+    auto next = hp::comm::start_all_gather(small, group);
+    started += in_flight(large) ? 1 : 0;
+    large.wait();
+    next.wait();
+    large = hp::comm::start_all_gather(payload, group);
+    const auto gathered = hp::comm::gather_rows(table, 64 * p, ids, group);
+    rows += in_flight(large) ? 1 : 0;
+    if (!gathered.equal(ids.to(at::kFloat).unsqueeze(1).expand({64 * p, 256}))) {
+      std::printf("rank %lld: the row gather returned other rows\n", static_cast<long long>(group.rank()));
+      return 1;
+    }
+    large.wait();
+    hp::comm::barrier(group);
+  }
+  std::printf("rank %lld: agreements beside payload in flight: %d of 3; row gathers: %d of 3\n",
+              static_cast<long long>(group.rank()), started, rows);
+  hp::comm::destroy_process_group();
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   hp::comm::init_process_group();
+  if (argc > 1 && std::string(argv[1]) == "agreement") return agreement_beside_payload();
   if (argc > 1) return row_chain(std::string(argv[1]) == "deferred");
   auto group = hp::comm::world();
   const int64_t p = group.size(), m = 512, k = 4096, n = 4096;

@@ -8,7 +8,9 @@
 // how many of its rows it asks for, then their offsets in the owner's shard; each owner sends
 // back those rows. A rank receives only the rows it asked for, and sends only the rows asked of
 // it. Ids outside [0, rows) on any rank are an error on every rank (the counts carry it), so no
-// rank waits for a peer that gave up.
+// rank waits for a peer that gave up. Its messages travel on the group's control channel (its
+// own connections, in a world with a TCPStore), beside the payload of ops already on the link (a
+// forward's prefetched gathers) rather than behind it: the caller waits for the rows at once.
 //
 // Contract: as every collective (process_group.h); all ranks call it in the same order with the
 // same rows, cols and dtype (their ids may differ).
