@@ -160,19 +160,24 @@ Work post_transfer(bool is_send, const at::Tensor& tensor, int64_t peer, const G
   return Work(std::make_shared<TransferWork>(std::move(transfer), post_us >= 0, what, peer_global));
 }
 
+Work post_payload(bool is_send, const at::Tensor& tensor, int64_t peer, const Group& group, int tag,
+                  c10::intrusive_ptr<c10d::ProcessGroup> backend) {
+  if (tensor.numel() == 0) return Work();
+  if (is_send && !test_hooks::transfers_skipped())
+    record_payload_bytes(static_cast<int64_t>(tensor.nbytes()));
+  return post_transfer(is_send, tensor, peer, group, tag, /*traceable=*/true, std::move(backend));
+}
+
 }  // namespace detail
 
 Work isend(const at::Tensor& tensor, int64_t dst, const Group& group, int tag) {
   check_transfer("isend", tensor, dst, group);
-  if (tensor.numel() == 0) return Work();
-  if (!test_hooks::transfers_skipped()) detail::record_payload_bytes(static_cast<int64_t>(tensor.nbytes()));
-  return detail::post_transfer(/*is_send=*/true, tensor, dst, group, tag, /*traceable=*/true);
+  return detail::post_payload(/*is_send=*/true, tensor, dst, group, tag);
 }
 
 Work irecv(const at::Tensor& tensor, int64_t src, const Group& group, int tag) {
   check_transfer("irecv", tensor, src, group);
-  if (tensor.numel() == 0) return Work();
-  return detail::post_transfer(/*is_send=*/false, tensor, src, group, tag, /*traceable=*/true);
+  return detail::post_payload(/*is_send=*/false, tensor, src, group, tag);
 }
 
 }  // namespace hyper_parallel::comm

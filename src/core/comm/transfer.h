@@ -41,4 +41,9 @@ struct Transfer {
 Work post_transfer(bool is_send, const at::Tensor& tensor, int64_t peer, const Group& group, int tag,
                    bool traceable, c10::intrusive_ptr<c10d::ProcessGroup> backend = {});
 
+/// A transfer of an op's payload (isend, irecv): none for an empty tensor; a send's bytes are
+/// counted; traced. On `backend` as post_transfer.
+Work post_payload(bool is_send, const at::Tensor& tensor, int64_t peer, const Group& group, int tag,
+                  c10::intrusive_ptr<c10d::ProcessGroup> backend = {});
+
 }  // namespace hyper_parallel::comm::detail
