@@ -122,14 +122,19 @@ std::optional<std::chrono::milliseconds> timeout_set(const InitOptions& options,
   return std::nullopt;
 }
 
+// The Gloo backend under a backend another front end made (TORCH_DISTRIBUTED_DEBUG=DETAIL wraps
+// each of torch's groups in a checking one), or null if it is not Gloo.
+c10d::ProcessGroupGloo* gloo_of(const c10::intrusive_ptr<c10d::ProcessGroup>& backend) {
+  if (auto* wrapper = dynamic_cast<c10d::ProcessGroupWrapper*>(backend.get()))
+    return dynamic_cast<c10d::ProcessGroupGloo*>(wrapper->getWrappedPg().get());
+  return dynamic_cast<c10d::ProcessGroupGloo*>(backend.get());
+}
+
 // The timeout a backend another front end made waits with (torch: the one given to
 // init_process_group or new_group, 30 min unless given), or `fallback` if it tells none.
-std::chrono::milliseconds own_timeout(c10::intrusive_ptr<c10d::ProcessGroup> backend,
+std::chrono::milliseconds own_timeout(const c10::intrusive_ptr<c10d::ProcessGroup>& backend,
                                       std::chrono::milliseconds fallback) {
-  // TORCH_DISTRIBUTED_DEBUG=DETAIL wraps each of torch's groups in a checking one.
-  if (auto* wrapper = dynamic_cast<c10d::ProcessGroupWrapper*>(backend.get()))
-    backend = wrapper->getWrappedPg();
-  auto* gloo = dynamic_cast<c10d::ProcessGroupGloo*>(backend.get());
+  auto* gloo = gloo_of(backend);
   if (gloo == nullptr) return fallback;
   const auto timeout = gloo->getOptions()->timeout;
   return timeout.count() > 0 ? timeout : fallback;
@@ -146,11 +151,9 @@ std::optional<std::pair<std::string, uint16_t>> tcp_master(c10::intrusive_ptr<c1
 
 // The transport device of a Gloo backend another front end made (torch's follows
 // GLOO_SOCKET_IFNAME), or `fallback` if it tells none.
-std::shared_ptr<::gloo::transport::Device> own_device(c10::intrusive_ptr<c10d::ProcessGroup> backend,
+std::shared_ptr<::gloo::transport::Device> own_device(const c10::intrusive_ptr<c10d::ProcessGroup>& backend,
                                                       std::shared_ptr<::gloo::transport::Device> fallback) {
-  if (auto* wrapper = dynamic_cast<c10d::ProcessGroupWrapper*>(backend.get()))
-    backend = wrapper->getWrappedPg();
-  auto* gloo = dynamic_cast<c10d::ProcessGroupGloo*>(backend.get());
+  auto* gloo = gloo_of(backend);
   if (gloo == nullptr || gloo->getOptions()->devices.empty()) return fallback;
   return gloo->getOptions()->devices.front();
 }
