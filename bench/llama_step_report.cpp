@@ -59,6 +59,19 @@ std::string short_name(std::string name) {
   return name;
 }
 
+// The sum of `phase(compute, bytes)` over a step's phases: the forward, the backward and the
+// optimizer phase. A steady schedule's optimizer phase starts the next step's gathers and does not
+// wait for them: they travel during the next forward, so there the optimizer phase and the forward
+// are one phase.
+template <typename Phase>
+double over_phases(const Measured& m, bool steady, const Phase& phase) {
+  const double backward = phase(m.compute_backward, m.backward_bytes);
+  if (steady) {
+    return backward + phase(m.compute_optimizer + m.compute_forward, m.optimizer_bytes + m.forward_bytes);
+  }
+  return backward + phase(m.compute_forward, m.forward_bytes) + phase(m.compute_optimizer, m.optimizer_bytes);
+}
+
 }  // namespace
 
 // Speedups are against the first configuration (plain TP, or DP blocking). The bound is max(compute-only
@@ -66,7 +79,8 @@ std::string short_name(std::string name) {
 // the backward and of the optimizer phase (its bytes: early gathers, the clipping's norm); the floor is the
 // phase-wise bound with each phase's compute lengthened by what its transfers cost the compute beside them
 // (the link's compute lost per MB): what a schedule that keeps each phase's transfers in that phase can at
-// best expect on these cores.
+// best expect on these cores. In a steady configuration the optimizer phase and the next forward count as
+// one phase (over_phases).
 void report(const Bench& b, const std::vector<Measured>& results, const std::string& preset,
             const std::string& rate, const bench::LinkCost& link, const Meshes& meshes) {
   const double rate_bytes = link.bytes_per_s, lost_per_byte = link.compute_lost_ms_per_mb / 1e9;
@@ -85,15 +99,14 @@ void report(const Bench& b, const std::vector<Measured>& results, const std::str
   for (size_t c = 0; c < results.size(); ++c) {
     const auto& m = results[c];
     const double t = m.step.median, bound = std::max(m.compute, m.bytes / rate_bytes);
-    const double phases = std::max(m.compute_forward, m.forward_bytes / rate_bytes) +
-                          std::max(m.compute_backward, m.backward_bytes / rate_bytes) +
-                          std::max(m.compute_optimizer, m.optimizer_bytes / rate_bytes);
+    const auto bound_phase = [&](double compute, int64_t bytes) {
+      return std::max(compute, bytes / rate_bytes);
+    };
     const auto floor_phase = [&](double compute, int64_t bytes) {
       return std::max(compute + bytes * lost_per_byte, bytes / rate_bytes);
     };
-    const double floor_bound = floor_phase(m.compute_forward, m.forward_bytes) +
-                               floor_phase(m.compute_backward, m.backward_bytes) +
-                               floor_phase(m.compute_optimizer, m.optimizer_bytes);
+    const double phases = over_phases(m, b.configs[c].steady, bound_phase);
+    const double floor_bound = over_phases(m, b.configs[c].steady, floor_phase);
     std::printf(
         "%-*s %9.1f %8.1f..%-8.1f %10.0f %9.1f %9.1f %9.2f %7.2fx %7.2fx %8.1f %7.2fx %8.1f %7.2fx %6.0f MB "
         "%9.2f\n",
@@ -113,6 +126,11 @@ void report(const Bench& b, const std::vector<Measured>& results, const std::str
       "stream), per MB sent: %.2f ms of this process's CPU, %.2f ms of the machine's per rank (softirq "
       "included; -1: no /proc/stat), %.2f ms of matmul lost beside it (the floor's)\n",
       link.cpu_ms_per_mb, link.machine_ms_per_mb, link.compute_lost_ms_per_mb);
+  if (std::any_of(b.configs.begin(), b.configs.end(), [](const Config& c) { return c.steady; })) {
+    std::printf(
+        "phases and floor of a steady configuration: its optimizer phase and the next forward are one phase "
+        "(the next step's gathers, started after each group's update, travel during that forward)\n");
+  }
   report_exposed_waits(b, results);
   std::fflush(stdout);
 }
