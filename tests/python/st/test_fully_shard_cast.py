@@ -371,3 +371,13 @@ def test_tensor_parallel_and_fully_shard_on_a_meta_model_on_a_2x2_mesh():
             opt.step()
     for p, q in zip(meta.parameters(), eager.parameters()):
         assert torch.equal(full_tensor(p), full_tensor(q))
+
+
+def test_a_pre_hook_registered_before_fully_shard_gets_the_inputs_cast():
+    """fully_shard's pre-hook runs ahead of a module's earlier ones, as FSDP2's (prepend=True)."""
+    net = Net()
+    seen = []
+    net.register_forward_pre_hook(lambda mod, args: seen.append(args[0].dtype))
+    shard(net, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float64))
+    net(batch(0, dist.get_world_size(), torch.float32, True))
+    assert seen == [torch.float64]

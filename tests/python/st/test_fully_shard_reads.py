@@ -499,3 +499,30 @@ def test_a_block_whose_region_reads_its_parameter_is_freed_with_its_backward():
         embedded[0].register_hook(lambda grad: gathered.append([b._fsdp_group.is_unsharded for b in net.blocks]))
         loss.backward()
         assert gathered == [[False, False]], f"step {step}: {gathered}"
+
+
+class WeightNormedGPT(GPT):
+    """Its blocks' up projections under weight_norm, whose forward pre-hook computes the weight
+    from weight_g and weight_v, and a pre-hook on each block that reads down.weight: all
+    registered before fully_shard."""
+
+    def __init__(self):
+        super().__init__(tied=None)
+        self.read_shapes = []
+        for b in self.blocks:
+            b.up = nn.utils.weight_norm(b.up)
+            b.register_forward_pre_hook(lambda mod, args: self.read_shapes.append(tuple(mod.down.weight.shape)))
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_pre_hooks_registered_before_fully_shard_read_whole_parameters(reshard):
+    """fully_shard's pre-hook runs ahead of a module's earlier ones, as FSDP2's (prepend=True)."""
+    reference = train(WeightNormedGPT(), sharded=False)
+    net = WeightNormedGPT()
+    for b in net.blocks:
+        fully_shard(b.up, mesh=dp_mesh(), reshard_after_forward=reshard)
+        fully_shard(b, mesh=dp_mesh(), reshard_after_forward=reshard)
+    params = train(fully_shard(net, mesh=dp_mesh(), reshard_after_forward=reshard), sharded=True)
+    for (name, _), p, q in zip(net.named_parameters(), params, reference):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+    assert set(net.read_shapes) == {(DIM, HIDDEN)}

@@ -154,6 +154,15 @@ class _AtEndOfBackward:
             self.__call__()
 
 
+def _register_pre_hook_first(module: nn.Module, hook) -> None:
+    """Ahead of the module's forward pre-hooks registered before fully_shard, as FSDP2's
+    (``prepend=True``, which torch 1.13 lacks): they read the whole parameters (weight_norm's
+    recomputes its weight from them) and get the inputs already cast. The post-hook comes after the
+    user's, so theirs read the whole parameters too."""
+    handle = module.register_forward_pre_hook(hook)
+    module._forward_pre_hooks.move_to_end(handle.id, last=False)
+
+
 def install_hooks(group, owners, mp_policy: MixedPrecisionPolicy, fsdp_module):
     """The module fully_shard was applied to gathers the group for its whole forward and stands
     the gathered parameters in for the shards in every owning module's ``_parameters``, so a read
@@ -188,10 +197,10 @@ def install_hooks(group, owners, mp_policy: MixedPrecisionPolicy, fsdp_module):
     owner_pre_hook, owner_post_hook = hooks(sharded_module=False)
     for sub in owners:
         if sub is not fsdp_module:
-            sub.register_forward_pre_hook(owner_pre_hook)
+            _register_pre_hook_first(sub, owner_pre_hook)
             sub.register_forward_hook(owner_post_hook)
     pre_hook, post_hook = hooks(sharded_module=True)
-    fsdp_module.register_forward_pre_hook(pre_hook)
+    _register_pre_hook_first(fsdp_module, pre_hook)
     fsdp_module.register_forward_hook(post_hook)
     fsdp_module._fsdp_standing = standing
     fsdp_module._fsdp_mp_policy = mp_policy
