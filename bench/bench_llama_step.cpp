@@ -9,9 +9,9 @@
 // max(T_compute_only, T_wire) and each configuration's step ÷ bound, and the phase-wise bound
 // max(compute, wire) of the forward, of the backward and of the optimizer phase, and the
 // floor: the phase-wise bound with the compute each phase's transfers take from the shared cores
-// (measured beside the same stream) added to its compute (a steady configuration's optimizer phase and
-// next forward are one phase: its gathers travel in that forward). It also reports each configuration's
-// peak RSS over its steps (VmHWM, reset before each step).
+// (measured beside the same stream) added to its compute. In both, a steady configuration's
+// optimizer phase and next forward are one phase: its gathers travel in that forward. It also
+// reports each configuration's peak RSS over its steps (VmHWM, reset before each step).
 // With --dp N (TP = world / N) it compares data parallelism with blocking gradient reductions
 // against the overlapped buckets of data_parallel and fully_shard over dp, resharding after each
 // block's forward or not (with MC2 all when TP > 1); each replica runs batch / N sequences.

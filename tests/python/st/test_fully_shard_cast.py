@@ -373,11 +373,14 @@ def test_tensor_parallel_and_fully_shard_on_a_meta_model_on_a_2x2_mesh():
         assert torch.equal(full_tensor(p), full_tensor(q))
 
 
-def test_a_pre_hook_registered_before_fully_shard_gets_the_inputs_cast():
-    """fully_shard's pre-hook runs ahead of a module's earlier ones, as FSDP2's (prepend=True)."""
+def test_the_inputs_are_cast_after_the_pre_hooks_registered_before_fully_shard():
+    """fully_shard's gather runs ahead of a module's earlier pre-hooks, as FSDP2's (prepend=True),
+    but its cast runs after them: a tensor-parallel style's hook there reads its input's layout tag,
+    which a cast (a new tensor) would drop."""
     net = Net()
     seen = []
-    net.register_forward_pre_hook(lambda mod, args: seen.append(args[0].dtype))
+    net.register_forward_pre_hook(lambda mod, args: seen.append((args[0].dtype, mod.head.weight.shape)))
+    net.register_forward_hook(lambda mod, args, out: seen.append(args[0].dtype))
     shard(net, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float64))
     net(batch(0, dist.get_world_size(), torch.float32, True))
-    assert seen == [torch.float64]
+    assert seen == [(torch.float32, torch.Size([3, DIM])), torch.float64]

@@ -526,3 +526,20 @@ def test_pre_hooks_registered_before_fully_shard_read_whole_parameters(reshard):
     for (name, _), p, q in zip(net.named_parameters(), params, reference):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
     assert set(net.read_shapes) == {(DIM, HIDDEN)}
+
+
+class RemapsItsIds(GPT):
+    """A pre-hook on the token embedding, registered before fully_shard, that remaps the ids."""
+
+    def __init__(self):
+        super().__init__(tied=None)
+        self.wte.register_forward_pre_hook(lambda mod, args: ((args[0] * 3 + 1) % VOCAB,))
+
+
+def test_a_row_sparse_embedding_gathers_the_rows_of_the_ids_its_pre_hooks_give():
+    reference = train(RemapsItsIds(), sharded=False)
+    net = RemapsItsIds()
+    fully_shard(net.wte, mesh=dp_mesh())  # its own group: row-sparse
+    params = train(fully_shard(net, mesh=dp_mesh()), sharded=True)
+    for (name, _), p, q in zip(net.named_parameters(), params, reference):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")

@@ -156,9 +156,10 @@ class _AtEndOfBackward:
 
 def _register_pre_hook_first(module: nn.Module, hook) -> None:
     """Ahead of the module's forward pre-hooks registered before fully_shard, as FSDP2's
-    (``prepend=True``, which torch 1.13 lacks): they read the whole parameters (weight_norm's
-    recomputes its weight from them) and get the inputs already cast. The post-hook comes after the
-    user's, so theirs read the whole parameters too."""
+    (``prepend=True``, which torch 1.13 lacks), so they read the whole parameters (weight_norm's
+    recomputes its weight from them). Only the gather: the inputs are cast after those hooks, so
+    that a tensor-parallel style's hook reads the layout its producer tagged (a cast is a new,
+    untagged tensor). The sharded module's __call__ ends the call if a later pre-hook raises."""
     handle = module.register_forward_pre_hook(hook)
     module._forward_pre_hooks.move_to_end(handle.id, last=False)
 
@@ -177,12 +178,15 @@ def install_hooks(group, owners, mp_policy: MixedPrecisionPolicy, fsdp_module):
     def hooks(sharded_module):
         on_backward = standing.begin_backward if sharded_module else None
 
-        def pre_hook(mod, args):
+        def gather(mod, args):
             standing.adopt_replaced()
             # An embedding's forward reads the rows of its ids (a row-sparse group gathers those).
             ids = args[0] if isinstance(mod, nn.Embedding) and args and isinstance(args[0], torch.Tensor) else None
             standing.stand_in(group.pre_forward(ids, getattr(fsdp_module, "_fsdp_forward_prefetch", []),
                                                 sharded_module=sharded_module))
+
+        def pre_hook(mod, args):
+            gather(mod, args)
             return cast_inputs(args, mp_policy)
 
         def post_hook(mod, args, output):
@@ -192,15 +196,20 @@ def install_hooks(group, owners, mp_policy: MixedPrecisionPolicy, fsdp_module):
                 standing.put_back()
             return output
 
-        return pre_hook, post_hook
+        return gather, pre_hook, post_hook
 
-    owner_pre_hook, owner_post_hook = hooks(sharded_module=False)
+    _, owner_pre_hook, owner_post_hook = hooks(sharded_module=False)
     for sub in owners:
         if sub is not fsdp_module:
-            _register_pre_hook_first(sub, owner_pre_hook)
+            sub.register_forward_pre_hook(owner_pre_hook)
             sub.register_forward_hook(owner_post_hook)
-    pre_hook, post_hook = hooks(sharded_module=True)
-    _register_pre_hook_first(fsdp_module, pre_hook)
+    gather, pre_hook, post_hook = hooks(sharded_module=True)
+    if isinstance(fsdp_module, nn.Embedding):
+        # Its gather may read the ids (row-sparse): the ones the module's other pre-hooks give.
+        fsdp_module.register_forward_pre_hook(pre_hook)
+    else:
+        _register_pre_hook_first(fsdp_module, gather)
+        fsdp_module.register_forward_pre_hook(lambda mod, args: cast_inputs(args, mp_policy))
     fsdp_module.register_forward_hook(post_hook)
     fsdp_module._fsdp_standing = standing
     fsdp_module._fsdp_mp_policy = mp_policy
