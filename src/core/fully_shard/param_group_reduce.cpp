@@ -304,7 +304,7 @@ void ParamGroup::Impl::defer_to_grad(const std::shared_ptr<detail::ReduceInFligh
       [reduced, param = params[i], offset, elements, slot] {
         return shard_gradient(reduced, param, offset, elements, slot);
       },
-      run_hooks);
+      nn::Contribution::kAdds, run_hooks);
 }
 
 // Every rank's blocks of parameters `indices`' gradients (plus the sums kept while sync was off),

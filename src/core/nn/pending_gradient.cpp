@@ -17,8 +17,9 @@ namespace {
 using WeakParam = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
 
 struct Entry {
-  WeakParam param;    // the parameter (weak: the registry never keeps one alive)
-  at::Tensor before;  // its .grad before this contribution's accumulation (undefined: none)
+  WeakParam param;  // the parameter (weak: the registry never keeps one alive)
+  Contribution how;
+  at::Tensor before;  // kReplacesPart: its .grad before the part's accumulation (undefined: none)
   WaitForGradient wait;
   bool run_hooks = false;  // the parameter's hooks see the waited tensor first
 };
@@ -47,9 +48,10 @@ std::optional<Entry> take(const c10::TensorImpl* param) {
   return std::nullopt;
 }
 
-// .grad = before + the sum: the bits AccumulateGrad would have left had it added the sum. Hooks
-// run here may defer a contribution of their own (a sequence-parallel sum): its "before" is the
-// .grad from before this one, and the caller's loop applies it next.
+// .grad = before + the sum (kReplacesPart) or .grad + the sum (kAdds): the bits AccumulateGrad
+// would have left had it added the sum. Hooks run here may defer a contribution of their own (a
+// sequence-parallel sum): its "before" is the .grad from before this one, and the caller's loop
+// applies it next.
 void apply(Entry& e) {
   auto sum = e.wait();
   auto impl = e.param.lock();
@@ -58,7 +60,8 @@ void apply(Entry& e) {
   if (e.run_hooks) sum = torch::autograd::AccumulateGrad::callHooks(param, std::move(sum));
   at::NoGradGuard no_grad;
   auto& grad = param.mutable_grad();
-  auto result = e.before.defined() ? e.before.add(sum) : sum;
+  const auto& base = e.how == Contribution::kAdds ? grad : e.before;
+  auto result = base.defined() ? base.add(sum) : sum;
   if (grad.defined() && grad.sizes() == result.sizes()) {
     grad.copy_(result);
   } else {
@@ -76,7 +79,8 @@ void abandon_all() noexcept {  // NOLINT(bugprone-exception-escape)
       e->wait();
     } catch (...) {  // the failure that stopped the backward is already on its way to the caller
     }
-    if (auto impl = e->param.lock()) {
+    // An added contribution never reached .grad: what is there stays, as torch leaves it.
+    if (auto impl = e->param.lock(); impl && e->how == Contribution::kReplacesPart) {
       at::Tensor param(std::move(impl));
       at::NoGradGuard no_grad;
       param.mutable_grad() = e->before;
@@ -111,12 +115,13 @@ void open_pass() {
 
 }  // namespace
 
-void defer_gradient(const at::Tensor& param, WaitForGradient wait, bool run_hooks) {
+void defer_gradient(const at::Tensor& param, WaitForGradient wait, Contribution how, bool run_hooks) {
   TORCH_INTERNAL_ASSERT(param.defined() && wait, "defer_gradient: undefined argument");
   // A second part of the same parameter in one backward (a weight used twice): the first one's
   // sum must be in .grad before this one's "before" is taken.
   finish_gradient(param);
-  Entry e{WeakParam(param.getIntrusivePtr()), param.grad().defined() ? param.grad().clone() : at::Tensor(),
+  const bool keep_before = how == Contribution::kReplacesPart && param.grad().defined();
+  Entry e{WeakParam(param.getIntrusivePtr()), how, keep_before ? param.grad().clone() : at::Tensor(),
           std::move(wait), run_hooks};
   bool open = false;
   {

@@ -41,10 +41,13 @@ void sum_gradient_over_mesh(const at::Tensor& param, const dtensor::DeviceMesh& 
     auto sum = grad.detach().clone(at::MemoryFormat::Contiguous);
     auto pending = std::make_shared<comm::PendingAllReduce>(
         comm::start_all_reduce(sum, comm::ReduceOp::kSum, group, comm::Agreement::kAgreedInAdvance));
-    nn::defer_gradient(at::Tensor(std::move(impl)), [pending, sum] {
-      pending->wait();
-      return sum;
-    });
+    nn::defer_gradient(
+        at::Tensor(std::move(impl)),
+        [pending, sum] {
+          pending->wait();
+          return sum;
+        },
+        nn::Contribution::kReplacesPart);
     return at::Tensor();  // AccumulateGrad adds this rank's part until the sum replaces it
   });
 }

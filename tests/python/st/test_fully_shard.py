@@ -5,7 +5,8 @@ micro-batches reach), tensor parallelism on a 2 x 2 mesh; implicit prefetch and 
 an embedding's row-sparse gradient reduce-scatter; comm_fusion's one message against buckets; the
 module's new methods; every option that cannot apply is a clear error; the original's import
 paths; torch.utils.checkpoint (both variants, around whole modules and parts of them) against
-the same run without it; a layer no rank reaches keeps .grad None, as in one process."""
+the same run without it; a layer no rank reaches keeps .grad None, as in one process; a loss term
+on the parameters themselves adds to their reduced gradients."""
 
 import copy
 
@@ -430,6 +431,28 @@ def test_a_layer_every_rank_skips_keeps_no_gradient_and_adamw_leaves_it(comm_fus
             opt.step()
     for p, q in zip(net.parameters(), reference.parameters()):
         torch.testing.assert_close(full_tensor(p), q.detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("comm_fusion", [False, True])
+@pytest.mark.parametrize("reshard", [True, False])
+def test_a_loss_term_on_the_parameters_adds_to_their_reduced_gradients(reshard, comm_fusion):
+    """An L2 penalty over net.parameters() (the shards) in the same loss, on all of them, the first
+    only, or in reverse order: each shard's gradient is the reduced one of the data plus the
+    penalty's, in whatever order the backward reaches them, as in one process."""
+    ws, r = dist.get_world_size(), dist.get_rank()
+    reference, net = Net(), shard(Net(), mesh=dp_mesh(), reshard_after_forward=reshard, comm_fusion=comm_fusion)
+    for pick in (lambda ps: ps, lambda ps: ps[:1], lambda ps: ps[::-1]):
+        for m in (reference, net):
+            m.zero_grad()
+
+        def penalty(m):
+            return 0.1 * sum(p.pow(2).sum() for p in pick(list(m.parameters())))
+
+        (reference(batch(0, ws)).pow(2).mean() + penalty(reference)).backward()
+        (net(batch(0, ws)[r * ROWS_PER_RANK:][:ROWS_PER_RANK]).pow(2).mean() + penalty(net)).backward()
+        for (name, p), q in zip(net.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(full_tensor(p, p.grad), q.grad, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_module_zero_grad_without_set_to_none_zeroes_as_torch_does():
