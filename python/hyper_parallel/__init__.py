@@ -39,6 +39,9 @@ from hyper_parallel.core.tensor_parallel import (
     parallelize_module,
 )
 from hyper_parallel import checkpoint  # noqa: E402  (hyper_parallel.checkpoint.save / load)
+from hyper_parallel.core.tensor_parallel.grad_utils import install_torch_clip
+
+install_torch_clip()  # torch.nn.utils.clip_grad_norm_ takes the global norm of laid-out parameters
 
 # The MC2 names load their modules on first use, as in the original (the tensor_parallel
 # package resolves them).

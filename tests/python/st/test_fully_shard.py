@@ -6,7 +6,8 @@ an embedding's row-sparse gradient reduce-scatter; comm_fusion's one message aga
 module's new methods; every option that cannot apply is a clear error; the original's import
 paths; torch.utils.checkpoint (both variants, around whole modules and parts of them) against
 the same run without it; a layer no rank reaches keeps .grad None, as in one process; a loss term
-on the parameters themselves adds to their reduced gradients."""
+on the parameters themselves adds to their reduced gradients; torch's clip_grad_norm_ takes the
+global norm."""
 
 import copy
 
@@ -453,6 +454,17 @@ def test_a_loss_term_on_the_parameters_adds_to_their_reduced_gradients(reshard, 
         for (name, p), q in zip(net.named_parameters(), reference.parameters()):
             torch.testing.assert_close(full_tensor(p, p.grad), q.grad, rtol=1e-5, atol=1e-6,
                                        msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_torch_clip_grad_norm_takes_the_norm_of_the_whole_parameters():
+    ws, r = dist.get_world_size(), dist.get_rank()
+    reference, net = Net(), shard(Net(), mesh=dp_mesh())
+    reference(batch(0, ws)).pow(2).mean().backward()
+    net(batch(0, ws)[r * ROWS_PER_RANK:][:ROWS_PER_RANK]).pow(2).mean().backward()
+    norms = [torch.nn.utils.clip_grad_norm_(m.parameters(), 1e-3) for m in (reference, net)]
+    torch.testing.assert_close(norms[1].to(norms[0].dtype), norms[0], rtol=1e-5, atol=0)
+    for p, q in zip(net.parameters(), reference.parameters()):
+        torch.testing.assert_close(full_tensor(p, p.grad), q.grad, rtol=1e-5, atol=1e-8)
 
 
 def test_module_zero_grad_without_set_to_none_zeroes_as_torch_does():

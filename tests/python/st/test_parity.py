@@ -1,6 +1,7 @@
-"""Python at parity with C++ (2 and 4 ranks): loss parallel and TP-aware clipping against
-single-process references, layout_of / full_tensor over every parameter, the Llama plan's
-mc2_scope="all" against plain TP, checkpoints that resume bitwise and refuse corrupt files."""
+"""Python at parity with C++ (2 and 4 ranks): loss parallel and TP-aware clipping (also through
+torch.nn.utils.clip_grad_norm_) against single-process references, layout_of / full_tensor over
+every parameter, the Llama plan's mc2_scope="all" against plain TP, checkpoints that resume
+bitwise and refuse corrupt files."""
 
 import copy
 import glob
@@ -116,22 +117,42 @@ def _full_grad(p):
 
 
 @multirank
+@pytest.mark.parametrize("clip", ["hyper_parallel", "torch"])
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-7), (torch.float64, 1e-12)])
-def test_clip_grad_norm_matches_single_process(mesh, dtype, atol):
+def test_clip_grad_norm_matches_single_process(mesh, dtype, atol, clip):
+    """hyper_parallel's, and torch's (which code written for DTensor parameters calls), which takes
+    the global norm once hyper_parallel is imported. The sharded weights' gradients dominate the
+    norm: one rank's pieces give another."""
     torch.manual_seed(8)
     ref = nn.Sequential(nn.Linear(12, 32), nn.ReLU(), nn.Linear(32, 12), nn.LayerNorm(12)).to(dtype)
     model = copy.deepcopy(ref)
     parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel(output_layouts=Shard(0)),
                                      "3": SequenceParallel(sequence_dim=0)})
     x = torch.randn(4 * dist.get_world_size(), 12, dtype=dtype)
-    model(x).pow(2).sum().backward()
-    ref(x).pow(2).sum().backward()
-    norm = clip_grad_norm_(model.parameters(), 0.5)
+    w = torch.randn(12, dtype=dtype)
+    (model(x) * w).sum().backward()
+    (ref(x) * w).sum().backward()
+    norm = (clip_grad_norm_ if clip == "hyper_parallel" else torch.nn.utils.clip_grad_norm_)(model.parameters(), 0.5)
     ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
     torch.testing.assert_close(norm.to(ref_norm.dtype), ref_norm, rtol=1e-6, atol=0)
     assert norm > 0.5  # it clipped
     for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
         torch.testing.assert_close(_full_grad(p), q.grad, rtol=1e-6, atol=atol, msg=name)
+
+
+@multirank
+def test_torch_clip_grad_norm_of_laid_out_parameters_refuses_what_it_cannot_compute(mesh):
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+    parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    model(torch.randn(3, 4)).sum().backward()
+    with pytest.raises(NotImplementedError, match="expected norm_type 2.0 .* got inf"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, norm_type=float("inf"))
+    model[0].weight.grad[0, 0] = float("nan")
+    before = [p.grad.clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="expected a finite total norm .* got nan"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True)
+    for p, b in zip(model.parameters(), before):
+        assert torch.equal(p.grad.nan_to_num(), b.nan_to_num())  # nothing scaled
 
 
 @multirank

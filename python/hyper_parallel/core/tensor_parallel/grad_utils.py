@@ -3,6 +3,7 @@ Parameters stay plain local tensors (the optimizer sees its shard and stays fast
 PyTorch's DTensor parameters, ``isinstance(p, DTensor)`` is False and there is no
 ``p.full_tensor()`` method: ``layout_of(p)`` and ``full_tensor(p)`` give the global view."""
 
+import math
 from typing import Iterable, NamedTuple, Optional, Tuple
 
 import torch
@@ -10,7 +11,9 @@ import torch
 from hyper_parallel import _C
 from hyper_parallel.core.dtensor.placement_types import Placement, as_python
 
-__all__ = ["ParameterLayout", "clip_grad_norm_", "full_tensor", "layout_of"]
+__all__ = ["ParameterLayout", "clip_grad_norm_", "full_tensor", "install_torch_clip", "layout_of"]
+
+_torch_clip_grad_norm_ = torch.nn.utils.clip_grad.clip_grad_norm_
 
 
 class ParameterLayout(NamedTuple):
@@ -41,3 +44,29 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torc
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
     return torch.tensor(_C.clip_grad_norm_([p for p in parameters], float(max_norm)))
+
+
+def _clip_grad_norm_by_layout_(parameters, max_norm: float, norm_type: float = 2.0,
+                               error_if_nonfinite: bool = False) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ once hyper_parallel is imported. Over parameters that a style
+    or fully_shard laid out (this rank's pieces, not DTensors, so torch's own would scale each rank
+    by the norm of its pieces, a different factor on each) it is clip_grad_norm_ above: the global
+    norm. Over any others it is torch's own."""
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    if all(_C.layout_of(p) is None for p in params):
+        return _torch_clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
+    if float(norm_type) != 2.0:
+        raise NotImplementedError(f"clip_grad_norm_: expected norm_type 2.0 (the global L2 norm) for parameters "
+                                  f"that hyper_parallel laid out, got {norm_type}")
+    if error_if_nonfinite:
+        norm = _C.clip_grad_norm_(params, math.inf)  # measures only: no gradient is scaled by infinity
+        if not math.isfinite(norm):
+            raise RuntimeError(f"clip_grad_norm_: expected a finite total norm of the gradients "
+                               f"(error_if_nonfinite=True), got {norm}")
+    return clip_grad_norm_(params, max_norm)
+
+
+def install_torch_clip() -> None:
+    """Routes torch.nn.utils.clip_grad_norm_ (code written for DTensor parameters calls it) through
+    _clip_grad_norm_by_layout_; a name imported from torch before hyper_parallel keeps torch's."""
+    torch.nn.utils.clip_grad_norm_ = torch.nn.utils.clip_grad.clip_grad_norm_ = _clip_grad_norm_by_layout_
