@@ -8,7 +8,8 @@ shards back, also one caught inside the module's forward; owners called on their
 once each has run; a call that would leave a holder reading its piece, and two passes that the
 buckets cannot reduce, are clear errors. A checkpointed region that reads a parameter itself
 recomputes with the whole parameter (its modules hold views of the gathered parameters for the
-group's backward), and a reentrant one's gradient of it is reduced and added."""
+group's backward), and a reentrant one's gradient of it is reduced and added. Pre-hooks registered
+before fully_shard (weight_norm's) and RNNs (their cached weight list) read the whole parameters."""
 
 import pytest
 import torch
@@ -543,3 +544,35 @@ def test_a_row_sparse_embedding_gathers_the_rows_of_the_ids_its_pre_hooks_give()
     params = train(fully_shard(net, mesh=dp_mesh()), sharded=True)
     for (name, _), p, q in zip(net.named_parameters(), params, reference):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+
+
+class Recurrent(nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        torch.manual_seed(5)
+        self.rnn, self.head = getattr(nn, kind)(DIM, HIDDEN, batch_first=True), nn.Linear(HIDDEN, 1)
+
+    def forward(self, x):
+        return self.head(self.rnn(x)[0][:, -1])
+
+
+@pytest.mark.parametrize("kind", ["LSTM", "GRU"])
+@pytest.mark.parametrize("own_group", [True, False])
+def test_a_recurrent_layer_reads_its_whole_weights(kind, own_group):
+    """An RNN reads its weights from a list its __setattr__ keeps, not from _parameters."""
+    ws, r = dist.get_world_size(), dist.get_rank()
+    reference, net = Recurrent(kind), Recurrent(kind)
+    if own_group:
+        fully_shard(net.rnn, mesh=dp_mesh())
+    fully_shard(net, mesh=dp_mesh())
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (reference, net)]
+    for step in range(2):
+        torch.manual_seed(300 + step)
+        x = torch.randn(ws * ROWS_PER_RANK, TOKENS, DIM)
+        for m, rows, opt in ((reference, x, opts[0]), (net, x[r * ROWS_PER_RANK:][:ROWS_PER_RANK], opts[1])):
+            opt.zero_grad()
+            m(rows).pow(2).mean().backward()
+            opt.step()
+    for (name, p), q in zip(net.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(full_tensor(p), q.detach(), rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, name=name: f"{name}: {m}")

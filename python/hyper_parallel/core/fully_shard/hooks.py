@@ -50,6 +50,9 @@ class _Standing:
     def stand_in(self, tensors, shards: bool = False) -> None:
         for mod, name, index in self._slots:
             mod._parameters[name] = tensors[index]
+            # An RNN reads its weights from a list its __setattr__ keeps (FSDP2 sets them through it).
+            if isinstance(mod, nn.RNNBase) and name in mod._flat_weights_names:
+                mod._flat_weights[mod._flat_weights_names.index(name)] = tensors[index]
         self.shards_in_place = shards
 
     def adopt_replaced(self) -> None:
