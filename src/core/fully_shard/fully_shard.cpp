@@ -237,6 +237,12 @@ void FSDPModule::set_reshard_after_forward(bool reshard, bool recurse) const {
   });
 }
 
+void FSDPModule::set_reshard_after_backward(bool reshard, bool recurse) const {
+  for_each_state(state_, recurse, [&](State& s) {
+    if (s.group) s.group->set_reshard_after_backward(reshard);
+  });
+}
+
 void FSDPModule::set_gradient_scaling_factor(double factor) const {
   if (state_->group) state_->group->set_gradient_scaling_factor(factor);
 }

@@ -363,6 +363,7 @@ void ParamGroup::set_users(int64_t users) {
 }
 void ParamGroup::set_requires_gradient_sync(bool sync) { impl_->sync = sync; }
 void ParamGroup::set_reshard_after_forward(bool reshard) { impl_->reshard_after_forward = reshard; }
+void ParamGroup::set_reshard_after_backward(bool reshard) { impl_->reshard_after_backward = reshard; }
 void ParamGroup::set_gradient_scaling_factor(double factor) { impl_->scale = factor; }
 void ParamGroup::set_row_sparse_gradients(bool row_sparse) {
   auto& s = *impl_;

@@ -48,8 +48,9 @@ struct ParamGroup::Impl {
   int64_t generation = 1;
   std::optional<at::ScalarType> reduce_dtype;
   bool reshard_after_forward = true, sync = true, unsharded = false;
-  bool backward_prefetched = false;  // this backward of the group has started the next gather
-  bool backward_began = false;       // this pass's pre-backward has run
+  bool reshard_after_backward = true;  // false: the next forward finds the group gathered
+  bool backward_prefetched = false;    // this backward of the group has started the next gather
+  bool backward_began = false;         // this pass's pre-backward has run
   double scale = 1.0;
   int64_t row_sparse_cols = 0;  // > 0: the one parameter's gradient reduces row-sparse
   bool rows_by_id = false;      // row-sparse, and a forward's ids index this rank's rows

@@ -288,7 +288,9 @@ void ParamGroup::Impl::end_backward() {
   backward_began = false;
   grad_views.clear();
   end_queued = false;
-  // The group's last backward use is over, unless the module's backward views still stand.
+  // The group's last backward use is over, unless the module's backward views still stand, or
+  // the next forward is to find it gathered.
+  if (!reshard_after_backward) return;
   if (views_out) {
     free_when_released = true;
   } else {

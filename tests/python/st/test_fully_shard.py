@@ -139,6 +139,32 @@ def test_gradient_accumulation_without_sync():
         torch.testing.assert_close(full_tensor(p, p.grad), q.grad, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("keep", [True, False])
+def test_reshard_after_backward_false_gathers_once_for_the_micro_batches(keep):
+    """As FSDP2's: with neither resharding, three micro-batches gather each of the 3 groups once
+    (9 gathers with it on); the next forward after an optimizer step gathers the changed shards."""
+    ws, r = dist.get_world_size(), dist.get_rank()
+    reference, net = Net(), shard(Net(), mesh=dp_mesh(), reshard_after_forward=False)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (reference, net)]
+    for step in range(2):
+        comm.reset_collective_counts()
+        for m in range(3):
+            net.set_requires_gradient_sync(m == 2)
+            net.set_reshard_after_backward(not keep or m == 2)
+            reference(batch(3 * step + m, ws)).pow(2).mean().backward()
+            net(batch(3 * step + m, ws)[r * ROWS_PER_RANK:][:ROWS_PER_RANK]).pow(2).mean().backward()
+        assert comm.collective_count("all_gather") == (3 if keep else 9)
+        for p, q in zip(net.parameters(), reference.parameters()):
+            torch.testing.assert_close(full_tensor(p, p.grad), q.grad, rtol=1e-5, atol=1e-6)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    for p, q in zip(net.parameters(), reference.parameters()):
+        torch.testing.assert_close(full_tensor(p), q.detach(), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="set_reshard_after_backward"):
+        net.set_reshard_after_backward(1)
+
+
 def test_tensor_parallel_inside_fully_shard_on_a_2x2_mesh():
     if dist.get_world_size() != 4:
         pytest.skip("a 2 x 2 (dp, tp) mesh needs 4 ranks")

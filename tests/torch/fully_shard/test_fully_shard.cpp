@@ -430,6 +430,30 @@ TEST(FullyShard, GradientAccumulationWithoutSync) {
     hp_test::expect_close(grads[i].second, ref[i].grad(), grads[i].first);
 }
 
+// set_reshard_after_backward(false) beside set_requires_gradient_sync(false), reshard_after_forward
+// false: three microbatches gather each group once (the next forward finds it gathered), with the
+// same gradients.
+TEST(FullyShard, ReshardAfterBackwardFalseGathersOnceForTheMicrobatches) {
+  const int64_t p = hp_test::world_size(), r = hp_test::rank();
+  Net reference, net;
+  const auto options = fs::FullyShardOptions().mesh(dp_mesh()).reshard_after_forward(false);
+  for (auto& b : net.blocks) fs::fully_shard(*b, options);
+  auto root = fs::fully_shard(net, options);
+  hp::comm::reset_collective_counts();
+  for (int64_t m = 0; m < 3; ++m) {
+    loss_of(reference.forward(batch(m, p))).backward();
+    root.set_requires_gradient_sync(m == 2);
+    root.set_reshard_after_backward(m == 2);
+    loss_of(net.forward(batch(m, p).narrow(0, r * kRowsPerRank, kRowsPerRank))).backward();
+  }
+  EXPECT_EQ(hp::comm::collective_count(CollectiveKind::kAllGather), p > 1 ? kBlocks + 1 : 0);
+  const auto ref = reference.parameters();
+  const auto grads = hp::tensor_parallel::full_named_parameters(net, /*gradients=*/true);
+  ASSERT_EQ(grads.size(), ref.size());
+  for (size_t i = 0; i < ref.size(); ++i)
+    hp_test::expect_close(grads[i].second, ref[i].grad(), grads[i].first);
+}
+
 // param_dtype bfloat16 (gathered and computed in it), reduce_dtype float32: the float32 shards
 // train close to the float32 reference; their gradients stay float32.
 TEST(FullyShard, MixedPrecisionGathersInParamDtypeAndReducesInReduceDtype) {

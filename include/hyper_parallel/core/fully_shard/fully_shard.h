@@ -48,6 +48,9 @@ class FSDPModule {
   /// backward with sync on reduce-scatters the sum. `recurse`: for the managed modules below too.
   void set_requires_gradient_sync(bool sync, bool recurse = true) const;
   void set_reshard_after_forward(bool reshard, bool recurse = true) const;
+  /// false: the parameters stay gathered after the backward, so the next forward (of the next
+  /// micro-batch) does not gather them again unless an optimizer step changed them.
+  void set_reshard_after_backward(bool reshard, bool recurse = true) const;
   /// Multiplies this module's reduced gradients (after the average over the dp ranks).
   void set_gradient_scaling_factor(double factor) const;
   /// The modules whose gathers start as soon as this one's forward / backward begins (they

@@ -151,6 +151,9 @@ class ParamGroup {
   /// reduce-scatters the sum (FSDP's no_sync).
   void set_requires_gradient_sync(bool sync);
   void set_reshard_after_forward(bool reshard);
+  /// false: the group stays gathered after its backward, and the next forward gathers only if
+  /// the shards changed since (an optimizer step): micro-batches of gradient accumulation.
+  void set_reshard_after_backward(bool reshard);
   /// Multiplies the reduced gradients (after the average over the data-parallel ranks).
   void set_gradient_scaling_factor(double factor);
   /// true: the group's one parameter is an embedding's table, read by one module's forward at the

@@ -122,6 +122,14 @@ class FSDPModule:
             if m._fsdp_group is not None:
                 m._fsdp_group.set_reshard_after_forward(reshard_after_forward)
 
+    def set_reshard_after_backward(self, reshard_after_backward: bool, recurse: bool = True) -> None:
+        """False: the parameters stay gathered after the backward, so the next forward (of the
+        next micro-batch) gathers them again only if an optimizer step changed them."""
+        _bool(reshard_after_backward, "FSDPModule.set_reshard_after_backward")
+        for m in self._fsdp_modules(recurse):
+            if m._fsdp_group is not None:
+                m._fsdp_group.set_reshard_after_backward(reshard_after_backward)
+
     def set_gradient_scaling_factor(self, factor) -> None:
         """Multiplies this module's reduced gradients (after the average over the dp ranks):
         None (1), a float, an int or a one-element tensor; a bool is a ValueError."""
