@@ -493,6 +493,15 @@ def test_torch_clip_grad_norm_takes_the_norm_of_the_whole_parameters():
         torch.testing.assert_close(full_tensor(p, p.grad), q.grad, rtol=1e-5, atol=1e-8)
 
 
+@pytest.mark.parametrize("kind", [nn.Embedding, nn.EmbeddingBag])
+def test_an_embedding_with_sparse_gradients_is_a_clear_error_before_anything_changes(kind):
+    net = nn.Sequential(kind(10, DIM, sparse=True), nn.Linear(DIM, 2))
+    with pytest.raises(NotImplementedError, match=rf"expected embeddings with dense gradients, got "
+                                                  rf"{kind.__name__}\(sparse=True\) owning 0.weight"):
+        fully_shard(net, mesh=dp_mesh())
+    assert not isinstance(net, FSDPModule) and net[0].weight.shape == (10, DIM)
+
+
 def test_module_zero_grad_without_set_to_none_zeroes_as_torch_does():
     """net.zero_grad(set_to_none=False) (torch 1.13's default for nn.Module) keeps each .grad as a
     zero tensor: a layer skipped in the next step still gets AdamW's decay and momentum, as in one

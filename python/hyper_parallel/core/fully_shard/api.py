@@ -285,6 +285,12 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: Optional
     ignored = {id(p) for p in (ignored_params or ())}
     _check_earlier_calls(module, ignored)
     owned, names = _owned_parameters(module, ignored, shard_placement_fn)
+    for sub, _, param, _ in owned:
+        if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse:
+            raise NotImplementedError(f"fully_shard: expected embeddings with dense gradients, got "
+                                      f"{type(sub).__name__}(sparse=True) owning {names[id(param)]}: its sparse "
+                                      f"gradient is not reduce-scattered; drop sparse=True (an nn.Embedding in a "
+                                      f"fully_shard call of its own sends only the rows its ids touch)")
     _extend_class(module)
     if not owned:
         _share_pass_order(module)
