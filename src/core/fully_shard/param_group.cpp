@@ -168,6 +168,13 @@ int64_t ParamGroup::Impl::content_of(const std::vector<size_t>& indices) const {
 // Reads the shards now; the all-gather travels until finish_gather (a group of one rank moves
 // nothing and is gathered at once).
 void ParamGroup::Impl::start_gather() {
+  // Kept gathered (set_reshard_after_backward(false), an unshard() ahead) and changed since (an
+  // optimizer step): gathered again from here, so that a prefetch still travels ahead. Not in a
+  // backward, whose graph may read the buffers.
+  if (unsharded && !in_backward() && shards_changed()) {
+    ++stats.regathered;
+    free_buffers();
+  }
   if (unsharded || gather_in_flight) return;
   prepare_gather();
   auto flat =
@@ -204,7 +211,7 @@ void ParamGroup::Impl::start_gather() {
 // whose shards changed in place after it read them (an optimizer step between a prefetch and
 // its use) is done again: every rank runs the same steps, so every rank does.
 void ParamGroup::Impl::finish_gather() {
-  if (unsharded) return;
+  if (unsharded && (in_backward() || !shards_changed())) return;  // otherwise start_gather gathers anew
   const bool ahead = gather_in_flight.has_value();
   start_gather();
   if (unsharded) return;

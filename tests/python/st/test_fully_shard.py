@@ -165,6 +165,31 @@ def test_reshard_after_backward_false_gathers_once_for_the_micro_batches(keep):
         net.set_reshard_after_backward(1)
 
 
+def test_groups_kept_gathered_across_a_step_gather_again_prefetched():
+    """set_reshard_after_backward(False) throughout: after an optimizer step the next forward
+    gathers the changed shards, a block's prefetched as in any forward (from the second pass on);
+    unshard() gathers them too."""
+    ws, r = dist.get_world_size(), dist.get_rank()
+    reference, net = Net(), shard(Net(), mesh=dp_mesh(), reshard_after_forward=False)
+    net.set_reshard_after_backward(False)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (reference, net)]
+    for step in range(2):
+        reference(batch(step, ws)).pow(2).mean().backward()
+        net(batch(step, ws)[r * ROWS_PER_RANK:][:ROWS_PER_RANK]).pow(2).mean().backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    if ws > 1:
+        assert net.blocks[1]._fsdp_group.gather_stats == {"gathers": 2, "prefetched": 1, "regathered": 1}
+    for b in net.blocks:
+        b.unshard()
+    with torch.no_grad():
+        torch.testing.assert_close(net.blocks[1](net.blocks[0](batch(2, ws))),
+                                   reference.blocks[1](reference.blocks[0](batch(2, ws))), rtol=1e-5, atol=1e-6)
+    for p, q in zip(net.parameters(), reference.parameters()):
+        torch.testing.assert_close(full_tensor(p), q.detach(), rtol=1e-5, atol=1e-6)
+
+
 def test_tensor_parallel_inside_fully_shard_on_a_2x2_mesh():
     if dist.get_world_size() != 4:
         pytest.skip("a 2 x 2 (dp, tp) mesh needs 4 ranks")

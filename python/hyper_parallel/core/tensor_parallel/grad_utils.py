@@ -13,7 +13,9 @@ from hyper_parallel.core.dtensor.placement_types import Placement, as_python
 
 __all__ = ["ParameterLayout", "clip_grad_norm_", "full_tensor", "install_torch_clip", "layout_of"]
 
-_torch_clip_grad_norm_ = torch.nn.utils.clip_grad.clip_grad_norm_
+# torch's own, also if this module is loaded again after install_torch_clip.
+_torch_clip_grad_norm_ = getattr(torch.nn.utils.clip_grad.clip_grad_norm_, "_torch_own",
+                                 torch.nn.utils.clip_grad.clip_grad_norm_)
 
 
 class ParameterLayout(NamedTuple):
@@ -64,6 +66,9 @@ def _clip_grad_norm_by_layout_(parameters, max_norm: float, norm_type: float = 2
             raise RuntimeError(f"clip_grad_norm_: expected a finite total norm of the gradients "
                                f"(error_if_nonfinite=True), got {norm}")
     return clip_grad_norm_(params, max_norm)
+
+
+_clip_grad_norm_by_layout_._torch_own = _torch_clip_grad_norm_
 
 
 def install_torch_clip() -> None:
