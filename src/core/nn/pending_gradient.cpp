@@ -60,6 +60,10 @@ void apply(Entry& e) {
   if (e.run_hooks) sum = torch::autograd::AccumulateGrad::callHooks(param, std::move(sum));
   at::NoGradGuard no_grad;
   auto& grad = param.mutable_grad();
+  if (e.how == Contribution::kAdds && grad.defined() && grad.sizes() == sum.sizes()) {
+    grad.add_(sum);  // in place, as AccumulateGrad adds: no temporary of the gradient's size
+    return;
+  }
   const auto& base = e.how == Contribution::kAdds ? grad : e.before;
   auto result = base.defined() ? base.add(sum) : sum;
   if (grad.defined() && grad.sizes() == result.sizes()) {
