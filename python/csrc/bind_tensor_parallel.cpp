@@ -97,12 +97,16 @@ void bind_parameters(py::module& m) {
           target.weight_shape = value.sizes().vec();
           target.weight_dtype = value.scalar_type();
         }
-        tp::lay_out_parameters(style, target, parameters, claimed_by, mesh, src_data_rank,
-                               tp::ModuleTypeNames::torch_nn());
+        return tp::lay_out_parameters(style, target, parameters, claimed_by, mesh, src_data_rank,
+                                      tp::ModuleTypeNames::torch_nn());
       },
       py::arg("style"), py::arg("kind"), py::arg("module_type"), py::arg("parameters"), py::arg("claimed_by"),
       py::arg("mesh"), py::arg("src_data_rank"),
-      "The core's apply preamble for a torch.nn module: its checks, then its parameters laid out in place.");
+      "The core's apply preamble for a torch.nn module: its checks, then its parameters laid out in place. "
+      "Returns the names of those whose forward reads must go through sum_gradient_on_read.");
+  m.def("sum_gradient_on_read", &tp::sum_gradient_on_read, py::arg("read"), py::arg("mesh"),
+        "What a module computes with for a replicated parameter whose forward gradient is Partial: "
+        "that gradient is summed over the mesh in backward, other gradients of the parameter are not.");
 }
 
 void bind_style_base(py::module& m) {

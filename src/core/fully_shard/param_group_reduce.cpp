@@ -259,8 +259,7 @@ void ParamGroup::Impl::send(const std::vector<size_t>& indices, comm::Agreement 
     offset_of[i] = offset;
     slot_of[i] = slot;
     // Autograd does not reach a hooked parameter that got here unreached: its hooks run on the
-    // reduced gradient here (a sequence-parallel weight's TP sum is such a hook; its sum may be
-    // its rank's only part, from unsynced micro-batches or other ranks' gradients).
+    // reduced gradient here (from unsynced micro-batches or other ranks' gradients).
     if (planned_wants[i] == 1 || !reached[i]) defer_to_grad(reduced, i, offset, slot, planned_wants[i] == 2);
     offset += layout.padded_elements(static_cast<int64_t>(i));
   }
@@ -306,7 +305,7 @@ void ParamGroup::Impl::defer_to_grad(const std::shared_ptr<detail::ReduceInFligh
       [reduced, param = params[i], offset, elements, slot] {
         return shard_gradient(reduced, param, offset, elements, slot);
       },
-      nn::Contribution::kAdds, run_hooks);
+      run_hooks);
 }
 
 // Every rank's blocks of parameters `indices`' gradients (plus the sums kept while sync was off),

@@ -18,8 +18,6 @@ using WeakParam = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorI
 
 struct Entry {
   WeakParam param;  // the parameter (weak: the registry never keeps one alive)
-  Contribution how;
-  at::Tensor before;  // kReplacesPart: its .grad before the part's accumulation (undefined: none)
   WaitForGradient wait;
   bool run_hooks = false;  // the parameter's hooks see the waited tensor first
 };
@@ -48,10 +46,7 @@ std::optional<Entry> take(const c10::TensorImpl* param) {
   return std::nullopt;
 }
 
-// .grad = before + the sum (kReplacesPart) or .grad + the sum (kAdds): the bits AccumulateGrad
-// would have left had it added the sum. Hooks run here may defer a contribution of their own (a
-// sequence-parallel sum): its "before" is the .grad from before this one, and the caller's loop
-// applies it next.
+// .grad += the sum: the bits AccumulateGrad would have left had it added the sum.
 void apply(Entry& e) {
   auto sum = e.wait();
   auto impl = e.param.lock();
@@ -60,34 +55,22 @@ void apply(Entry& e) {
   if (e.run_hooks) sum = torch::autograd::AccumulateGrad::callHooks(param, std::move(sum));
   at::NoGradGuard no_grad;
   auto& grad = param.mutable_grad();
-  if (e.how == Contribution::kAdds && grad.defined() && grad.sizes() == sum.sizes()) {
+  if (grad.defined() && grad.sizes() == sum.sizes()) {
     grad.add_(sum);  // in place, as AccumulateGrad adds: no temporary of the gradient's size
-    return;
-  }
-  const auto& base = e.how == Contribution::kAdds ? grad : e.before;
-  auto result = base.defined() ? base.add(sum) : sum;
-  if (grad.defined() && grad.sizes() == result.sizes()) {
-    grad.copy_(result);
   } else {
-    grad = result;
+    grad = grad.defined() ? grad.add(sum) : sum;
   }
 }
 
 // The backward failed before its final callback (or a sum failed in it): wait for the
-// transfers (so none outlives its buffers or leaves a peer waiting), drop their results and
-// give each parameter back the .grad it had before this pass's part was added. Only a failed
-// mutex could throw here, and then terminating is all that is left.
+// transfers (so none outlives its buffers or leaves a peer waiting) and drop their results:
+// .grad keeps what it holds, as torch leaves it. Only a failed mutex could throw here, and then
+// terminating is all that is left.
 void abandon_all() noexcept {  // NOLINT(bugprone-exception-escape)
   while (auto e = take(nullptr)) {
     try {
       e->wait();
     } catch (...) {  // the failure that stopped the backward is already on its way to the caller
-    }
-    // An added contribution never reached .grad: what is there stays, as torch leaves it.
-    if (auto impl = e->param.lock(); impl && e->how == Contribution::kReplacesPart) {
-      at::Tensor param(std::move(impl));
-      at::NoGradGuard no_grad;
-      param.mutable_grad() = e->before;
     }
   }
   std::lock_guard<std::mutex> lock(registry().mutex);
@@ -119,14 +102,9 @@ void open_pass() {
 
 }  // namespace
 
-void defer_gradient(const at::Tensor& param, WaitForGradient wait, Contribution how, bool run_hooks) {
+void defer_gradient(const at::Tensor& param, WaitForGradient wait, bool run_hooks) {
   TORCH_INTERNAL_ASSERT(param.defined() && wait, "defer_gradient: undefined argument");
-  // A second part of the same parameter in one backward (a weight used twice): the first one's
-  // sum must be in .grad before this one's "before" is taken.
-  finish_gradient(param);
-  const bool keep_before = how == Contribution::kReplacesPart && param.grad().defined();
-  Entry e{WeakParam(param.getIntrusivePtr()), how, keep_before ? param.grad().clone() : at::Tensor(),
-          std::move(wait), run_hooks};
+  Entry e{WeakParam(param.getIntrusivePtr()), std::move(wait), run_hooks};
   bool open = false;
   {
     auto& r = registry();

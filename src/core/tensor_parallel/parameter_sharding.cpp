@@ -2,6 +2,10 @@
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/autograd/graph_task.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/grad_mode.h>
+#include <torch/csrc/autograd/variable.h>
 
 #include <hyper_parallel/core/comm/collectives.h>
 #include <hyper_parallel/core/comm/counters.h>
@@ -10,6 +14,8 @@
 #include <hyper_parallel/core/nn/parameter_layout.h>
 #include <hyper_parallel/core/nn/pending_gradient.h>
 #include <hyper_parallel/core/tensor_parallel/style.h>
+
+#include "../autograd/attach_backward.h"
 
 namespace hyper_parallel::tensor_parallel {
 
@@ -25,31 +31,50 @@ void shard_parameter_in_place(const at::Tensor& param, const dtensor::DeviceMesh
   nn::record_layout(param, {mesh, placements, global_shape});
 }
 
-void sum_gradient_over_mesh(const at::Tensor& param, const dtensor::DeviceMesh& mesh) {
-  if (mesh.size(0) == 1 || !param.requires_grad()) return;
-  auto group = mesh.get_group(0);
-  // The hook cannot capture the parameter (a cycle through its own hook list): it keeps a weak
-  // reference.
-  using WeakParam = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
-  param.register_hook([group, weak = WeakParam(param.getIntrusivePtr())](const at::Tensor& grad) {
-    auto impl = weak.lock();
-    if (!impl) return at::Tensor();
-    // Started here, finished when someone reads .grad or at the end of the backward
-    // (nn::pending_gradient.h): the backward goes on while the sum travels. Every rank of the
-    // TP group runs the same backward, so the ranks start these sums in the same order.
+namespace {
+
+using WeakParam = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
+
+// Whether the gradient of `param` reaches .grad with no one reading it on the way: no gradient
+// hook, and the current backward accumulates it without a capture (autograd.grad(..., inputs)).
+// Only then may its sum join .grad after the backward went on.
+bool accumulates_unobserved(const at::Tensor& param) {
+  if (!torch::autograd::impl::hooks(param).empty()) return false;
+  const auto accumulator = torch::autograd::impl::try_get_grad_accumulator(param);
+  if (accumulator == nullptr || !accumulator->pre_hooks().empty()) return false;
+  const auto* exec_info = torch::autograd::get_current_graph_task_exec_info();
+  if (exec_info == nullptr || exec_info->empty()) return true;  // a plain backward runs every node
+  const auto it = exec_info->find(accumulator.get());
+  return it != exec_info->end() && it->second.needed_ && !it->second.captures_;
+}
+
+}  // namespace
+
+at::Tensor sum_gradient_on_read(const at::Tensor& read, const dtensor::DeviceMesh& mesh) {
+  if (mesh.size(0) == 1 || !read.requires_grad() || !torch::autograd::GradMode::is_enabled()) return read;
+  // The node cannot hold the parameter (a cycle through its own graph): a weak reference.
+  std::optional<WeakParam> param;
+  if (read.is_leaf()) param.emplace(read.getIntrusivePtr());
+  auto backward = [group = mesh.get_group(0), param](std::vector<at::Tensor> grads) {
+    if (!grads[0].defined()) return std::vector<at::Tensor>{at::Tensor()};
     comm::CommRegion region("grad_sync");
-    auto sum = grad.detach().clone(at::MemoryFormat::Contiguous);
+    auto sum = grads[0].detach().clone(at::MemoryFormat::Contiguous);
     auto pending = std::make_shared<comm::PendingAllReduce>(
         comm::start_all_reduce(sum, comm::ReduceOp::kSum, group, comm::Agreement::kAgreedInAdvance));
-    nn::defer_gradient(
-        at::Tensor(std::move(impl)),
-        [pending, sum] {
-          pending->wait();
-          return sum;
-        },
-        nn::Contribution::kReplacesPart);
-    return at::Tensor();  // AccumulateGrad adds this rank's part until the sum replaces it
-  });
+    const auto leaf = param ? at::Tensor(param->lock()) : at::Tensor();
+    if (leaf.defined() && accumulates_unobserved(leaf)) {
+      // Added to .grad when finished (nn::pending_gradient.h): the backward goes on meanwhile.
+      nn::defer_gradient(leaf, [pending, sum] {
+        pending->wait();
+        return sum;
+      });
+      return std::vector<at::Tensor>{at::Tensor()};
+    }
+    pending->wait();
+    return std::vector<at::Tensor>{sum};
+  };
+  return hyper_parallel::detail::attach_backward({read}, {read.detach()}, std::move(backward),
+                                                 "SumGradientOnReadBackward", /*materialize_grads=*/false)[0];
 }
 
 void check_unclaimed(const std::string& style, const std::string& module_type,

@@ -3,11 +3,13 @@
 #include <algorithm>
 
 #include <ATen/ATen.h>
+#include <torch/csrc/autograd/grad_mode.h>
 #include <torch/nn/module.h>
 
 #include <hyper_parallel/core/nn/matmul.h>
 #include <hyper_parallel/core/nn/parameter_layout.h>
 #include <hyper_parallel/core/tensor_parallel/parallelize.h>
+#include <hyper_parallel/core/tensor_parallel/parameter_sharding.h>
 
 namespace hyper_parallel::tensor_parallel {
 
@@ -62,8 +64,46 @@ nn::HookableModule& sharding_target(const ParallelStyle& style, torch::nn::Modul
     parameters.emplace_back(item.key(), item.value());
   std::optional<std::string> claimed_by;
   if (hm.forward_kernel() != nullptr) claimed_by = hm.forward_kernel()->name();
-  lay_out_parameters(style, target_of(hm, module), parameters, claimed_by, mesh, src_data_rank);
+  const auto summed =
+      lay_out_parameters(style, target_of(hm, module), parameters, claimed_by, mesh, src_data_rank);
+  sum_gradients_of_reads(style.name(), hm, module.name(), mesh, parameters, summed);
   return hm;
+}
+
+void sum_gradients_of_reads(const std::string& style, nn::HookableModule& hm, const std::string& module_type,
+                            const DeviceMesh& mesh,
+                            const std::vector<std::pair<std::string, at::Tensor>>& parameters,
+                            const std::vector<std::string>& names) {
+  if (names.empty()) return;
+  std::vector<std::pair<std::string, at::Tensor>> summed;
+  for (const auto& p : parameters) {
+    if (std::find(names.begin(), names.end(), p.first) != names.end()) summed.push_back(p);
+  }
+  // The ones a forward with grad has not read yet (through HookableModule::parameter).
+  auto unread = std::make_shared<std::vector<std::string>>();
+  hm.add_input_hook([summed, unread](std::vector<at::Tensor> inputs) {
+    unread->clear();
+    for (const auto& [name, param] : summed) {
+      if (param.requires_grad()) unread->push_back(name);
+    }
+    return inputs;
+  });
+  hm.add_parameter_read_hook(
+      [names, unread, mesh](const std::string& name, const at::Tensor&, const at::Tensor& read) {
+        if (std::find(names.begin(), names.end(), name) == names.end()) return read;
+        unread->erase(std::remove(unread->begin(), unread->end(), name), unread->end());
+        return sum_gradient_on_read(read, mesh);
+      });
+  // A forward that reads a parameter otherwise (a HookableModule of the user's that reads the
+  // member itself) would leave its gradient this rank's part only.
+  hm.add_output_hook([style, module_type, unread](std::vector<at::Tensor> outputs) {
+    TORCH_CHECK_VALUE(
+        !torch::autograd::GradMode::is_enabled() || unread->empty(), style, ": expected ", module_type,
+        "'s forward to read its parameter '", unread->empty() ? "" : unread->front(),
+        "' through HookableModule::parameter() (its gradient is summed over the mesh there), got a "
+        "forward with grad that did not");
+    return outputs;
+  });
 }
 
 std::vector<ParameterSharding> shard_each(const std::vector<std::string>& parameters,
@@ -177,10 +217,11 @@ VocabShard vocab_shard(const at::Tensor& ids, int64_t vocab_size, const DeviceMe
 
 }  // namespace detail
 
-void lay_out_parameters(const ParallelStyle& style, const ModuleTarget& target,
-                        const std::vector<std::pair<std::string, at::Tensor>>& parameters,
-                        const std::optional<std::string>& claimed_by, const DeviceMesh& mesh,
-                        std::optional<int64_t> src_data_rank, const ModuleTypeNames& names) {
+std::vector<std::string> lay_out_parameters(const ParallelStyle& style, const ModuleTarget& target,
+                                            const std::vector<std::pair<std::string, at::Tensor>>& parameters,
+                                            const std::optional<std::string>& claimed_by,
+                                            const DeviceMesh& mesh, std::optional<int64_t> src_data_rank,
+                                            const ModuleTypeNames& names) {
   const auto name = style.name();
   style.check_kind(target, names);
   check_tp_mesh(name.c_str(), mesh);
@@ -194,14 +235,16 @@ void lay_out_parameters(const ParallelStyle& style, const ModuleTarget& target,
     parameter_names.push_back(parameter);
   }
   style.check_target(target, mesh);
+  std::vector<std::string> summed;
   for (const auto& row : style.parameter_shardings(target.kind, parameter_names)) {
     const auto it = std::find_if(parameters.begin(), parameters.end(),
                                  [&](const auto& p) { return p.first == row.name; });
     TORCH_INTERNAL_ASSERT(it != parameters.end(), name, ": the table names parameter '", row.name,
                           "' the module lacks");
     shard_parameter_in_place(it->second, mesh, row.placements, src_data_rank);
-    if (row.sums_gradient) sum_gradient_over_mesh(it->second, mesh);
+    if (row.sums_gradient) summed.push_back(row.name);
   }
+  return summed;
 }
 
 }  // namespace hyper_parallel::tensor_parallel

@@ -29,10 +29,19 @@ ModuleTarget target_of(nn::HookableModule& hm, torch::nn::Module& module);
 /// one of this library's; then, in the order every front end follows, the style's check_kind,
 /// the check that no style has parallelized it yet (a second one would shard already-sharded
 /// weights), and the style's check_target; then the parameters are laid out by the style's
-/// table (sharded in place, layouts recorded, partial gradients summed by hooks). Throws before
-/// anything is touched.
+/// table (sharded in place, layouts recorded), and the module reads those with a Partial gradient
+/// through sum_gradient_on_read (sum_gradients_of_reads). Throws before anything is touched.
 nn::HookableModule& sharding_target(const ParallelStyle& style, torch::nn::Module& module,
                                     const dtensor::DeviceMesh& mesh, std::optional<int64_t> src_data_rank);
+
+/// Makes `hm`'s forward read its parameters `names` (of `parameters`, the module's own) through
+/// sum_gradient_on_read. A forward with grad that did not read one of them that requires grad
+/// through HookableModule::parameter (a HookableModule of the user's that reads the member
+/// itself) is a c10::ValueError at its end: its gradient would be this rank's part only.
+void sum_gradients_of_reads(const std::string& style, nn::HookableModule& hm, const std::string& module_type,
+                            const dtensor::DeviceMesh& mesh,
+                            const std::vector<std::pair<std::string, at::Tensor>>& parameters,
+                            const std::vector<std::string>& names);
 
 /// The whole output width of a module sharding_target laid out, from its weight's recorded
 /// global shape: a Linear's out_features, an Embedding's embedding_dim.

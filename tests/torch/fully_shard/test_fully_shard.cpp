@@ -4,7 +4,8 @@
 // and explicit prefetch; groups gathered right after their own optimizer step; the shards' sizes
 // and the optimizer state's; an embedding's row-sparse gather and reduce-scatter, bitwise the
 // dense ones, also under a TP style that cuts its vocabulary; the module cast after fully_shard;
-// every error a user can cause.
+// a sequence-parallel norm with a loss term on its weight on a 2 x 2 mesh; every error a user
+// can cause.
 #include <gtest/gtest.h>
 
 #include <new>
@@ -406,6 +407,49 @@ TEST(FullyShard, HybridShardingTrainsLikeTheReference) {
   EXPECT_EQ(hp::comm::collective_count(CollectiveKind::kReduceScatter), 3 * (kBlocks + 1));
   // The HSDP all-reduces, and one per step for the loss logged above.
   EXPECT_EQ(hp::comm::collective_count(CollectiveKind::kAllReduce), 3 * (kBlocks + 1) + 3);
+}
+
+// A sequence-parallel norm on a 2 x 2 (dp, tp) mesh, under fully_shard: the gradient of the
+// norm's forward (each tp rank's tokens) is summed over tp before fully_shard reduces it over dp;
+// a loss term on the norm's weight, which every rank computes alike, counts once.
+struct NormThenColumn : torch::nn::Module {
+  NormThenColumn() {
+    at::manual_seed(11);
+    norm = register_module("norm", hp::nn::RMSNorm(kIn));
+    proj = register_module("proj", hp::nn::Linear(kIn, kOut));
+    at::NoGradGuard no_grad;
+    norm->weight.uniform_(0.5, 1.5);  // away from ones, so a wrong penalty gradient shows
+  }
+  at::Tensor forward(const at::Tensor& x) { return proj(norm(x)); }
+  at::Tensor penalty() { return 0.1 * norm->weight.pow(2).sum(); }
+  hp::nn::RMSNorm norm{nullptr};
+  hp::nn::Linear proj{nullptr};
+};
+
+TEST(FullyShard, ASequenceParallelNormsLossTermCountsOnceOnA2DMesh) {
+  namespace tp = hp::tensor_parallel;
+  const int64_t p = hp_test::world_size();
+  if (p != 4) GTEST_SKIP() << "a 2 x 2 (dp, tp) mesh needs 4 ranks";
+  auto mesh = hp::dtensor::init_device_mesh("cpu", {2, 2}, {"dp", "tp"});
+  const int64_t dp = mesh["dp"].get_local_rank(0), tp_rank = mesh["tp"].get_local_rank(0);
+  at::manual_seed(5);
+  const auto x = at::randn({2, 2, 2 * kRowsPerRank, kIn});  // (replica, batch, tokens, features)
+  NormThenColumn reference, net;
+  // The reference: the mean over replicas of the data term, plus the penalty.
+  ((reference.forward(x[0]).pow(2).sum() + reference.forward(x[1]).pow(2).sum()) / 2 + reference.penalty())
+      .backward();
+  tp::parallelize_module(net, mesh["tp"],
+                         {{"norm", std::make_shared<tp::SequenceParallel>()},
+                          {"proj", std::make_shared<tp::ColwiseParallel>(
+                                       tp::ColwiseParallelOptions().input_layouts(hp::dtensor::Shard(1)))}});
+  fs::fully_shard(net, fs::FullyShardOptions().mesh(mesh["dp"]));
+  const auto mine = x[dp].narrow(1, tp_rank * kRowsPerRank, kRowsPerRank);
+  (net.forward(mine).pow(2).sum() + net.penalty()).backward();
+  const auto params = net.named_parameters(), ref = reference.named_parameters();
+  for (const auto& item : params) {
+    hp_test::expect_close(tp::full_tensor(item.value(), item.value().grad()), ref[item.key()].grad(),
+                          item.key() + " grad");
+  }
 }
 
 // set_requires_gradient_sync(false): the backwards add the gathered gradients up without

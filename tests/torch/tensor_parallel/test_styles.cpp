@@ -226,10 +226,28 @@ struct FailInBackward : public torch::autograd::Function<FailInBackward> {
   }
 };
 
-// The gradient sum of a sequence-parallel parameter is started by its hook and finished when
-// the backward ends: the hook does not wait (no blocking all_reduce in "grad_sync"; the one
-// wait is the started sum's, at the end), hooks registered after it see this rank's part, and
-// .grad holds the sum after backward(), over accumulation and after a backward that failed.
+// The sum over ranks of `part` (each rank's own), from gathered parts.
+at::Tensor sum_of_parts(const at::Tensor& part) {
+  return hp::comm::all_gather(part.unsqueeze(0), 0, hp::comm::world()).sum(0);
+}
+
+// This rank's part of a sequence-parallel norm's weight gradient: an unparallelized copy's
+// weight gradient on this rank's tokens.
+at::Tensor weight_part(const at::Tensor& weight, const at::Tensor& x) {
+  hp::nn::RMSNorm plain(weight.size(0));
+  {
+    at::NoGradGuard no_grad;
+    plain->weight.copy_(weight);
+  }
+  auto in = x.detach();
+  (plain(in) * in).sum().backward();
+  return plain->weight.grad();
+}
+
+// The gradient sum of a sequence-parallel parameter is started in backward and finished when the
+// backward ends: the backward does not wait for it (no blocking all_reduce in "grad_sync"; the
+// one wait is the started sum's, at the end), and .grad holds the sum after backward(), over
+// accumulation and after a backward that failed.
 TEST(SequenceParallel, GradientSumRunsWhileTheBackwardGoesOn) {
   const int64_t p = hp_test::world_size(), r = hp_test::rank();
   at::manual_seed(19);
@@ -237,34 +255,93 @@ TEST(SequenceParallel, GradientSumRunsWhileTheBackwardGoesOn) {
   tp::parallelize_module(*m, tp_mesh(), tp::SequenceParallel());
   auto full_x = at::randn({4, 8 * p, 12});
   auto x = full_x.narrow(1, r * 8, 8).clone().requires_grad_(true);
-  std::vector<at::Tensor> seen;
-  const auto hook = m->weight.register_hook([&](const at::Tensor& g) { seen.push_back(g.clone()); });
   auto backward = [&](bool fail) {
     auto in = fail ? FailInBackward::apply(x) : x;
     hp::comm::CommRegion b("backward");
     (m(in) * in).sum().backward();
   };
-  // This rank's part, and the sum over ranks, from gathered parts.
   hp::comm::reset_collective_counts();
   backward(false);
-  ASSERT_EQ(seen.size(), 1u);
-  const auto sum = hp::comm::all_gather(seen[0].unsqueeze(0), 0, hp::comm::world()).sum(0);
-  EXPECT_TRUE(at::equal(m->weight.grad(), p > 1 ? sum : seen[0]));
+  EXPECT_TRUE(at::equal(m->weight.grad(), sum_of_parts(weight_part(m->weight, x))));
   for (const auto& w : hp::comm::exposed_waits()) {
     EXPECT_FALSE(w.region == "grad_sync" && w.op == "all_reduce")
-        << "the hook blocked for " << w.seconds << " s";
+        << "the backward blocked for " << w.seconds << " s";
   }
   // Accumulation: the second pass's sum is added to the first's.
   const auto first = m->weight.grad().clone();
   backward(false);
   expect_close(m->weight.grad(), (first * 2).to(at::kDouble), "accumulated sums");
-  // A backward that fails after the hook: its sum is waited for and dropped; the next is right.
+  // A backward that fails after the sum started: the sum is waited for and dropped; the next is right.
   m->weight.mutable_grad() = at::Tensor();
   EXPECT_THROW(backward(true), c10::Error);
+  if (p > 1) {
+    EXPECT_FALSE(m->weight.grad().defined());  // on one rank AccumulateGrad added it, as torch's
+  }
   m->weight.mutable_grad() = at::Tensor();
   backward(false);
   EXPECT_TRUE(at::equal(m->weight.grad(), first));
+}
+
+// Only the gradient of the module's own forward is summed: a loss term on the parameter itself,
+// which every rank computes alike, reaches .grad once (PyTorch: a Replicate gradient beside the
+// Partial one), whether the sum travels during the backward or a hook or a capture makes the
+// backward wait for it; hooks and captures see the whole gradient.
+TEST(SequenceParallel, LossTermOnTheParameterIsNotSummed) {
+  const int64_t p = hp_test::world_size(), r = hp_test::rank();
+  at::manual_seed(23);
+  hp::nn::RMSNorm m(12);
+  {
+    at::NoGradGuard no_grad;
+    m->weight.uniform_(0.5, 1.5);
+  }
+  tp::parallelize_module(*m, tp_mesh(), tp::SequenceParallel());
+  auto full_x = at::randn({4, 8 * p, 12});
+  auto x = full_x.narrow(1, r * 8, 8).clone().requires_grad_(true);
+  const auto expected = sum_of_parts(weight_part(m->weight, x)) + 0.2 * m->weight.detach();
+  auto loss = [&] { return (m(x) * x).sum() + 0.1 * m->weight.pow(2).sum(); };
+  for (int penalty_first = 0; penalty_first < 2; ++penalty_first) {
+    m->weight.mutable_grad() = at::Tensor();
+    auto l = penalty_first ? 0.1 * m->weight.pow(2).sum() + (m(x) * x).sum() : loss();
+    l.backward();
+    expect_close(m->weight.grad(), expected.to(at::kDouble),
+                 "penalty order " + std::to_string(penalty_first));
+  }
+  // A hook sees the whole gradient, once.
+  m->weight.mutable_grad() = at::Tensor();
+  std::vector<at::Tensor> seen;
+  const auto hook = m->weight.register_hook([&](const at::Tensor& g) { seen.push_back(g.clone()); });
+  loss().backward();
   m->weight.remove_hook(hook);
+  ASSERT_EQ(seen.size(), 1u);
+  expect_close(seen[0], expected.to(at::kDouble), "hook");
+  expect_close(m->weight.grad(), expected.to(at::kDouble), "grad with a hook");
+  // A capture (autograd.grad) too, and .grad is left alone.
+  m->weight.mutable_grad() = at::Tensor();
+  const auto captured = torch::autograd::grad({loss()}, {m->weight})[0];
+  expect_close(captured, expected.to(at::kDouble), "captured");
+  EXPECT_FALSE(m->weight.grad().defined());
+}
+
+// A HookableModule of the user's whose forward reads its weight itself, not through parameter():
+// its gradient would be this rank's part only, so its first forward with grad is an error.
+class DirectReaderImpl : public torch::nn::Module, public hp::nn::HookableModule {
+ public:
+  DirectReaderImpl() { weight = register_parameter("weight", at::ones({12})); }
+  at::Tensor forward(const at::Tensor& x) { return run_output_hooks(run_input_hooks(x) * weight); }
+  at::Tensor weight;
+};
+TORCH_MODULE(DirectReader);
+
+TEST(SequenceParallel, AForwardThatDoesNotReadThroughTheHookIsAnError) {
+  DirectReader m;
+  tp::parallelize_module(*m, tp_mesh(), tp::SequenceParallel());
+  auto x = at::randn({2, 4, 12});
+  {
+    at::NoGradGuard no_grad;
+    EXPECT_NO_THROW(m(x));  // nothing to sum without grad
+  }
+  EXPECT_THROW(m(x), c10::ValueError);
+  HP_EXPECT_THROW_MSG(m(x), "forward to read its parameter 'weight' through HookableModule::parameter()");
 }
 
 // Linear(10,16) -> ReLU -> Linear(16,10), as in PyTorch's tensor-parallel tests.

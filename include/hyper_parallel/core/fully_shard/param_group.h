@@ -23,9 +23,8 @@
 //     at most two groups travel at once (a third group's start waits for the oldest); the end
 //     of the backward waits for the rest and writes the shards' .grad (nn/pending_gradient.h).
 //     HSDP's all-reduce over the replicate dim runs when a reduce-scatter is waited for. A
-//     parameter with gradient hooks (a sequence-parallel norm weight's sum over the
-//     tensor-parallel ranks; registered before the forward) ends its bucket, waits for it at
-//     once and hands its gradient to autograd, which runs the hooks.
+//     parameter with gradient hooks (registered before the forward) ends its bucket, waits for
+//     it at once and hands its gradient to autograd, which runs the hooks.
 // A gather (prefetched, or unshard()) whose shards changed in place, or were replaced (a write
 // to .data), before the forward used it is done again. Shards cast after construction (without a
 // policy param_dtype: module.to(dtype)) are gathered in their new dtype from the next gather; a

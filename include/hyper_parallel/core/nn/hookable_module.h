@@ -59,6 +59,14 @@ class HookableModule {
   using ParameterView = std::function<at::Tensor(const std::string& name, const at::Tensor& registered)>;
   void set_parameter_view(ParameterView view) { parameter_view_ = std::move(view); }
   bool has_parameter_view() const { return static_cast<bool>(parameter_view_); }
+
+  /// Changes the tensor forward computes with for a parameter, after the view: given its name, the
+  /// registered tensor and what the view (or the registered tensor) gives, returns the one to use
+  /// (e.g. a style's node that sums the gradient of this module's reads over its group). Hooks run
+  /// in the order they were added.
+  using ParameterReadHook = std::function<at::Tensor(const std::string& name, const at::Tensor& registered,
+                                                     const at::Tensor& read)>;
+  void add_parameter_read_hook(ParameterReadHook hook) { read_hooks_.push_back(std::move(hook)); }
   const std::shared_ptr<ForwardKernel>& forward_kernel() const { return kernel_; }
 
   /// The layout a style or fully_shard gave this module's parameter `name`: its recorded layout
@@ -92,7 +100,10 @@ class HookableModule {
   }
   /// Call in forward for each parameter it reads (an undefined one stays undefined).
   at::Tensor parameter(const std::string& name, const at::Tensor& registered) const {
-    return parameter_view_ && registered.defined() ? parameter_view_(name, registered) : registered;
+    if (!registered.defined()) return registered;
+    auto read = parameter_view_ ? parameter_view_(name, registered) : registered;
+    for (const auto& hook : read_hooks_) read = hook(name, registered, read);
+    return read;
   }
 
  private:
@@ -100,6 +111,7 @@ class HookableModule {
   std::vector<OutputHook> output_hooks_;
   std::shared_ptr<ForwardKernel> kernel_;
   ParameterView parameter_view_;
+  std::vector<ParameterReadHook> read_hooks_;
   std::vector<std::string> styles_;
 };
 

@@ -21,8 +21,8 @@ struct ParameterSharding {
   std::string name;
   /// Its placements on the 1-d TP mesh.
   dtensor::Placements placements;
-  /// Replicated, but each rank's gradient covers its own tokens only (Partial): a gradient hook
-  /// sums it over the mesh before any optimizer sees it (sum_gradient_over_mesh).
+  /// Replicated, but the gradient of each rank's forward covers its own tokens only (Partial):
+  /// the module reads it through sum_gradient_on_read, so that gradient is summed over the mesh.
   bool sums_gradient = false;
 };
 
@@ -34,16 +34,21 @@ struct ParameterSharding {
 void shard_parameter_in_place(const at::Tensor& param, const dtensor::DeviceMesh& mesh,
                               const dtensor::Placements& placements, std::optional<int64_t> src_data_rank);
 
-/// Registers a gradient hook that sums `param`'s gradient over the 1-d mesh (an all_reduce,
-/// counted in CommRegion "grad_sync"). The hook starts the sum and returns: the backward goes on
-/// while it travels, and the sum replaces this rank's part in .grad by the end of the backward
-/// (or before, when a reader such as data_parallel's reducer asks: nn/pending_gradient.h).
-/// Hooks registered after it see this rank's part, and what they change is replaced by the sum;
-/// a reader of .grad during the backward must call nn::finish_gradient first (data_parallel's
-/// reducer does; torch's DistributedDataParallel does not: use data_parallel with these
-/// styles). Every rank of the mesh runs the same backward,
-/// so the sums start in the same order everywhere. Nothing on a 1-rank mesh or for a parameter
-/// that needs no gradient.
-void sum_gradient_over_mesh(const at::Tensor& param, const dtensor::DeviceMesh& mesh);
+/// `read` (what a module computes with for a replicated parameter: the parameter itself, or
+/// fully_shard's gathered copy of it) as a tensor whose gradient is summed over the 1-d mesh in
+/// backward (an all_reduce, counted in CommRegion "grad_sync"): the Partial gradient of a forward
+/// that saw only this rank's tokens becomes the Replicate one. Other gradients of the parameter
+/// (a loss term on the parameter itself, which every rank computes alike) reach .grad as they
+/// are, as PyTorch keeps a Replicate gradient apart from a Partial one. Every rank of the mesh
+/// reads in the same order and runs the same backward, so the sums start in the same order.
+///
+/// When `read` is the parameter itself (a leaf) and nothing watches its gradient (no gradient
+/// hook, no capture by autograd.grad), the sum is started and the backward goes on while it
+/// travels: it is added to .grad by the end of the backward, or before, when a reader such as
+/// data_parallel's reducer asks (nn/pending_gradient.h; torch's DistributedDataParallel does not
+/// ask: use data_parallel with these styles). Otherwise the backward waits for the sum, so hooks,
+/// captures and a gathered copy's own backward see the whole gradient. Returns `read` itself on a
+/// 1-rank mesh, without grad mode, or when it needs no gradient.
+at::Tensor sum_gradient_on_read(const at::Tensor& read, const dtensor::DeviceMesh& mesh);
 
 }  // namespace hyper_parallel::tensor_parallel

@@ -93,12 +93,15 @@ class ParallelStyle {
 /// does), the 1-d mesh (check_tp_mesh), check_unclaimed (`claimed_by`: the style that already
 /// changed the module's forward, if any), no parameter laid out already (by another style, or by
 /// fully_shard: styles go first), style.check_target; then the style's parameter table applied
-/// to `parameters` (the module's own, by name): each sharded in place, its layout recorded, a
-/// partial gradient summed by a hook. Throws before anything is touched.
-void lay_out_parameters(const ParallelStyle& style, const ModuleTarget& target,
-                        const std::vector<std::pair<std::string, at::Tensor>>& parameters,
-                        const std::optional<std::string>& claimed_by, const dtensor::DeviceMesh& mesh,
-                        std::optional<int64_t> src_data_rank, const ModuleTypeNames& names = {});
+/// to `parameters` (the module's own, by name): each sharded in place, its layout recorded. Throws before
+/// anything is touched. Returns the names of the parameters whose gradient is Partial: the caller makes the
+/// module's forward read each through sum_gradient_on_read (parameter_sharding.h).
+std::vector<std::string> lay_out_parameters(const ParallelStyle& style, const ModuleTarget& target,
+                                            const std::vector<std::pair<std::string, at::Tensor>>& parameters,
+                                            const std::optional<std::string>& claimed_by,
+                                            const dtensor::DeviceMesh& mesh,
+                                            std::optional<int64_t> src_data_rank,
+                                            const ModuleTypeNames& names = {});
 
 /// ColwiseParallel: Linear weight and bias Shard(0), Embedding weight Shard(1); the input is made
 /// Replicate (a Shard input is all-gathered; its gradient, Partial, is reduce-scattered); the
@@ -185,10 +188,12 @@ class RowwiseParallel : public ParallelStyle {
 
 /// SequenceParallel: for modules that act on each token alone (norms, dropout). Parameters stay
 /// replicated; the input is Shard(sequence_dim) (a plain tensor is taken as that shard); no
-/// communication in forward or backward. Each rank's parameter gradient covers its own tokens
-/// only (Partial), so a gradient hook sums it over the mesh before any optimizer sees it
-/// (recorded in CommRegion "grad_sync"; started by the hook, finished by the end of the
-/// backward: sum_gradient_over_mesh).
+/// communication in forward. The gradient of each rank's forward covers its own tokens only
+/// (Partial): the module reads its parameters through sum_gradient_on_read, which sums that
+/// gradient over the mesh in backward (CommRegion "grad_sync") and leaves other gradients of the
+/// parameters (a loss term on them) as they are. The module's forward must read its parameters
+/// through HookableModule::parameter (this library's modules do); one that does not is an error
+/// at its first forward with grad.
 ///
 /// Usage:
 ///   SequenceParallel(SequenceParallelOptions().sequence_dim(0))

@@ -45,14 +45,40 @@ def _core_mesh(device_mesh):
 def _shard_module(core, module: nn.Module, device_mesh, src_data_rank):
     """The apply preamble: the core's, in one call (its checks, then the module's parameters laid
     out by its table). The kind is checked first here too, before a foreign mesh is converted.
-    Returns the kind and the core's mesh (_core_mesh)."""
+    Returns the kind, the core's mesh (_core_mesh) and the names of the parameters whose gradient
+    is Partial: the style's apply ends with _sum_gradients_of_reads of them."""
     kind, module_type = _module_kind(module), type(module).__name__
     core.check_kind(kind, module_type)
     device_mesh = _core_mesh(device_mesh)
-    _C.lay_out_parameters(core, kind, module_type, list(module.named_parameters(recurse=False)),
-                          getattr(module, "_hp_sharding_style", None), device_mesh, src_data_rank)
+    summed = _C.lay_out_parameters(core, kind, module_type, list(module.named_parameters(recurse=False)),
+                                   getattr(module, "_hp_sharding_style", None), device_mesh, src_data_rank)
     module._hp_sharding_style = core.name()
-    return kind, device_mesh
+    return kind, device_mesh, summed
+
+
+def _sum_gradients_of_reads(module: nn.Module, names, mesh) -> None:
+    """While the module's own forward runs, it holds each parameter of ``names`` as the core's
+    sum_gradient_on_read of what it holds (the parameter, or fully_shard's gathered copy): the
+    gradient of that forward is summed over the mesh, a loss term on the parameter itself is not.
+    Around the forward the style leaves (its own, if it replaces it), inside every forward hook,
+    so after fully_shard's gather; put back when the forward returns or raises."""
+    if not names:
+        return
+    # Bound to the module (as the styles' forwards are), so a deep copy of the model calls its own.
+    forward = module.forward
+    unbound = forward.__func__ if getattr(forward, "__self__", None) is module else None
+
+    def forward_summing_gradients(self, *args, **kwargs):
+        held = {name: self._parameters[name] for name in names}
+        try:
+            for name, tensor in held.items():
+                if tensor is not None:
+                    self._parameters[name] = _C.sum_gradient_on_read(tensor, mesh)
+            return unbound(self, *args, **kwargs) if unbound is not None else forward(*args, **kwargs)
+        finally:
+            self._parameters.update(held)
+
+    module.forward = types.MethodType(forward_summing_gradients, module)
 
 
 def _replace_first_input(style: str, convert):
@@ -115,8 +141,9 @@ class ColwiseParallel(ParallelStyle):
 
     def apply(self, module, device_mesh):
         core = self._core()
-        kind, mesh = _shard_module(core, module, device_mesh, self.src_data_rank)
+        kind, mesh, summed = _shard_module(core, module, device_mesh, self.src_data_rank)
         self._install_hooks(core, module, kind, mesh)
+        _sum_gradients_of_reads(module, summed, mesh)
         return module
 
     def _install_hooks(self, core, module, kind, mesh):
@@ -156,8 +183,9 @@ class RowwiseParallel(ParallelStyle):
             _check_own_forward(type(self).__name__, module, nn.Linear if kind == "linear" else nn.Embedding)
         if kind == "embedding":
             _check_embedding_options(type(self).__name__, module)
-        kind, mesh = _shard_module(core, module, device_mesh, self.src_data_rank)
+        kind, mesh, summed = _shard_module(core, module, device_mesh, self.src_data_rank)
         self._install_hooks(core, module, kind, mesh)
+        _sum_gradients_of_reads(module, summed, mesh)
         return module
 
     def _install_hooks(self, core, module, kind, mesh):
@@ -174,8 +202,9 @@ class RowwiseParallel(ParallelStyle):
 
 class SequenceParallel(ParallelStyle):
     """For modules that act on each token alone (norms, dropout): parameters stay replicated, the
-    input is Shard(sequence_dim), no communication in forward or backward; parameter gradients
-    (Partial) are summed over the mesh by a gradient hook."""
+    input is Shard(sequence_dim), no communication in forward; the gradient of the module's
+    forward on the parameters (Partial) is summed over the mesh in backward, a loss term on the
+    parameters themselves is not."""
 
     def __init__(self, *, sequence_dim: int = 1, use_local_output: bool = False):
         self.sequence_sharding = (Shard(sequence_dim),)
@@ -186,9 +215,10 @@ class SequenceParallel(ParallelStyle):
 
     def apply(self, module, device_mesh):
         core = self._core()
-        _, mesh = _shard_module(core, module, device_mesh, self.src_data_rank)
+        _, mesh, summed = _shard_module(core, module, device_mesh, self.src_data_rank)
         module.register_forward_pre_hook(lambda m, args: core.prepare_inputs(args, mesh))
         module.register_forward_hook(lambda m, args, y: core.prepare_output(y, mesh))
+        _sum_gradients_of_reads(module, summed, mesh)
         return module
 
 

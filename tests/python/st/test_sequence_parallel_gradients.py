@@ -1,0 +1,118 @@
+"""The gradients of a sequence-parallel module's parameters, at 2 and 4 ranks against a
+single-process reference: the gradient of the module's own forward (each rank's tokens only) is
+summed over tp, a loss term on the parameters themselves (which every rank computes alike) is not,
+with the penalty before or after the data term and with a gradient hook on the weight (the hook
+sees the whole gradient, once); the same with fully_shard over dp on a 2 x 2 mesh; a deep copy of a
+parallelized model computes with its own parameters."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hyper_parallel import (ColwiseParallel, SequenceParallel, full_tensor, fully_shard, init_device_mesh,
+                            parallelize_module)
+from hyper_parallel.core.dtensor.placement_types import Shard
+
+BATCH, TOKENS_PER_RANK, DIM, OUT = 2, 3, 8, 6
+PENALTY = 0.1
+
+
+class NormThenColumn(nn.Module):
+    """A LayerNorm on the sequence-sharded tokens, then a column layer that gathers them."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(11)
+        self.norm = nn.LayerNorm(DIM)
+        self.proj = nn.Linear(DIM, OUT)
+        with torch.no_grad():  # away from their defaults, so a wrong penalty gradient shows
+            self.norm.weight.uniform_(0.5, 1.5)
+            self.norm.bias.uniform_(-0.5, 0.5)
+
+    def forward(self, x):
+        return self.proj(self.norm(x))
+
+
+def parallelize(model, tp_mesh):
+    return parallelize_module(model, tp_mesh, {"norm": SequenceParallel(),
+                                               "proj": ColwiseParallel(input_layouts=Shard(1))})
+
+
+def penalty(model):
+    """Every rank computes it alike over what it holds: the norm's replicated parameters whole."""
+    return PENALTY * (model.norm.weight.pow(2).sum() + model.norm.bias.pow(2).sum())
+
+
+def tokens(tp_size, replicas=1):
+    torch.manual_seed(5)
+    return torch.randn(replicas, BATCH, tp_size * TOKENS_PER_RANK, DIM)
+
+
+def my_tokens(x, tp_rank):
+    return x.narrow(1, tp_rank * TOKENS_PER_RANK, TOKENS_PER_RANK)
+
+
+def reference_grads(x, penalty_first=False):
+    """The gradients of mean over replicas of the data term, plus the penalty, in one process."""
+    ref = NormThenColumn()
+    data = sum(ref(x[i]).pow(2).sum() for i in range(x.size(0))) / x.size(0)
+    (penalty(ref) + data if penalty_first else data + penalty(ref)).backward()
+    return {name: p.grad for name, p in ref.named_parameters()}
+
+
+def expect_grads(model, expected):
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(full_tensor(p, p.grad), expected[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("penalty_first", [False, True])
+def test_a_loss_term_on_a_sequence_parallel_parameter_is_counted_once(penalty_first):
+    ws, r = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (ws,), mesh_dim_names=("tp",))
+    x = tokens(ws)
+    model = parallelize(NormThenColumn(), mesh)
+    data = model(my_tokens(x[0], r)).pow(2).sum()
+    (penalty(model) + data if penalty_first else data + penalty(model)).backward()
+    expect_grads(model, reference_grads(x, penalty_first))
+
+
+def test_a_hook_on_a_sequence_parallel_weight_sees_its_whole_gradient_once():
+    ws, r = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (ws,), mesh_dim_names=("tp",))
+    x = tokens(ws)
+    model = parallelize(NormThenColumn(), mesh)
+    seen = []
+    model.norm.weight.register_hook(lambda g: seen.append(g.clone()))
+    (model(my_tokens(x[0], r)).pow(2).sum() + penalty(model)).backward()
+    expected = reference_grads(x)
+    assert len(seen) == 1
+    torch.testing.assert_close(seen[0], expected["norm.weight"], rtol=1e-5, atol=1e-6)
+    expect_grads(model, expected)
+
+
+def test_a_deep_copy_of_a_sequence_parallel_module_computes_with_its_own_parameters():
+    ws, r = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (ws,), mesh_dim_names=("tp",))
+    model = parallelize(NormThenColumn(), mesh)
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        twin.norm.weight.mul_(2)
+    x = my_tokens(tokens(ws)[0], r)
+    assert not torch.equal(twin.norm(x), model.norm(x))
+    twin(x).sum().backward()
+    assert twin.norm.weight.grad is not None and model.norm.weight.grad is None
+
+
+def test_a_loss_term_on_a_sequence_parallel_parameter_under_fully_shard_on_a_2x2_mesh():
+    if dist.get_world_size() != 4:
+        pytest.skip("a 2 x 2 (dp, tp) mesh needs 4 ranks")
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp, tp = mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank()
+    x = tokens(2, replicas=2)
+    model = fully_shard(parallelize(NormThenColumn(), mesh["tp"]), mesh=mesh["dp"])
+    for _ in range(2):  # the second backward accumulates
+        (model(my_tokens(x[dp], tp)).pow(2).sum() + penalty(model)).backward()
+    expect_grads(model, {name: 2 * g for name, g in reference_grads(x).items()})
