@@ -57,6 +57,11 @@ at::Tensor sum_gradient_on_read(const at::Tensor& read, const dtensor::DeviceMes
   if (read.is_leaf()) param.emplace(read.getIntrusivePtr());
   auto backward = [group = mesh.get_group(0), param](std::vector<at::Tensor> grads) {
     if (!grads[0].defined()) return std::vector<at::Tensor>{at::Tensor()};
+    TORCH_CHECK_NOT_IMPLEMENTED(
+        !torch::autograd::GradMode::is_enabled(),
+        "sum_gradient_on_read: expected a backward without create_graph (the sum over "
+        "the mesh of a sequence-parallel parameter's gradient is not differentiable), "
+        "got create_graph=True");
     comm::CommRegion region("grad_sync");
     auto sum = grads[0].detach().clone(at::MemoryFormat::Contiguous);
     auto pending = std::make_shared<comm::PendingAllReduce>(

@@ -2,10 +2,14 @@
 single-process reference: the gradient of the module's own forward (each rank's tokens only) is
 summed over tp, a loss term on the parameters themselves (which every rank computes alike) is not,
 with the penalty before or after the data term and with a gradient hook on the weight (the hook
-sees the whole gradient, once); the same with fully_shard over dp on a 2 x 2 mesh; a deep copy of a
-parallelized model computes with its own parameters."""
+sees the whole gradient, once); the same with fully_shard over dp on a 2 x 2 mesh; weight_norm
+applied before the style; a deep copy of a parallelized model computes with its own parameters and
+does not keep the original alive. What would leave a gradient this rank's part only is a clear
+error: weight_norm or a parameter added after the style, a double backward."""
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -65,7 +69,8 @@ def reference_grads(x, penalty_first=False):
 
 def expect_grads(model, expected):
     for name, p in model.named_parameters():
-        torch.testing.assert_close(full_tensor(p, p.grad), expected[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(full_tensor(p, p.grad), expected[name], rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("penalty_first", [False, True])
@@ -93,6 +98,55 @@ def test_a_hook_on_a_sequence_parallel_weight_sees_its_whole_gradient_once():
     expect_grads(model, expected)
 
 
+def test_weight_norm_applied_before_the_style_sums_the_gradients_of_its_parameters():
+    ws, r = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (ws,), mesh_dim_names=("tp",))
+    x = tokens(ws)
+    ref, model = NormThenColumn(), NormThenColumn()
+    for m in (ref, model):
+        nn.utils.weight_norm(m.norm, name="weight", dim=0)
+    parallelize(model, mesh)
+    ref(x[0]).pow(2).sum().backward()
+    model(my_tokens(x[0], r)).pow(2).sum().backward()
+    expect_grads(model, {name: p.grad for name, p in ref.named_parameters()})
+    assert all(isinstance(p, nn.Parameter) for p in model.norm.parameters())
+
+
+@pytest.mark.parametrize("change", ["weight_norm", "new_parameter"])
+def test_a_parameter_changed_after_the_style_is_an_error_in_a_forward_with_grad(change):
+    ws, r = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (ws,), mesh_dim_names=("tp",))
+    model = parallelize(NormThenColumn(), mesh)
+    if change == "weight_norm":
+        nn.utils.weight_norm(model.norm, name="weight", dim=0)
+    else:
+        model.norm.register_parameter("scale", nn.Parameter(torch.ones(DIM)))
+    x = my_tokens(tokens(ws)[0], r)
+    with torch.no_grad():
+        model(x)  # nothing to sum
+    with pytest.raises(ValueError, match="expected LayerNorm.s parameters to be those it laid out"):
+        model(x)
+
+
+def test_a_forward_that_raises_leaves_the_parameters_in_place():
+    ws = dist.get_world_size()
+    model = parallelize(NormThenColumn(), init_device_mesh("cpu", (ws,), mesh_dim_names=("tp",)))
+    weight = model.norm.weight
+    with pytest.raises(RuntimeError):
+        model.norm(torch.randn(2, 3, DIM + 1))
+    assert model.norm.weight is weight and model.norm._parameters["weight"] is weight
+
+
+def test_a_double_backward_through_a_summed_gradient_is_an_error():
+    ws, r = dist.get_world_size(), dist.get_rank()
+    model = parallelize(NormThenColumn(), init_device_mesh("cpu", (ws,), mesh_dim_names=("tp",)))
+    loss = model(my_tokens(tokens(ws)[0], r)).pow(2).sum()
+    if ws == 1:
+        pytest.skip("nothing is summed on one rank")
+    with pytest.raises(NotImplementedError, match="expected a backward without create_graph"):
+        torch.autograd.grad(loss, [model.norm.weight], create_graph=True)
+
+
 def test_a_deep_copy_of_a_sequence_parallel_module_computes_with_its_own_parameters():
     ws, r = dist.get_world_size(), dist.get_rank()
     mesh = init_device_mesh("cpu", (ws,), mesh_dim_names=("tp",))
@@ -104,15 +158,24 @@ def test_a_deep_copy_of_a_sequence_parallel_module_computes_with_its_own_paramet
     assert not torch.equal(twin.norm(x), model.norm(x))
     twin(x).sum().backward()
     assert twin.norm.weight.grad is not None and model.norm.weight.grad is None
+    original = weakref.ref(model.norm)
+    del model
+    gc.collect()
+    assert original() is None, "the copy keeps the original model alive"
+    twin(x).sum().backward()
 
 
-def test_a_loss_term_on_a_sequence_parallel_parameter_under_fully_shard_on_a_2x2_mesh():
+@pytest.mark.parametrize("norm_sharded_alone", [False, True])
+def test_a_loss_term_on_a_sequence_parallel_parameter_under_fully_shard_on_a_2x2_mesh(norm_sharded_alone):
     if dist.get_world_size() != 4:
         pytest.skip("a 2 x 2 (dp, tp) mesh needs 4 ranks")
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     dp, tp = mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank()
     x = tokens(2, replicas=2)
-    model = fully_shard(parallelize(NormThenColumn(), mesh["tp"]), mesh=mesh["dp"])
+    model = parallelize(NormThenColumn(), mesh["tp"])
+    if norm_sharded_alone:
+        fully_shard(model.norm, mesh=mesh["dp"])
+    model = fully_shard(model, mesh=mesh["dp"])
     for _ in range(2):  # the second backward accumulates
         (model(my_tokens(x[dp], tp)).pow(2).sum() + penalty(model)).backward()
     expect_grads(model, {name: 2 * g for name, g in reference_grads(x).items()})

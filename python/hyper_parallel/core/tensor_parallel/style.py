@@ -57,28 +57,77 @@ def _shard_module(core, module: nn.Module, device_mesh, src_data_rank):
 
 
 def _sum_gradients_of_reads(module: nn.Module, names, mesh) -> None:
-    """While the module's own forward runs, it holds each parameter of ``names`` as the core's
+    """Through each call, the module holds each parameter of ``names`` as the core's
     sum_gradient_on_read of what it holds (the parameter, or fully_shard's gathered copy): the
-    gradient of that forward is summed over the mesh, a loss term on the parameter itself is not.
-    Around the forward the style leaves (its own, if it replaces it), inside every forward hook,
-    so after fully_shard's gather; put back when the forward returns or raises."""
+    gradient of the module's forward is summed over the mesh, a loss term on the parameter itself
+    is not. Stood in by a forward pre-hook that runs ahead of those registered before it (a
+    weight_norm's computes the weight from them), and again as the forward starts over whatever a
+    later hook stood in (fully_shard's, for a module inside a sharded one); each put back, unless
+    replaced since, when the forward returns or raises (or, if a later pre-hook raised, at the
+    next call)."""
     if not names:
         return
+    # Nothing here refers to the module: a deep copy's hooks act on the copy, and no cycle keeps
+    # a model alive. What a call stood in lives on the module itself.
+    style, laid_out = module._hp_sharding_style, set(module._parameters)
+    module._hp_read_nodes = []  # (name, what it held before, the node stood in), in order
+
+    def stand_in(mod, args):
+        _put_back_reads(mod)
+        if torch.is_grad_enabled():
+            _check_parameters_laid_out(style, mod, names, laid_out)
+        _stand_in_reads(mod, names, mesh)
+
+    handle = module.register_forward_pre_hook(stand_in)
+    module._forward_pre_hooks.move_to_end(handle.id, last=False)
     # Bound to the module (as the styles' forwards are), so a deep copy of the model calls its own.
     forward = module.forward
     unbound = forward.__func__ if getattr(forward, "__self__", None) is module else None
+    other = forward if unbound is None else None
+    del forward
 
-    def forward_summing_gradients(self, *args, **kwargs):
-        held = {name: self._parameters[name] for name in names}
+    def forward_reading_through_the_sums(self, *args, **kwargs):
         try:
-            for name, tensor in held.items():
-                if tensor is not None:
-                    self._parameters[name] = _C.sum_gradient_on_read(tensor, mesh)
-            return unbound(self, *args, **kwargs) if unbound is not None else forward(*args, **kwargs)
+            _stand_in_reads(self, names, mesh)
+            return unbound(self, *args, **kwargs) if unbound is not None else other(*args, **kwargs)
         finally:
-            self._parameters.update(held)
+            _put_back_reads(self)
 
-    module.forward = types.MethodType(forward_summing_gradients, module)
+    module.forward = types.MethodType(forward_reading_through_the_sums, module)
+
+
+def _stand_in_reads(module: nn.Module, names, mesh) -> None:
+    """Each of ``names`` that does not hold a node stood in already: its node, over what it holds."""
+    records = module._hp_read_nodes
+    for name in names:
+        held = module._parameters.get(name)
+        if held is None or any(node is held for _, _, node in records):
+            continue
+        node = _C.sum_gradient_on_read(held, mesh)
+        records.append((name, held, node))
+        module._parameters[name] = node
+
+
+def _put_back_reads(module: nn.Module) -> None:
+    """What each node stood in for, where the node still stands (newest first)."""
+    records = module._hp_read_nodes
+    for name, held, node in reversed(records):
+        if module._parameters.get(name) is node:
+            module._parameters[name] = held
+    records.clear()
+
+
+def _check_parameters_laid_out(style: str, module: nn.Module, names, laid_out) -> None:
+    """A parameter registered after the style, or one of ``names`` that now is a computed tensor
+    (weight_norm, parametrize after the style), would get this rank's part of its gradient only."""
+    added = sorted(set(module._parameters) - laid_out)
+    computed = [name for name in names if name not in module._parameters and (
+        name in module.__dict__ or isinstance(getattr(type(module), name, None), property))]
+    if added or computed:
+        what = f"'{added[0]}' registered after it" if added else f"'{computed[0]}' now computed from other tensors"
+        raise ValueError(f"{style}: expected {type(module).__name__}'s parameters to be those it laid out "
+                         f"({', '.join(sorted(laid_out))}), got {what}, whose gradient would be this rank's part "
+                         "only (apply weight_norm or parametrize before the style)")
 
 
 def _replace_first_input(style: str, convert):
