@@ -128,6 +128,40 @@ def test_a_parameter_changed_after_the_style_is_an_error_in_a_forward_with_grad(
         model(x)
 
 
+def test_a_parametrized_module_is_a_clear_error():
+    from torch.nn.utils import parametrize
+
+    class Doubled(nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    ws = dist.get_world_size()
+    model = NormThenColumn()
+    parametrize.register_parametrization(model.norm, "weight", Doubled())
+    with pytest.raises(NotImplementedError, match="SequenceParallel: expected a module without parametrizations"):
+        parallelize(model, init_device_mesh("cpu", (ws,), mesh_dim_names=("tp",)))
+
+
+def test_a_norm_inside_a_sharded_module_called_on_its_own_keeps_its_parameters():
+    """fully_shard's owner hook must not take the summing node for a replaced parameter."""
+    if dist.get_world_size() != 4:
+        pytest.skip("a 2 x 2 (dp, tp) mesh needs 4 ranks")
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp, tp = mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank()
+    x = tokens(2, replicas=2)
+    model = NormThenColumn()
+    model.norm.register_forward_pre_hook(lambda mod, args: None)  # the node is stood in ahead of it
+    model = fully_shard(parallelize(model, mesh["tp"]), mesh=mesh["dp"])
+    weight = model.norm.weight
+    model.norm(my_tokens(x[dp], tp)).sum().backward()  # on its own, outside the root's forward
+    assert model.norm._parameters["weight"] is weight and isinstance(weight, nn.Parameter)
+    model.zero_grad()
+    (model(my_tokens(x[dp], tp)).pow(2).sum() + penalty(model)).backward()
+    ref = NormThenColumn()
+    (sum(ref(x[i]).pow(2).sum() for i in range(2)) / 2 + penalty(ref)).backward()
+    expect_grads(model, {name: p.grad for name, p in ref.named_parameters()})
+
+
 def test_a_forward_that_raises_leaves_the_parameters_in_place():
     ws = dist.get_world_size()
     model = parallelize(NormThenColumn(), init_device_mesh("cpu", (ws,), mesh_dim_names=("tp",)))

@@ -373,8 +373,8 @@ TEST(FullyShard, GroupsGatheredRightAfterTheirOwnStepTrainLikeOneOptimizer) {
   }
 }
 
-// A gradient hook on a shard (a user's, or a sequence-parallel weight's sum) sees the reduced
-// shard gradient and what it returns is accumulated: here it doubles it.
+// A gradient hook on a shard sees the reduced shard gradient and what it returns is accumulated:
+// here it doubles it.
 TEST(FullyShard, GradientHooksOnShardsRun) {
   const int64_t p = hp_test::world_size(), r = hp_test::rank();
   Net plain, hooked;

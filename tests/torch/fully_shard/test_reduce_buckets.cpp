@@ -608,7 +608,7 @@ TEST(ReduceBuckets, SumsOfARootTheSyncedBackwardDoesNotReachAreReducedWithIt) {
 
 // A hooked parameter that the synced backward does not reach (used only in the unsynced
 // micro-batches, or reached only on other ranks) still has its hooks run once on its reduced
-// gradient, as in one reduce-scatter per group: a sequence-parallel weight's TP sum is such a hook.
+// gradient, as in one reduce-scatter per group.
 TEST(ReduceBuckets, HooksOfAParameterTheSyncedBackwardDoesNotReachSeeItsReducedGradient) {
   const int64_t r = hp_test::rank();
   // In the synced micro-batch, the spare layers are skipped on every rank, or run on every rank
@@ -650,9 +650,9 @@ TEST(ReduceBuckets, HooksOfAParameterTheSyncedBackwardDoesNotReachSeeItsReducedG
   }
 }
 
-// Two sequence-parallel norms over tp, fully_shard over dp: each weight's gradient hook sums its
-// part over tp. The spare norm is used only in the unsynced micro-batches, so the synced backward
-// does not reach it, and its TP sum runs on its reduced gradient there.
+// Two sequence-parallel norms over tp, fully_shard over dp: each norm's read sums the gradient of
+// its forward over tp, in each micro-batch's backward. The spare norm is used only in the unsynced
+// micro-batches, so the synced backward does not reach it: its held sum is reduced there.
 struct SequenceParallelNorms : torch::nn::Module {
   SequenceParallelNorms() {
     at::manual_seed(13);

@@ -60,13 +60,14 @@ class _Standing:
         stead (torch's conversions from meta to cpu, to_empty, or any with torch.__future__'s
         overwrite flag, also on a holder alone) is the group's from then on, in every module
         holding it (a tied one, converted once per holder, keeps one tensor). A cast in place
-        (to(dtype)) keeps the tensor: the next gather follows its dtype."""
+        (to(dtype)) keeps the tensor: the next gather follows its dtype. Only a Parameter replaces
+        one: a tensor a hook stands in for a call (a tensor-parallel style's summing node) does not."""
         if not self.shards_in_place:
             return
         current, replaced = self._group.parameters, {}
         for mod, name, index in self._slots:
             param = mod._parameters.get(name)
-            if param is not None and param is not current[index]:
+            if isinstance(param, nn.Parameter) and param is not current[index]:
                 replaced.setdefault(index, param)
         if not replaced:
             return
@@ -201,11 +202,16 @@ def install_hooks(group, owners, mp_policy: MixedPrecisionPolicy, fsdp_module):
 
         return gather, pre_hook, post_hook
 
-    _, owner_pre_hook, owner_post_hook = hooks(sharded_module=False)
+    owner_gather, owner_pre_hook, owner_post_hook = hooks(sharded_module=False)
     for sub in owners:
-        if sub is not fsdp_module:
+        if sub is fsdp_module:
+            continue
+        if isinstance(sub, nn.Embedding):  # its gather may read the ids its other pre-hooks give
             sub.register_forward_pre_hook(owner_pre_hook)
-            sub.register_forward_hook(owner_post_hook)
+        else:
+            _register_pre_hook_first(sub, owner_gather)
+            sub.register_forward_pre_hook(lambda mod, args: cast_inputs(args, mp_policy))
+        sub.register_forward_hook(owner_post_hook)
     gather, pre_hook, post_hook = hooks(sharded_module=True)
     if isinstance(fsdp_module, nn.Embedding):
         # Its gather may read the ids (row-sparse): the ones the module's other pre-hooks give.

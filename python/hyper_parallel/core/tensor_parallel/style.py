@@ -14,6 +14,7 @@ from typing import Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from hyper_parallel import _C
 from hyper_parallel.core.dtensor.placement_types import Placement, Replicate, Shard
@@ -49,6 +50,10 @@ def _shard_module(core, module: nn.Module, device_mesh, src_data_rank):
     is Partial: the style's apply ends with _sum_gradients_of_reads of them."""
     kind, module_type = _module_kind(module), type(module).__name__
     core.check_kind(kind, module_type)
+    if parametrize.is_parametrized(module):
+        raise NotImplementedError(f"{core.name()}: expected a module without parametrizations, got {module_type} "
+                                  f"with parametrized {', '.join(module.parametrizations.keys())} (its parameters "
+                                  "are its parametrizations' own, which the style does not lay out)")
     device_mesh = _core_mesh(device_mesh)
     summed = _C.lay_out_parameters(core, kind, module_type, list(module.named_parameters(recurse=False)),
                                    getattr(module, "_hp_sharding_style", None), device_mesh, src_data_rank)
@@ -60,11 +65,11 @@ def _sum_gradients_of_reads(module: nn.Module, names, mesh) -> None:
     """Through each call, the module holds each parameter of ``names`` as the core's
     sum_gradient_on_read of what it holds (the parameter, or fully_shard's gathered copy): the
     gradient of the module's forward is summed over the mesh, a loss term on the parameter itself
-    is not. Stood in by a forward pre-hook that runs ahead of those registered before it (a
-    weight_norm's computes the weight from them), and again as the forward starts over whatever a
-    later hook stood in (fully_shard's, for a module inside a sharded one); each put back, unless
-    replaced since, when the forward returns or raises (or, if a later pre-hook raised, at the
-    next call)."""
+    is not. Stood in as the forward starts, over whatever the forward pre-hooks stood in
+    (fully_shard's gather), and put back, where it still stands, when the forward returns or
+    raises. A module with pre-hooks registered before the style (a weight_norm's computes the
+    weight from the parameters) also has it stood in by a pre-hook ahead of those; if a later
+    pre-hook raises, that one is put back at the next call."""
     if not names:
         return
     # Nothing here refers to the module: a deep copy's hooks act on the copy, and no cycle keeps
@@ -72,14 +77,18 @@ def _sum_gradients_of_reads(module: nn.Module, names, mesh) -> None:
     style, laid_out = module._hp_sharding_style, set(module._parameters)
     module._hp_read_nodes = []  # (name, what it held before, the node stood in), in order
 
-    def stand_in(mod, args):
-        _put_back_reads(mod)
+    def stand_in(mod):
         if torch.is_grad_enabled():
             _check_parameters_laid_out(style, mod, names, laid_out)
         _stand_in_reads(mod, names, mesh)
 
-    handle = module.register_forward_pre_hook(stand_in)
-    module._forward_pre_hooks.move_to_end(handle.id, last=False)
+    def stand_in_ahead(mod, args):
+        _put_back_reads(mod)  # what a call whose later pre-hook raised left
+        stand_in(mod)
+
+    if module._forward_pre_hooks:
+        handle = module.register_forward_pre_hook(stand_in_ahead)
+        module._forward_pre_hooks.move_to_end(handle.id, last=False)
     # Bound to the module (as the styles' forwards are), so a deep copy of the model calls its own.
     forward = module.forward
     unbound = forward.__func__ if getattr(forward, "__self__", None) is module else None
@@ -88,7 +97,7 @@ def _sum_gradients_of_reads(module: nn.Module, names, mesh) -> None:
 
     def forward_reading_through_the_sums(self, *args, **kwargs):
         try:
-            _stand_in_reads(self, names, mesh)
+            stand_in(self)
             return unbound(self, *args, **kwargs) if unbound is not None else other(*args, **kwargs)
         finally:
             _put_back_reads(self)
@@ -127,7 +136,7 @@ def _check_parameters_laid_out(style: str, module: nn.Module, names, laid_out) -
         what = f"'{added[0]}' registered after it" if added else f"'{computed[0]}' now computed from other tensors"
         raise ValueError(f"{style}: expected {type(module).__name__}'s parameters to be those it laid out "
                          f"({', '.join(sorted(laid_out))}), got {what}, whose gradient would be this rank's part "
-                         "only (apply weight_norm or parametrize before the style)")
+                         "only (apply weight_norm before the style; parametrize is not supported)")
 
 
 def _replace_first_input(style: str, convert):
