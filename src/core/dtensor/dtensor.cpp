@@ -10,6 +10,7 @@
 #include <hyper_parallel/core/comm/collectives.h>
 
 #include "../autograd/attach_backward.h"
+#include "../autograd/unobserved.h"
 #include "../autograd/weight_grad_scheduler.h"
 #include "grad_slot.h"
 
@@ -236,7 +237,7 @@ at::Tensor DTensor::to_local(const Placements& grad_placements) const {
       [slot = grad_slot_, pl, own, producer, mesh = mesh_, shape = shape_](std::vector<at::Tensor> grads) {
         if (!grads[0].defined()) return std::vector<at::Tensor>{at::Tensor()};
         auto node = producer.lock();
-        if (node && converges_unobserved(*node)) {
+        if (node && detail::runs_unobserved(*node)) {
           slot->add(pl, grads[0]);
           return std::vector<at::Tensor>{at::Tensor()};
         }

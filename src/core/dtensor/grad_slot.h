@@ -9,7 +9,6 @@
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/function.h>
-#include <torch/csrc/autograd/graph_task.h>
 
 #include <hyper_parallel/core/dtensor/dtensor.h>
 
@@ -64,17 +63,6 @@ inline at::Tensor attach_producer_backward(const at::Tensor& input, const at::Te
       name, /*materialize_grads=*/false)[0];
   slot->producer = out.grad_fn();
   return out;
-}
-
-// Whether `producer` runs in this backward with nothing that reads its input gradient first: no
-// capture (autograd.grad(..., inputs) of the tagged tensor), no tensor hook (retain_grad). Only
-// then may a declared gradient wait for it in its GradSlot.
-inline bool converges_unobserved(const torch::autograd::Node& producer) {
-  if (!producer.pre_hooks().empty()) return false;
-  const auto* exec_info = torch::autograd::get_current_graph_task_exec_info();
-  if (exec_info == nullptr || exec_info->empty()) return true;  // a plain backward runs every node
-  auto it = exec_info->find(const_cast<torch::autograd::Node*>(&producer));
-  return it != exec_info->end() && it->second.needed_ && !it->second.captures_;
 }
 
 }  // namespace hyper_parallel::dtensor

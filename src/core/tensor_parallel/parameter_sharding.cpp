@@ -2,7 +2,6 @@
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
-#include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/csrc/autograd/variable.h>
@@ -16,6 +15,7 @@
 #include <hyper_parallel/core/tensor_parallel/style.h>
 
 #include "../autograd/attach_backward.h"
+#include "../autograd/unobserved.h"
 
 namespace hyper_parallel::tensor_parallel {
 
@@ -41,11 +41,7 @@ using WeakParam = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorI
 bool accumulates_unobserved(const at::Tensor& param) {
   if (!torch::autograd::impl::hooks(param).empty()) return false;
   const auto accumulator = torch::autograd::impl::try_get_grad_accumulator(param);
-  if (accumulator == nullptr || !accumulator->pre_hooks().empty()) return false;
-  const auto* exec_info = torch::autograd::get_current_graph_task_exec_info();
-  if (exec_info == nullptr || exec_info->empty()) return true;  // a plain backward runs every node
-  const auto it = exec_info->find(accumulator.get());
-  return it != exec_info->end() && it->second.needed_ && !it->second.captures_;
+  return accumulator != nullptr && hyper_parallel::detail::runs_unobserved(*accumulator);
 }
 
 }  // namespace
