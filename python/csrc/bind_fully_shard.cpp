@@ -115,6 +115,7 @@ void bind_fully_shard(py::module& m) {
       .def_property_readonly("is_unsharded", &fs::ParamGroup::is_unsharded)
       .def("set_users", &fs::ParamGroup::set_users, py::arg("users"))
       .def("set_requires_gradient_sync", &fs::ParamGroup::set_requires_gradient_sync, py::arg("sync"))
+      .def("set_requires_all_reduce", &fs::ParamGroup::set_requires_all_reduce, py::arg("all_reduce"))
       .def("set_reshard_after_forward", &fs::ParamGroup::set_reshard_after_forward, py::arg("reshard"))
       .def("set_reshard_after_backward", &fs::ParamGroup::set_reshard_after_backward, py::arg("reshard"))
       .def("set_row_sparse_gradients", &fs::ParamGroup::set_row_sparse_gradients, py::arg("row_sparse"))

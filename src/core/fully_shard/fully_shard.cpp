@@ -231,6 +231,12 @@ void FSDPModule::set_requires_gradient_sync(bool sync, bool recurse) const {
   });
 }
 
+void FSDPModule::set_requires_all_reduce(bool all_reduce, bool recurse) const {
+  for_each_state(state_, recurse, [&](State& s) {
+    if (s.group) s.group->set_requires_all_reduce(all_reduce);
+  });
+}
+
 void FSDPModule::set_reshard_after_forward(bool reshard, bool recurse) const {
   for_each_state(state_, recurse, [&](State& s) {
     if (s.group) s.group->set_reshard_after_forward(reshard);

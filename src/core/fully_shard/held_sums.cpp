@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <vector>
 
+#include <ATen/ATen.h>
 #include <torch/csrc/autograd/engine.h>
 
 #include "param_group_impl.h"
@@ -49,8 +50,11 @@ void queue_reduce_of_held_sums() {
     auto& kept = h.groups;
     kept.erase(std::remove_if(kept.begin(), kept.end(),
                               [](const auto& w) {
+                                // A group that defers its all-reduce holds its sums once
+                                // this backward's reduce-scatters are waited for, maybe later.
                                 auto group = w.lock();
-                                return group == nullptr || !group->holds_sums();
+                                return group == nullptr ||
+                                       !(group->holds_sums() || group->defers_all_reduce());
                               }),
                kept.end());
   });
@@ -60,20 +64,62 @@ void queue_reduce_of_held_sums() {
 
 namespace hyper_parallel::fully_shard {
 
-bool ParamGroup::Impl::holds_sums() const {
-  return std::any_of(pending.begin(), pending.end(), [](const at::Tensor& t) { return t.defined(); });
+namespace {
+
+bool any_defined(const std::vector<at::Tensor>& tensors) {
+  return std::any_of(tensors.begin(), tensors.end(), [](const at::Tensor& t) { return t.defined(); });
 }
 
-// A group this synced backward did not reach holds the sums of the unsynced ones: reduced now,
-// as its next synced backward would (agreed per op: ranks must hold the same sums), so this
-// step's optimizer sees every micro-batch. Autograd reaches none of these parameters: their
+}  // namespace
+
+bool ParamGroup::Impl::holds_sums() const { return any_defined(pending) || any_defined(partial); }
+
+bool ParamGroup::Impl::defers_all_reduce() const {
+  return !all_reduce && replicate_group && replicate_group->size() > 1;
+}
+
+void ParamGroup::Impl::hold_partial(size_t i, const at::Tensor& block, bool reached_anywhere) {
+  if (partial.size() != params.size()) {
+    partial.assign(params.size(), at::Tensor());
+    partial_reached.assign(params.size(), false);
+  }
+  partial[i] = partial[i].defined() ? partial[i] + block : block.clone();
+  partial_reached[i] = partial_reached[i] || reached_anywhere;
+}
+
+// A frozen parameter keeps its partial sum until a reduction after it is unfrozen, as its sum
+// kept while sync was off.
+at::Tensor ParamGroup::Impl::take_partial(const std::vector<size_t>& indices, int64_t elements, int64_t flags,
+                                          at::ScalarType dtype) {
+  at::Tensor out;
+  int64_t offset = 0;
+  for (size_t slot = 0; slot < indices.size(); ++slot) {
+    const auto i = indices[slot];
+    const auto padded = layout.padded_elements(static_cast<int64_t>(i));
+    if (i < partial.size() && partial[i].defined() && params[i].requires_grad()) {
+      if (!out.defined()) out = at::zeros({elements + flags}, partial[i].options().dtype(dtype));
+      out.narrow(0, offset, padded).copy_(partial[i]);
+      if (flags > 0 && partial_reached[i]) out[elements + static_cast<int64_t>(slot)].fill_(1);
+      partial[i] = at::Tensor();
+      partial_reached[i] = false;
+    }
+    offset += padded;
+  }
+  return out;
+}
+
+// A group this synced backward did not reach holds the sums of the unsynced ones, or
+// reduce-scattered sums waiting for the all-reduce: reduced now, as its next synced backward
+// would (agreed per op: ranks must hold the same sums), so this step's optimizer sees every
+// micro-batch. Autograd reaches none of these parameters: their
 // hooks run on the reduced gradient when .grad is completed.
 void ParamGroup::Impl::reduce_held_sums() {
   // arrivals > 0: reached, its own end of backward reduces them. Sent by every rank that holds
   // any sum, a frozen parameter's included (it keeps that sum), for every parameter that wants a
   // gradient, whichever this rank holds a sum for (another rank may hold one: its flag tells), so
   // that every rank's message has one layout.
-  if (!sync || arrivals > 0 || !holds_sums()) return;
+  // Sums held for the all-reduce alone wait while it is deferred (no reduce-scatter adds to them).
+  if (!sync || arrivals > 0 || !holds_sums() || (defers_all_reduce() && !any_defined(pending))) return;
   std::vector<size_t> indices;
   for (size_t i = 0; i < params.size(); ++i) {
     if (params[i].requires_grad()) indices.push_back(i);

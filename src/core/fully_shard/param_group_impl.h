@@ -31,13 +31,17 @@ namespace detail {
 struct ReduceInFlight;
 }  // namespace detail
 
-struct ParamGroup::Impl {
+struct ParamGroup::Impl : std::enable_shared_from_this<ParamGroup::Impl> {
   std::vector<at::Tensor> params;
   std::vector<std::string> names;
   detail::FlatLayout layout;
   std::vector<at::Tensor> buffers;   // the gathered parameters' storage, freed when resharded
   std::vector<at::Tensor> gathered;  // this pass's differentiable views of the buffers
   std::vector<at::Tensor> pending;   // gradients added up while sync is off
+  // HSDP with all_reduce off: per parameter, the reduce-scatters' results held for the next
+  // all-reduce (this rank's padded block, in the reduce dtype), and whether any rank had a gradient.
+  std::vector<at::Tensor> partial;
+  std::vector<bool> partial_reached;
   dtensor::DeviceMesh mesh;
   comm::Group shard_group;
   std::optional<comm::Group> replicate_group;
@@ -48,6 +52,7 @@ struct ParamGroup::Impl {
   int64_t generation = 1;
   std::optional<at::ScalarType> reduce_dtype;
   bool reshard_after_forward = true, sync = true, unsharded = false;
+  bool all_reduce = true;              // false: HSDP's reductions stop after the reduce-scatter (partial)
   bool reshard_after_backward = true;  // false: the next forward finds the group gathered
   bool backward_prefetched = false;    // this backward of the group has started the next gather
   bool backward_began = false;         // this pass's pre-backward has run
@@ -190,8 +195,18 @@ struct ParamGroup::Impl {
   void arrive_missing();
   // Queues arrive_missing at the end of the backward running now (once per backward).
   static void queue_end_of_backward(const std::shared_ptr<Impl>& group);
-  // Whether the group holds sums kept while sync was off (held_sums.h).
+  // Whether the group holds sums kept while sync was off, or reduce-scattered sums waiting for
+  // the all-reduce (held_sums.h).
   bool holds_sums() const;
+  // Whether this group's reductions now stop after the reduce-scatter: HSDP, all_reduce off.
+  bool defers_all_reduce() const;
+  // Adds reduced parameter i's block (and whether any rank had a gradient) to its partial.
+  void hold_partial(size_t i, const at::Tensor& block, bool reached_anywhere);
+  // The partial sums of parameters `indices` that want a gradient, in the reduce-scatter's
+  // output layout (`elements` elements, then `flags` flags), taken from the group; undefined if
+  // none is held.
+  at::Tensor take_partial(const std::vector<size_t>& indices, int64_t elements, int64_t flags,
+                          at::ScalarType dtype);
   // Reduce-scatters the sums kept while sync was off, if this backward did not reach the group.
   void reduce_held_sums();
   // The group's backward is over: the last bucket leaves and the gathered parameters are freed.

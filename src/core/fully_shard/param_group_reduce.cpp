@@ -169,7 +169,8 @@ at::Tensor ParamGroup::Impl::arrive(size_t i, at::Tensor grad) {
   arrived[i] = true;
   ++arrivals;
   // Autograd runs the hooks of a parameter this backward reaches: its node returns the reduced
-  // gradient. One it does not reach has its zeros reduced and deferred like the others'.
+  // gradient (not while the all-reduce is deferred: the one that completes it runs them). One it
+  // does not reach has its zeros reduced and deferred like the others'.
   const bool hooked = planned_wants[i] == 2 && reached[i];
   TORCH_CHECK_VALUE(planned_wants[i] == 2 || !has_hooks(params[i]),
                     "fully_shard: expected the gradient hooks of ", names[i],
@@ -196,7 +197,7 @@ at::Tensor ParamGroup::Impl::arrive(size_t i, at::Tensor grad) {
         send_unsent();
     }
     // Its hooks see the reduced gradient: autograd gets it here, and runs them.
-    if (hooked) out = hooked_gradient(i);
+    if (hooked && !defers_all_reduce()) out = hooked_gradient(i);
   }
   if (arrivals == expected_arrivals && !arriving_unreached) end_backward();
   return out;
@@ -260,7 +261,8 @@ void ParamGroup::Impl::send(const std::vector<size_t>& indices, comm::Agreement 
     slot_of[i] = slot;
     // Autograd does not reach a hooked parameter that got here unreached: its hooks run on the
     // reduced gradient here (from unsynced micro-batches or other ranks' gradients).
-    if (planned_wants[i] == 1 || !reached[i]) defer_to_grad(reduced, i, offset, slot, planned_wants[i] == 2);
+    if (planned_wants[i] == 1 || !reached[i] || reduced->held)
+      defer_to_grad(reduced, i, offset, slot, planned_wants[i] == 2);
     offset += layout.padded_elements(static_cast<int64_t>(i));
   }
 }
@@ -299,6 +301,19 @@ void ParamGroup::Impl::end_backward() {
 
 void ParamGroup::Impl::defer_to_grad(const std::shared_ptr<detail::ReduceInFlight>& reduced, size_t i,
                                      int64_t offset, size_t slot, bool run_hooks) {
+  if (reduced->held) {
+    // Held for the all-reduce, at the end of the backward: .grad stays as it is until then.
+    std::weak_ptr<Impl> weak = shared_from_this();
+    const auto padded = layout.padded_elements(static_cast<int64_t>(i));
+    nn::defer_gradient(params[i], [weak, reduced, i, offset, padded, slot] {
+      const auto& flat = reduced->wait();
+      if (auto self = weak.lock())
+        self->hold_partial(i, flat.narrow(0, offset, padded),
+                           reduced->flags == 0 || reduced->reached_anywhere[slot]);
+      return at::Tensor();
+    });
+    return;
+  }
   const auto elements = layout.local_elements(static_cast<int64_t>(i));
   nn::defer_gradient(
       params[i],
@@ -353,7 +368,9 @@ std::shared_ptr<detail::ReduceInFlight> ParamGroup::Impl::start_reduce(const std
     in_flight->pending =
         comm::start_reduce_scatter(flat, comm::ReduceOp::kAvg, shard_group, agreement, in_flight->content);
   }
+  in_flight->partial = take_partial(indices, elements, flags, dtype);
   in_flight->replicate = replicate_group;
+  in_flight->held = defers_all_reduce();
   in_flight->scale = scale;
   in_flight->flags = flags;
   detail::track_reduce_in_flight(this, in_flight);
@@ -393,7 +410,7 @@ std::vector<at::Tensor> ParamGroup::Impl::reduce(std::vector<at::Tensor> grads) 
   for (size_t i = 0; i < params.size(); ++i) {
     if (kept[i].defined()) pending[i] = std::move(kept[i]);
   }
-  const bool hooked = std::any_of(params.begin(), params.end(), has_hooks);
+  const bool hooked = !reduced->held && std::any_of(params.begin(), params.end(), has_hooks);
   int64_t offset = 0;
   for (size_t i = 0; i < params.size(); ++i) {
     if (params[i].requires_grad()) {

@@ -52,16 +52,17 @@ size_t groups_in_flight(const std::deque<InFlight>& q) {
 
 const at::Tensor& ReduceInFlight::wait() {
   if (result.defined()) return result;
-  if (replicate && replicate->size() > 1) finish_started_before(this);
+  const bool all_reduces = !held && replicate && replicate->size() > 1;
+  if (all_reduces) finish_started_before(this);
   auto reduced = unreduced.defined() ? unreduced : pending.wait();
-  if (replicate && replicate->size() > 1)
-    reduced = comm::all_reduce(reduced, comm::ReduceOp::kAvg, *replicate, content);
+  if (partial.defined()) reduced = reduced + partial;
+  if (all_reduces) reduced = comm::all_reduce(reduced, comm::ReduceOp::kAvg, *replicate, content);
   if (flags > 0) {
     const auto any = reduced.narrow(0, reduced.numel() - flags, flags).ne(0).contiguous();
     const auto* bits = any.data_ptr<bool>();
     reached_anywhere.assign(bits, bits + flags);
   }
-  result = scale == 1.0 ? reduced : reduced * scale;
+  result = held || scale == 1.0 ? reduced : reduced * scale;
   return result;
 }
 

@@ -16,12 +16,16 @@
 
 namespace hyper_parallel::fully_shard::detail {
 
-/// A group's reduce-scatter in flight, then its all-reduce over the replicate dim (HSDP) and its
-/// scaling: done once, by the first of its parameters' deferred gradients to be finished.
+/// A group's reduce-scatter in flight, then the sums held from earlier reduce-scatters (HSDP with
+/// all_reduce off), its all-reduce over the replicate dim (HSDP) and its scaling: done once, by
+/// the first of its parameters' deferred gradients to be finished.
 struct ReduceInFlight {
   comm::PendingReduceScatter pending;
   at::Tensor unreduced;  // a shard dim of one rank: its flat gradients, reduced as they are
   std::optional<comm::Group> replicate;
+  at::Tensor partial;  // reduce-scattered sums held from earlier backwards, added before the all-reduce
+  // HSDP with all_reduce off: no all-reduce and no scaling; the result is held as partial sums.
+  bool held = false;
   int64_t content = 0;  // the reduce-scatter's, for the all-reduce (comm::OpSignature::content)
   double scale = 1.0;
   // The last `flags` elements of every rank's block: per parameter, 1 where this rank has a

@@ -18,14 +18,11 @@
 namespace hyper_parallel::fully_shard {
 namespace {
 
-// At a group's first gradient of a backward: without sync, it will hold sums; with sync, the
-// groups this backward does not reach reduce theirs at its end.
+// At a group's first gradient of a backward: without sync (or without all-reduce), it will hold
+// sums; with sync, the groups this backward does not reach reduce theirs at its end.
 void note_or_queue_held_sums(const std::shared_ptr<ParamGroup::Impl>& group) {
-  if (group->sync) {
-    detail::queue_reduce_of_held_sums();
-  } else {
-    detail::note_held_sums(group);
-  }
+  if (group->sync) detail::queue_reduce_of_held_sums();
+  if (!group->sync || group->defers_all_reduce()) detail::note_held_sums(group);
 }
 
 }  // namespace

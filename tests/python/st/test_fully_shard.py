@@ -1,13 +1,13 @@
 """fully_shard on torch.nn modules at 2 and 4 ranks, against the full-batch single-process
-reference: training with reshard_after_forward on and off (bitwise run to run), HSDP, gradient
-accumulation without sync (with a hooked parameter, and a group, that only the unsynced
-micro-batches reach), tensor parallelism on a 2 x 2 mesh; implicit prefetch and unshard(async_op);
-an embedding's row-sparse gradient reduce-scatter; comm_fusion's one message against buckets; the
-module's new methods; every option that cannot apply is a clear error; the original's import
-paths; torch.utils.checkpoint (both variants, around whole modules and parts of them) against
-the same run without it; a layer no rank reaches keeps .grad None, as in one process; a loss term
-on the parameters themselves adds to their reduced gradients; torch's clip_grad_norm_ takes the
-global norm."""
+reference: training with reshard_after_forward on and off (bitwise run to run), HSDP (also with
+the all-reduce held for the last micro-batch), gradient accumulation without sync (with a hooked
+parameter, and a group, that only the unsynced micro-batches reach), tensor parallelism on a
+2 x 2 mesh; implicit prefetch and unshard(async_op); an embedding's row-sparse gradient
+reduce-scatter; comm_fusion's one message against buckets; the module's new methods; every
+option that cannot apply is a clear error; the original's import paths; torch.utils.checkpoint
+(both variants, around whole modules and parts of them) against the same run without it; a layer
+no rank reaches keeps .grad None, as in one process; a loss term on the parameters themselves
+adds to their reduced gradients; torch's clip_grad_norm_ takes the global norm."""
 
 import copy
 
@@ -395,6 +395,36 @@ def test_sums_of_a_group_the_synced_backward_does_not_reach_are_reduced_with_it(
     expect_reference_gradients()
 
 
+@pytest.mark.parametrize("comm_fusion", [False, True])
+def test_hsdp_without_all_reduce_holds_the_reduce_scatters_for_the_last_micro_batch(comm_fusion):
+    """set_requires_all_reduce(False) on a 2 x 2 (replicate, shard) mesh: micro-batches 0 and 1
+    reduce-scatter into held sums and leave .grad as it was; the last one all-reduces them with
+    its own, once. spare, a group of its own, runs only in the held micro-batches: its sums are
+    all-reduced at the end of the last backward. A hook on layer.weight sees the whole gradient."""
+    ws, r = dist.get_world_size(), dist.get_rank()
+    if ws != 4:
+        pytest.skip("a 2 x 2 (replicate, shard) mesh needs 4 ranks")
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    reference = WithSpare()
+    net = copy.deepcopy(reference)
+    fully_shard(net.spare, mesh=mesh, comm_fusion=comm_fusion)
+    fully_shard(net, mesh=mesh, comm_fusion=comm_fusion)
+    seen = []
+    net.layer.weight.register_hook(lambda g: seen.append(g.clone()))
+    for m in range(3):
+        reference(batch(m, ws), m < 2).pow(2).mean().backward()
+        net.set_requires_all_reduce(m == 2)
+        comm.reset_collective_counts()
+        net(batch(m, ws)[r * ROWS_PER_RANK:][:ROWS_PER_RANK], m < 2).pow(2).mean().backward()
+        assert comm.collective_count("reduce_scatter") == 2
+        assert comm.collective_count("all_reduce") == (2 if m == 2 else 0)
+        if m < 2:
+            assert all(p.grad is None for p in net.parameters()) and not seen
+    for p, q in zip(net.parameters(), reference.parameters()):
+        torch.testing.assert_close(full_tensor(p, p.grad), q.grad, rtol=1e-5, atol=1e-6)
+    assert len(seen) == 1 and torch.equal(seen[0], net.layer.weight.grad)
+
+
 class Branchy(nn.Module):
     """g (a then b, or a alone) under a head; a rank's mode picks what it runs."""
 
@@ -596,6 +626,8 @@ def test_module_methods_and_their_errors():
         net.unshard(async_op=1)
     with pytest.raises(ValueError, match="expected a list of FSDPModule, got Linear"):
         net.set_modules_to_forward_prefetch([nn.Linear(2, 2)])
+    with pytest.raises(ValueError, match="set_requires_all_reduce: expected a bool, got int"):
+        net.set_requires_all_reduce(1)
     with pytest.raises(ValueError, match="set_gradient_scaling_factor: expected None, a number"):
         net.set_gradient_scaling_factor(True)
     handle = net.unshard(async_op=True)

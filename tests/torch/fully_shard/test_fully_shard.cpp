@@ -1,11 +1,11 @@
 // fully_shard against the full-batch single-process reference at world sizes 1, 2, 3 and 4:
-// training (AdamW) with reshard_after_forward on and off, HSDP, gradient accumulation without
-// sync, mixed precision, uneven and empty shards; exact collective counts per phase; implicit
-// and explicit prefetch; groups gathered right after their own optimizer step; the shards' sizes
-// and the optimizer state's; an embedding's row-sparse gather and reduce-scatter, bitwise the
-// dense ones, also under a TP style that cuts its vocabulary; the module cast after fully_shard;
-// a sequence-parallel norm with a loss term on its weight on a 2 x 2 mesh; every error a user
-// can cause.
+// training (AdamW) with reshard_after_forward on and off, HSDP (also with the all-reduce held
+// for the last micro-batch), gradient accumulation without sync, mixed precision, uneven and empty shards;
+// exact collective counts per phase; implicit and explicit prefetch; groups gathered right after their own
+// optimizer step; the shards' sizes and the optimizer state's; an embedding's row-sparse gather and
+// reduce-scatter, bitwise the dense ones, also under a TP style that cuts its vocabulary; the module cast
+// after fully_shard; a sequence-parallel norm with a loss term on its weight on a 2 x 2 mesh; every error a
+// user can cause.
 #include <gtest/gtest.h>
 
 #include <new>
@@ -407,6 +407,58 @@ TEST(FullyShard, HybridShardingTrainsLikeTheReference) {
   EXPECT_EQ(hp::comm::collective_count(CollectiveKind::kReduceScatter), 3 * (kBlocks + 1));
   // The HSDP all-reduces, and one per step for the loss logged above.
   EXPECT_EQ(hp::comm::collective_count(CollectiveKind::kAllReduce), 3 * (kBlocks + 1) + 3);
+}
+
+// set_requires_all_reduce(false) on HSDP: micro-batch 0 without sync (no communication), 1 and 2
+// reduce-scatter into held sums without the all-reduce and leave .grad as it was; 3 all-reduces
+// them with its own: the gradient of all four micro-batches, one all-reduce per group.
+TEST(FullyShard, HybridShardingWithoutAllReduceHoldsReduceScattersForTheLastMicrobatch) {
+  const int64_t p = hp_test::world_size(), r = hp_test::rank();
+  if (p != 4) GTEST_SKIP() << "a 2 x 2 (replicate, shard) mesh needs 4 ranks";
+  auto mesh = hp::dtensor::init_device_mesh("cpu", {2, 2}, {"replicate", "shard"});
+  for (const int64_t cap : {int64_t{0}, int64_t{256}}) {  // one reduction per group, or buckets
+    Net reference, net;
+    shard(net, fs::FullyShardOptions().mesh(mesh).reduce_bucket_cap_bytes(cap));
+    const auto root = fs::FSDPModule::of(net).value();
+    int64_t reductions = cap == 0 ? kBlocks + 1 : -1;  // the buckets: as the first synced backward made
+    for (int64_t m = 0; m < 4; ++m) {
+      loss_of(reference.forward(batch(m, p))).backward();
+      root.set_requires_gradient_sync(m > 0);
+      root.set_requires_all_reduce(m == 3);
+      hp::comm::reset_collective_counts();
+      loss_of(net.forward(batch(m, p).narrow(0, r * kRowsPerRank, kRowsPerRank))).backward();
+      const std::string at = "micro-batch " + std::to_string(m) + ", cap " + std::to_string(cap);
+      const auto reduce_scatters = hp::comm::collective_count(CollectiveKind::kReduceScatter);
+      if (reductions < 0 && m == 1) reductions = reduce_scatters;
+      EXPECT_EQ(reduce_scatters, m > 0 ? reductions : 0) << at;
+      EXPECT_EQ(hp::comm::collective_count(CollectiveKind::kAllReduce), m == 3 ? reductions : 0) << at;
+      if (m < 3) {
+        for (const auto& param : net.parameters()) EXPECT_FALSE(param.grad().defined()) << at;
+      }
+    }
+    if (cap > 0) {
+      EXPECT_GT(reductions, kBlocks + 1) << "buckets";
+    }
+    const auto ref = reference.parameters();
+    const auto grads = hp::tensor_parallel::full_named_parameters(net, /*gradients=*/true);
+    ASSERT_EQ(grads.size(), ref.size());
+    for (size_t i = 0; i < ref.size(); ++i)
+      hp_test::expect_close(grads[i].second, ref[i].grad(), grads[i].first);
+  }
+}
+
+// On a 1-d mesh a reduce-scatter completes the gradient: all_reduce off changes nothing.
+TEST(FullyShard, RequiresAllReduceOffOnA1dMeshWritesTheGradientsAsBefore) {
+  const int64_t p = hp_test::world_size(), r = hp_test::rank();
+  Net reference, net;
+  auto root = fs::fully_shard(net, fs::FullyShardOptions().mesh(dp_mesh()));
+  root.set_requires_all_reduce(false);
+  loss_of(reference.forward(batch(0, p))).backward();
+  loss_of(net.forward(batch(0, p).narrow(0, r * kRowsPerRank, kRowsPerRank))).backward();
+  const auto ref = reference.parameters();
+  const auto grads = hp::tensor_parallel::full_named_parameters(net, /*gradients=*/true);
+  for (size_t i = 0; i < ref.size(); ++i)
+    hp_test::expect_close(grads[i].second, ref[i].grad(), grads[i].first);
 }
 
 // A sequence-parallel norm on a 2 x 2 (dp, tp) mesh, under fully_shard: the gradient of the

@@ -47,6 +47,11 @@ class FSDPModule {
   /// false: the backward keeps adding the gathered gradients up, without communication; the next
   /// backward with sync on reduce-scatters the sum. `recurse`: for the managed modules below too.
   void set_requires_gradient_sync(bool sync, bool recurse = true) const;
+  /// false (HSDP): the backward reduce-scatters over the shard dim only, into sums the groups hold,
+  /// and leaves .grad as it is; the next backward with all-reduce on all-reduces the held sums
+  /// with its own over the replicate dim and writes .grad (gradient accumulation with one
+  /// all-reduce per step). No effect on a 1-d mesh.
+  void set_requires_all_reduce(bool all_reduce, bool recurse = true) const;
   void set_reshard_after_forward(bool reshard, bool recurse = true) const;
   /// false: the parameters stay gathered after the backward, so the next forward (of the next
   /// micro-batch) does not gather them again unless an optimizer step changed them.

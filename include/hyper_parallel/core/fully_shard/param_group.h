@@ -149,6 +149,12 @@ class ParamGroup {
   /// false: backwards add the gathered gradients up here; the next backward with sync on
   /// reduce-scatters the sum (FSDP's no_sync).
   void set_requires_gradient_sync(bool sync);
+  /// false (HSDP): a synced backward reduce-scatters the gradients over the shard dim and adds
+  /// them to sums the group holds, without the all-reduce over the replicate dim and without
+  /// writing .grad; the next backward with all-reduce on adds the held sums to its own before its
+  /// all-reduce, or, if it does not reach the group, all-reduces them at its end. No effect on a
+  /// 1-d mesh (a reduce-scatter alone completes the gradient there).
+  void set_requires_all_reduce(bool all_reduce);
   void set_reshard_after_forward(bool reshard);
   /// false: the group stays gathered after its backward, and the next forward gathers only if
   /// the shards changed since (an optimizer step): micro-batches of gradient accumulation.

@@ -116,6 +116,16 @@ class FSDPModule:
             if m._fsdp_group is not None:
                 m._fsdp_group.set_requires_gradient_sync(requires_gradient_sync)
 
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """False (HSDP): the backwards reduce-scatter over the shard dim into sums the groups
+        hold, without the all-reduce over the replicate dim, and leave .grad as it is; the next
+        backward with all-reduce on all-reduces the held sums with its own and writes .grad. No
+        effect on a 1-d mesh."""
+        _bool(requires_all_reduce, "FSDPModule.set_requires_all_reduce")
+        for m in self._fsdp_modules(recurse):
+            if m._fsdp_group is not None:
+                m._fsdp_group.set_requires_all_reduce(requires_all_reduce)
+
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         _bool(reshard_after_forward, "FSDPModule.set_reshard_after_forward")
         for m in self._fsdp_modules(recurse):
