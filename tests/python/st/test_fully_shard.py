@@ -414,6 +414,7 @@ def test_hsdp_without_all_reduce_holds_the_reduce_scatters_for_the_last_micro_ba
     for m in range(3):
         reference(batch(m, ws), m < 2).pow(2).mean().backward()
         net.set_requires_all_reduce(m == 2)
+        net.set_is_last_backward(m == 2)  # the original's loop; changes nothing here
         comm.reset_collective_counts()
         net(batch(m, ws)[r * ROWS_PER_RANK:][:ROWS_PER_RANK], m < 2).pow(2).mean().backward()
         assert comm.collective_count("reduce_scatter") == 2
@@ -628,6 +629,8 @@ def test_module_methods_and_their_errors():
         net.set_modules_to_forward_prefetch([nn.Linear(2, 2)])
     with pytest.raises(ValueError, match="set_requires_all_reduce: expected a bool, got int"):
         net.set_requires_all_reduce(1)
+    with pytest.raises(ValueError, match="set_is_last_backward: expected a bool, got NoneType"):
+        net.set_is_last_backward(None)
     with pytest.raises(ValueError, match="set_gradient_scaling_factor: expected None, a number"):
         net.set_gradient_scaling_factor(True)
     handle = net.unshard(async_op=True)

@@ -126,6 +126,12 @@ class FSDPModule:
             if m._fsdp_group is not None:
                 m._fsdp_group.set_requires_all_reduce(requires_all_reduce)
 
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Accepted for code written for the original and FSDP2, where False lets the end of a
+        micro-batch's backward skip waiting for its reductions. Here every backward waits for them,
+        so .grad is complete when backward() returns: the flag changes no result and no wait."""
+        _bool(is_last_backward, "FSDPModule.set_is_last_backward")
+
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         _bool(reshard_after_forward, "FSDPModule.set_reshard_after_forward")
         for m in self._fsdp_modules(recurse):
