@@ -21,6 +21,7 @@ import hyper_parallel
 from hyper_parallel import (ColwiseParallel, CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, RowwiseParallel,
                             full_tensor, fully_shard, init_device_mesh, parallelize_module)
 from hyper_parallel.core import comm
+from hyper_parallel.core.dtensor.dtensor import distribute_tensor
 from hyper_parallel.core.dtensor.placement_types import Shard
 
 ROWS_PER_RANK, DIM, HIDDEN = 3, 12, 20  # the head's 2 rows leave empty pieces at 4 ranks
@@ -207,6 +208,55 @@ def test_tensor_parallel_inside_fully_shard_on_a_2x2_mesh():
     mean = torch.stack([comm.all_reduce(loss.reshape(1), comm.ReduceOp.AVG, mesh["dp"].get_group())
                         for loss in losses])
     torch.testing.assert_close(mean.flatten(), torch.stack(ref_losses), rtol=1e-5, atol=1e-6)
+
+
+def doubled(net):
+    with torch.no_grad():
+        for p in net.parameters():
+            p.mul_(2).add_(0.5)
+    return net
+
+
+@pytest.mark.parametrize("mesh_shape", [(0,), (2, 2)])
+def test_load_state_dict_takes_pieces_whole_tensors_or_dtensors_as_the_original(mesh_shape):
+    """The original's HSDPModule.load_state_dict: a sharded parameter's value may be this rank's
+    piece, the whole tensor or a DTensor; a module kept gathered after its forward reads the
+    loaded values next. On a 2 x 2 (dp, tp) mesh the pieces nest in the tensor-parallel ones."""
+    ws = dist.get_world_size()
+    if mesh_shape == (2, 2) and ws != 4:
+        pytest.skip("a 2 x 2 (dp, tp) mesh needs 4 ranks")
+    source = doubled(Net())  # other values than Net()'s
+
+    def sharded():
+        net = Net()
+        if mesh_shape == (2, 2):
+            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+            for b in net.blocks:
+                parallelize_module(b, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+            return shard(net, mesh=mesh["dp"], reshard_after_forward=False)
+        return shard(net, mesh=dp_mesh(), reshard_after_forward=False)
+
+    x = batch(0, 1)
+    pieces = doubled(sharded()).state_dict()
+    dtensors = {}
+    for name, p in sharded().named_parameters():
+        layout = hyper_parallel.layout_of(p)
+        dtensors[name] = distribute_tensor(source.state_dict()[name], layout.mesh, layout.placements)
+    for values in (source.state_dict(), pieces, dtensors):
+        net = sharded()
+        net(x)  # gathered, and kept
+        assert not net.load_state_dict(values).missing_keys
+        torch.testing.assert_close(net(x), source(x), rtol=1e-5, atol=1e-6)
+        for p, q in zip(net.parameters(), source.parameters()):
+            assert torch.equal(full_tensor(p), q.detach())
+    wrong = dict(source.state_dict(), **{"head.weight": torch.zeros(3, DIM)})
+    with pytest.raises(ValueError, match=r"expected head.weight of this rank's piece's shape \[.*\] or the "
+                                         r"whole tensor's \[2, 12\], got \[3, 12\]"):
+        sharded().load_state_dict(wrong)
+    with pytest.raises(RuntimeError, match="Missing key"):
+        sharded().load_state_dict({"head.weight": source.head.weight})
+    with pytest.raises(ValueError, match="expected blocks.0.up.weight on a device, got it on meta"):
+        shard(Net().to("meta"), mesh=dp_mesh()).load_state_dict(source.state_dict())
 
 
 def test_mixed_precision_gathers_in_bf16_and_keeps_float32_shards():

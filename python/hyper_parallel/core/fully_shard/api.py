@@ -27,6 +27,7 @@ from hyper_parallel import _C
 from hyper_parallel.core.dtensor.placement_types import Shard
 from hyper_parallel.core.fully_shard.hooks import cast_inputs, install_hooks
 from hyper_parallel.core.fully_shard.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from hyper_parallel.core.fully_shard.state_dict import local_state_dict
 from hyper_parallel.core.tensor_parallel.style import _core_mesh
 
 __all__ = ["CPUOffloadPolicy", "FSDPModule", "HSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "fully_shard",
@@ -125,6 +126,16 @@ class FSDPModule:
         for m in self._fsdp_modules(recurse):
             if m._fsdp_group is not None:
                 m._fsdp_group.set_requires_all_reduce(requires_all_reduce)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """torch's load_state_dict, where a sharded parameter's value may be this rank's piece (as
+        state_dict() gives it), the whole tensor (each rank takes its piece, without
+        communication: pass the same whole tensors on every rank) or a DTensor (its local
+        tensor), as the original's. Another shape is a ValueError naming both."""
+        if self._fsdp_group is not None and not self._fsdp_standing.shards_in_place:
+            raise ValueError(f"FSDPModule.load_state_dict: expected a load into {type(self).__name__} outside its "
+                             "forward and backward, got one while its gathered parameters stand in for the shards")
+        return super().load_state_dict(local_state_dict(self, state_dict, assign), strict=strict)
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Accepted for code written for the original and FSDP2, where False lets the end of a

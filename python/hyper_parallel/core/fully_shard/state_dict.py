@@ -1,0 +1,58 @@
+"""FSDPModule.load_state_dict: the original's (HyperParallel's HSDPModule.load_state_dict) value
+rules over torch's loading.
+
+``state_dict()`` gives each sharded parameter as this rank's piece. A value to load may be that
+piece, the whole tensor (a checkpoint saved without parallelism), or a DTensor (its local
+tensor): for a whole tensor, each rank takes its own piece, laid out as the parameter
+(fully_shard's pieces, nested in a tensor-parallel style's), with no communication, so every
+rank passes the same whole tensors, as loading one file on every rank does. torch then copies the
+pieces into the shards (a later gather sees they changed)."""
+
+import warnings
+from collections import OrderedDict
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from hyper_parallel import _C
+from hyper_parallel.core.tensor_parallel.grad_utils import layout_of
+
+
+def _shape(shape) -> str:
+    return str(list(shape))
+
+
+def local_value(key: str, value: Any, target: torch.Tensor) -> Any:
+    """The value torch copies into ``target`` (a parameter or buffer of the module) for ``key``."""
+    if isinstance(value, _C.DTensor):
+        value = value.to_local()
+    layout = layout_of(target)
+    if layout is None or not isinstance(value, torch.Tensor) or tuple(value.shape) == tuple(target.shape):
+        return value  # torch's own checks apply
+    if tuple(value.shape) == tuple(layout.global_shape):
+        return _C.distribute_tensor(value.detach(), layout.mesh, list(layout.placements), None).to_local()
+    raise ValueError(f"FSDPModule.load_state_dict: expected {key} of this rank's piece's shape "
+                     f"{_shape(target.shape)} or the whole tensor's {_shape(layout.global_shape)}, got "
+                     f"{_shape(value.shape)}")
+
+
+def local_state_dict(module: nn.Module, state_dict: Mapping[str, Any], assign: bool) -> "OrderedDict[str, Any]":
+    """``state_dict`` with each value made what torch's ``module.load_state_dict`` copies into
+    this rank's parameter or buffer."""
+    if assign:
+        warnings.warn("FSDPModule.load_state_dict: assign=True is ignored (torch 1.13 has no assign): the "
+                      "values are copied into the shards", stacklevel=3)
+    targets = dict(module.named_parameters())
+    targets.update(module.named_buffers())
+    local = OrderedDict()
+    for key, value in state_dict.items():
+        target = targets.get(key)
+        if target is not None and target.is_meta:
+            raise ValueError(f"FSDPModule.load_state_dict: expected {key} on a device, got it on meta (a copy "
+                             "into it would load nothing); call module.to_empty(device='cpu') first")
+        local[key] = value if target is None else local_value(key, value, target)
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is not None:
+        local._metadata = metadata
+    return local
