@@ -179,6 +179,9 @@ struct ParamGroup::Impl : std::enable_shared_from_this<ParamGroup::Impl> {
   // Parameter i's gradient through a backward view (ParamGroup::backward_views): it arrives, or
   // is reduced alone. Returns what arrive returns (for autograd), or an undefined one.
   at::Tensor reduce_read_in_backward(size_t i, at::Tensor grad);
+  // A gradient of parameter i apart from its arrival in this backward: reduce-scattered on its
+  // own into .grad (kept, while sync is off, with the sums).
+  void reduce_alone(size_t i, at::Tensor grad);
   // Starts the reduce-scatter of the gradients not yet sent (the first synced backward).
   void send_unsent();
   // Starts the planned buckets whose gradients have all arrived (the later backwards).

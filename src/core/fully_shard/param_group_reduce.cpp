@@ -145,8 +145,14 @@ std::vector<at::Tensor> ParamGroup::Impl::arrive_each(const std::shared_ptr<Impl
   if (self->arrivals == 0) queue_end_of_backward(self);
   std::vector<at::Tensor> out(grads.size());
   for (size_t i = 0; i < grads.size(); ++i) {
-    if (grads[i].defined() && self->planned_wants[i] != 0 && !self->arrived[i])
+    if (!grads[i].defined() || self->planned_wants[i] == 0) continue;
+    // A parameter that a reentrant region's recomputation read itself has arrived with that
+    // read's gradient: this graph's is the rest of it.
+    if (self->arrived[i]) {
+      self->reduce_alone(i, std::move(grads[i]));
+    } else {
       out[i] = self->arrive(i, std::move(grads[i]));
+    }
   }
   return out;
 }

@@ -112,15 +112,19 @@ void ParamGroup::release_backward_views() {
 at::Tensor ParamGroup::Impl::reduce_read_in_backward(size_t i, at::Tensor grad) {
   // An arrival before this one queued the reduction's end on the outer backward.
   if (reduces_in_buckets() && arrivals > 0 && !arrived[i]) return arrive(i, std::move(grad));
+  reduce_alone(i, std::move(grad));
+  return {};  // .grad gets it when the reduction is waited for
+}
+
+void ParamGroup::Impl::reduce_alone(size_t i, at::Tensor grad) {
   if (!sync) {
     accumulate(i, grad);
-    return {};
+    return;
   }
   std::vector<at::Tensor> grads(params.size());
   grads[i] = std::move(grad);
   defer_to_grad(start_reduce({i}, grads, comm::Agreement::kPerOp), i, /*offset=*/0, /*slot=*/0,
                 /*run_hooks=*/wants(i) == 2);
-  return {};  // .grad gets it when the reduction is waited for
 }
 
 }  // namespace hyper_parallel::fully_shard

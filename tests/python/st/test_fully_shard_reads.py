@@ -224,9 +224,13 @@ class ScaleInARegion(GPT):
 
 @pytest.mark.parametrize("use_reentrant", [False, True])
 @pytest.mark.parametrize("comm_fusion", [False, True])
-def test_a_group_whose_gradients_all_came_stays_gathered_for_the_region_of_its_module(use_reentrant, comm_fusion):
+@pytest.mark.parametrize("shard_blocks", [True, False])
+def test_a_group_whose_gradients_all_came_stays_gathered_for_the_region_of_its_module(
+        use_reentrant, comm_fusion, shard_blocks):
+    """Without the blocks' own groups, a reentrant region's recomputation brings the scale's
+    gradient of its read before the outer graph brings the rest: both count."""
     make = lambda: ScaleInARegion(tied=None, checkpointed=use_reentrant)  # noqa: E731
-    assert_trains_like(make, shard_blocks=True, comm_fusion=comm_fusion)
+    assert_trains_like(make, shard_blocks=shard_blocks, comm_fusion=comm_fusion)
 
 
 def test_a_hooked_parameter_trains_beside_a_reentrant_region_reading_one_itself():
