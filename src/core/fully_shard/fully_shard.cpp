@@ -253,6 +253,10 @@ void FSDPModule::set_gradient_scaling_factor(double factor) const {
   if (state_->group) state_->group->set_gradient_scaling_factor(factor);
 }
 
+void FSDPModule::set_reduce_op(comm::ReduceOp op) const {
+  if (state_->group) state_->group->set_reduce_op(op);
+}
+
 void FSDPModule::set_modules_to_forward_prefetch(const std::vector<FSDPModule>& modules) const {
   state_->forward_prefetch.clear();
   for (const auto& m : modules) state_->forward_prefetch.push_back(m.state_);

@@ -371,6 +371,8 @@ void ParamGroup::set_users(int64_t users) {
 void ParamGroup::set_requires_gradient_sync(bool sync) { impl_->sync = sync; }
 
 void ParamGroup::set_requires_all_reduce(bool all_reduce) { impl_->all_reduce = all_reduce; }
+
+void ParamGroup::set_reduce_op(comm::ReduceOp op) { impl_->reduce_op = op; }
 void ParamGroup::set_reshard_after_forward(bool reshard) { impl_->reshard_after_forward = reshard; }
 void ParamGroup::set_reshard_after_backward(bool reshard) { impl_->reshard_after_backward = reshard; }
 void ParamGroup::set_gradient_scaling_factor(double factor) { impl_->scale = factor; }

@@ -12,6 +12,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <hyper_parallel/core/comm/collectives.h>
 #include <hyper_parallel/core/comm/op.h>
 #include <hyper_parallel/core/comm/pending_all_gather.h>
 #include <hyper_parallel/core/comm/process_group.h>
@@ -57,6 +58,7 @@ struct ParamGroup::Impl : std::enable_shared_from_this<ParamGroup::Impl> {
   bool backward_prefetched = false;    // this backward of the group has started the next gather
   bool backward_began = false;         // this pass's pre-backward has run
   double scale = 1.0;
+  comm::ReduceOp reduce_op = comm::ReduceOp::kAvg;  // over the data-parallel ranks
   int64_t row_sparse_cols = 0;  // > 0: the one parameter's gradient reduces row-sparse
   bool rows_by_id = false;      // row-sparse, and a forward's ids index this rank's rows
   int64_t users = 1, forward_calls = 0;

@@ -364,18 +364,19 @@ std::shared_ptr<detail::ReduceInFlight> ParamGroup::Impl::start_reduce(const std
   auto flat = input.view({-1});
   auto in_flight = std::make_shared<detail::ReduceInFlight>();
   in_flight->content = content_of(indices);
-  // The average over every data-parallel rank: over the shard dim, then the replicate dim.
+  // The average (or sum) over every data-parallel rank: over the shard dim, then the replicate dim.
   if (shard_group.size() == 1) {
     in_flight->unreduced = std::move(flat);
   } else if (row_sparse_cols > 0) {
-    in_flight->pending = comm::start_row_sparse_reduce_scatter(flat, row_sparse_cols, comm::ReduceOp::kAvg,
+    in_flight->pending = comm::start_row_sparse_reduce_scatter(flat, row_sparse_cols, reduce_op,
                                                                shard_group, agreement, in_flight->content);
   } else {
     in_flight->pending =
-        comm::start_reduce_scatter(flat, comm::ReduceOp::kAvg, shard_group, agreement, in_flight->content);
+        comm::start_reduce_scatter(flat, reduce_op, shard_group, agreement, in_flight->content);
   }
   in_flight->partial = take_partial(indices, elements, flags, dtype);
   in_flight->replicate = replicate_group;
+  in_flight->op = reduce_op;
   in_flight->held = defers_all_reduce();
   in_flight->scale = scale;
   in_flight->flags = flags;

@@ -56,7 +56,7 @@ const at::Tensor& ReduceInFlight::wait() {
   if (all_reduces) finish_started_before(this);
   auto reduced = unreduced.defined() ? unreduced : pending.wait();
   if (partial.defined()) reduced = reduced + partial;
-  if (all_reduces) reduced = comm::all_reduce(reduced, comm::ReduceOp::kAvg, *replicate, content);
+  if (all_reduces) reduced = comm::all_reduce(reduced, op, *replicate, content);
   if (flags > 0) {
     const auto any = reduced.narrow(0, reduced.numel() - flags, flags).ne(0).contiguous();
     const auto* bits = any.data_ptr<bool>();

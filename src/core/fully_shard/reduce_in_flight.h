@@ -11,6 +11,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <hyper_parallel/core/comm/collectives.h>
 #include <hyper_parallel/core/comm/pending_reduce_scatter.h>
 #include <hyper_parallel/core/comm/process_group.h>
 
@@ -27,6 +28,7 @@ struct ReduceInFlight {
   // HSDP with all_reduce off: no all-reduce and no scaling; the result is held as partial sums.
   bool held = false;
   int64_t content = 0;  // the reduce-scatter's, for the all-reduce (comm::OpSignature::content)
+  comm::ReduceOp op = comm::ReduceOp::kAvg;  // over the shard dim, then the replicate dim
   double scale = 1.0;
   // The last `flags` elements of every rank's block: per parameter, 1 where this rank has a
   // gradient for it, 0 where it has none; reduced, whether any rank has one.

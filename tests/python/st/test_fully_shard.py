@@ -210,6 +210,19 @@ def test_tensor_parallel_inside_fully_shard_on_a_2x2_mesh():
     torch.testing.assert_close(mean.flatten(), torch.stack(ref_losses), rtol=1e-5, atol=1e-6)
 
 
+def test_reduce_op_type_sum_adds_the_ranks_gradients_up_on_the_module_it_is_set_on():
+    """The original's set_reduce_op_type("sum") (not recursive): the root's group sums over the
+    ranks (the reference's gradient, ws times); the blocks keep the average."""
+    ws, r = dist.get_world_size(), dist.get_rank()
+    reference, net = Net(), shard(Net(), mesh=dp_mesh())
+    net.set_reduce_op_type(" SUM")
+    reference(batch(0, ws)).pow(2).mean().backward()
+    net(batch(0, ws)[r * ROWS_PER_RANK:][:ROWS_PER_RANK]).pow(2).mean().backward()
+    for (name, p), q in zip(net.named_parameters(), reference.parameters()):
+        factor = 1 if name.startswith("blocks.") else ws
+        torch.testing.assert_close(full_tensor(p, p.grad), q.grad * factor, rtol=1e-5, atol=1e-6)
+
+
 def doubled(net):
     with torch.no_grad():
         for p in net.parameters():
@@ -681,6 +694,8 @@ def test_module_methods_and_their_errors():
         net.set_requires_all_reduce(1)
     with pytest.raises(ValueError, match="set_is_last_backward: expected a bool, got NoneType"):
         net.set_is_last_backward(None)
+    with pytest.raises(ValueError, match=r"set_reduce_op_type: expected one of \['avg', 'sum'\], got 'max'"):
+        net.set_reduce_op_type("max")
     with pytest.raises(ValueError, match="set_gradient_scaling_factor: expected None, a number"):
         net.set_gradient_scaling_factor(True)
     handle = net.unshard(async_op=True)

@@ -1,6 +1,6 @@
 // fully_shard against the full-batch single-process reference at world sizes 1, 2, 3 and 4:
 // training (AdamW) with reshard_after_forward on and off, HSDP (also with the all-reduce held
-// for the last micro-batch), gradient accumulation without sync, mixed precision, uneven and empty shards;
+// for the last micro-batch), a sum over the ranks in place of the average, gradient accumulation without sync, mixed precision, uneven and empty shards;
 // exact collective counts per phase; implicit and explicit prefetch; groups gathered right after their own
 // optimizer step; the shards' sizes and the optimizer state's; an embedding's row-sparse gather and
 // reduce-scatter, bitwise the dense ones, also under a TP style that cuts its vocabulary; the module cast
@@ -444,6 +444,26 @@ TEST(FullyShard, HybridShardingWithoutAllReduceHoldsReduceScattersForTheLastMicr
     ASSERT_EQ(grads.size(), ref.size());
     for (size_t i = 0; i < ref.size(); ++i)
       hp_test::expect_close(grads[i].second, ref[i].grad(), grads[i].first);
+  }
+}
+
+// set_reduce_op(kSum) on every group: the gradients add up over the data-parallel ranks (the
+// reference's, dp times), on a 1-d mesh and, at 4 ranks, on a 2 x 2 HSDP mesh.
+TEST(FullyShard, ReduceOpSumAddsTheDataParallelRanksGradientsUp) {
+  const int64_t p = hp_test::world_size(), r = hp_test::rank();
+  std::vector<DeviceMesh> meshes{dp_mesh()};
+  if (p == 4) meshes.push_back(hp::dtensor::init_device_mesh("cpu", {2, 2}, {"replicate", "shard"}));
+  for (const auto& mesh : meshes) {
+    Net reference, net;
+    shard(net, fs::FullyShardOptions().mesh(mesh));
+    for (auto& b : net.blocks) fs::FSDPModule::of(*b)->set_reduce_op(hp::comm::ReduceOp::kSum);
+    fs::FSDPModule::of(net)->set_reduce_op(hp::comm::ReduceOp::kSum);
+    loss_of(reference.forward(batch(0, p))).backward();
+    loss_of(net.forward(batch(0, p).narrow(0, r * kRowsPerRank, kRowsPerRank))).backward();
+    const auto ref = reference.parameters();
+    const auto grads = hp::tensor_parallel::full_named_parameters(net, /*gradients=*/true);
+    for (size_t i = 0; i < ref.size(); ++i)
+      hp_test::expect_close(grads[i].second, ref[i].grad() * static_cast<double>(p), grads[i].first);
   }
 }
 

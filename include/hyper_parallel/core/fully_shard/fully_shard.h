@@ -58,6 +58,9 @@ class FSDPModule {
   void set_reshard_after_backward(bool reshard, bool recurse = true) const;
   /// Multiplies this module's reduced gradients (after the average over the dp ranks).
   void set_gradient_scaling_factor(double factor) const;
+  /// kAvg (the default) or kSum: how the dp ranks' gradients of this module's group combine
+  /// (not recursive, as the original's set_reduce_op_type).
+  void set_reduce_op(comm::ReduceOp op) const;
   /// The modules whose gathers start as soon as this one's forward / backward begins (they
   /// travel while it computes), beside the implicit prefetch of the next module in the order
   /// the last pass ran them.

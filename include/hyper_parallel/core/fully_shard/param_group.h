@@ -42,6 +42,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <hyper_parallel/core/comm/collectives.h>
 #include <hyper_parallel/core/fully_shard/options.h>
 
 namespace hyper_parallel::fully_shard {
@@ -161,6 +162,10 @@ class ParamGroup {
   void set_reshard_after_backward(bool reshard);
   /// Multiplies the reduced gradients (after the average over the data-parallel ranks).
   void set_gradient_scaling_factor(double factor);
+  /// How the data-parallel ranks' gradients combine: comm::ReduceOp::kAvg (the default) or kSum
+  /// (the original's reduce op type "sum": no division by the data-parallel size), in the
+  /// reduce-scatter and in HSDP's all-reduce alike. Takes effect at the next reduction.
+  void set_reduce_op(comm::ReduceOp op);
   /// true: the group's one parameter is an embedding's table, read by one module's forward at the
   /// rows of its ids and not at all by its backward. Its forward gathers only those rows (see
   /// pre_forward), it is not prefetched or gathered again for the backward, and its gradient's

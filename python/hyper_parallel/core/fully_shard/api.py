@@ -167,6 +167,17 @@ class FSDPModule:
         if self._fsdp_group is not None:
             self._fsdp_group.set_gradient_scaling_factor(1.0 if factor is None else float(factor))
 
+    def set_reduce_op_type(self, reduce_op_type: str) -> None:
+        """How the data-parallel ranks' gradients of this module's group combine: "avg" (the
+        default) or "sum" (no division by the data-parallel size), as the original's; not
+        recursive."""
+        ops = {"avg": _C.ReduceOp.AVG, "sum": _C.ReduceOp.SUM}
+        op = ops.get(reduce_op_type.lower().strip()) if isinstance(reduce_op_type, str) else None
+        if op is None:
+            raise ValueError(f"FSDPModule.set_reduce_op_type: expected one of {list(ops)}, got {reduce_op_type!r}")
+        if self._fsdp_group is not None:
+            self._fsdp_group.set_reduce_op(op)
+
     def _prefetch_groups(self, modules, what: str):
         if not isinstance(modules, (list, tuple)):
             raise ValueError(f"{what}: expected a list of FSDPModule, got {type(modules).__name__}")
