@@ -7,6 +7,7 @@
 #include <torch/csrc/autograd/engine.h>
 
 #include "param_group_impl.h"
+#include "reduce_in_flight.h"
 
 namespace hyper_parallel::fully_shard::detail {
 namespace {
@@ -89,9 +90,9 @@ void ParamGroup::Impl::hold_partial(size_t i, const at::Tensor& block, bool reac
 
 // A frozen parameter keeps its partial sum until a reduction after it is unfrozen, as its sum
 // kept while sync was off.
-at::Tensor ParamGroup::Impl::take_partial(const std::vector<size_t>& indices, int64_t elements, int64_t flags,
-                                          at::ScalarType dtype) {
-  at::Tensor out;
+void ParamGroup::Impl::take_partial(const std::vector<size_t>& indices, int64_t elements, int64_t flags,
+                                    at::ScalarType dtype, detail::ReduceInFlight& into) {
+  auto& out = into.partial;
   int64_t offset = 0;
   for (size_t slot = 0; slot < indices.size(); ++slot) {
     const auto i = indices[slot];
@@ -100,12 +101,23 @@ at::Tensor ParamGroup::Impl::take_partial(const std::vector<size_t>& indices, in
       if (!out.defined()) out = at::zeros({elements + flags}, partial[i].options().dtype(dtype));
       out.narrow(0, offset, padded).copy_(partial[i]);
       if (flags > 0 && partial_reached[i]) out[elements + static_cast<int64_t>(slot)].fill_(1);
+      into.taken.push_back({i, {}, std::move(partial[i]), partial_reached[i]});
       partial[i] = at::Tensor();
       partial_reached[i] = false;
     }
     offset += padded;
   }
-  return out;
+}
+
+void ParamGroup::Impl::put_back(const detail::ReduceInFlight& reduce, size_t i) {
+  bool held_again = false;
+  for (const auto& t : reduce.taken) {
+    if (t.param != i) continue;
+    if (t.pending.defined()) pending[i] = pending[i].defined() ? pending[i] + t.pending : t.pending;
+    if (t.partial.defined()) hold_partial(i, t.partial, t.partial_reached);
+    held_again = held_again || t.pending.defined() || t.partial.defined();
+  }
+  if (held_again) detail::note_held_sums(shared_from_this());
 }
 
 // A group this synced backward did not reach holds the sums of the unsynced ones, or

@@ -59,8 +59,8 @@ struct ParamGroup::Impl : std::enable_shared_from_this<ParamGroup::Impl> {
   bool backward_began = false;         // this pass's pre-backward has run
   double scale = 1.0;
   comm::ReduceOp reduce_op = comm::ReduceOp::kAvg;  // over the data-parallel ranks
-  int64_t row_sparse_cols = 0;  // > 0: the one parameter's gradient reduces row-sparse
-  bool rows_by_id = false;      // row-sparse, and a forward's ids index this rank's rows
+  int64_t row_sparse_cols = 0;                      // > 0: the one parameter's gradient reduces row-sparse
+  bool rows_by_id = false;                          // row-sparse, and a forward's ids index this rank's rows
   int64_t users = 1, forward_calls = 0;
   int64_t open_calls = 0;           // forwards of the group's modules under way, one inside the other
   bool gathered_with_grad = false;  // this pass's views: made with grad mode on
@@ -208,11 +208,14 @@ struct ParamGroup::Impl : std::enable_shared_from_this<ParamGroup::Impl> {
   // Adds reduced parameter i's block (and whether any rank had a gradient) to its partial.
   void hold_partial(size_t i, const at::Tensor& block, bool reached_anywhere);
   // The partial sums of parameters `indices` that want a gradient, in the reduce-scatter's
-  // output layout (`elements` elements, then `flags` flags), taken from the group; undefined if
-  // none is held.
-  at::Tensor take_partial(const std::vector<size_t>& indices, int64_t elements, int64_t flags,
-                          at::ScalarType dtype);
-  // Reduce-scatters the sums kept while sync was off, if this backward did not reach the group.
+  // output layout (`elements` elements, then `flags` flags), taken from the group into `into`
+  // (its partial, and what it took); none if none is held.
+  void take_partial(const std::vector<size_t>& indices, int64_t elements, int64_t flags, at::ScalarType dtype,
+                    detail::ReduceInFlight& into);
+  // A failed backward dropped parameter i's share of `reduce`: the sums it took are held again.
+  void put_back(const detail::ReduceInFlight& reduce, size_t i);
+  // Reduces the sums kept while sync (or the all-reduce) was off, if this backward did not reach
+  // the group.
   void reduce_held_sums();
   // The group's backward is over: the last bucket leaves and the gathered parameters are freed.
   void end_backward();

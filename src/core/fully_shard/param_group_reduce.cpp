@@ -307,17 +307,20 @@ void ParamGroup::Impl::end_backward() {
 
 void ParamGroup::Impl::defer_to_grad(const std::shared_ptr<detail::ReduceInFlight>& reduced, size_t i,
                                      int64_t offset, size_t slot, bool run_hooks) {
+  std::weak_ptr<Impl> weak = shared_from_this();
+  auto dropped = [weak, reduced, i] {
+    if (auto self = weak.lock()) self->put_back(*reduced, i);
+  };
   if (reduced->held) {
     // Held for the all-reduce, at the end of the backward: .grad stays as it is until then.
-    std::weak_ptr<Impl> weak = shared_from_this();
     const auto padded = layout.padded_elements(static_cast<int64_t>(i));
-    nn::defer_gradient(params[i], [weak, reduced, i, offset, padded, slot] {
-      const auto& flat = reduced->wait();
-      if (auto self = weak.lock())
-        self->hold_partial(i, flat.narrow(0, offset, padded),
-                           reduced->flags == 0 || reduced->reached_anywhere[slot]);
-      return at::Tensor();
-    });
+    nn::defer_completion(
+        params[i], [reduced, offset, padded] { return reduced->wait().narrow(0, offset, padded); },
+        [weak, reduced, i, slot](const at::Tensor& block) {
+          if (auto self = weak.lock())
+            self->hold_partial(i, block, reduced->flags == 0 || reduced->reached_anywhere[slot]);
+        },
+        dropped);
     return;
   }
   const auto elements = layout.local_elements(static_cast<int64_t>(i));
@@ -326,7 +329,7 @@ void ParamGroup::Impl::defer_to_grad(const std::shared_ptr<detail::ReduceInFligh
       [reduced, param = params[i], offset, elements, slot] {
         return shard_gradient(reduced, param, offset, elements, slot);
       },
-      run_hooks);
+      run_hooks, dropped);
 }
 
 // Every rank's blocks of parameters `indices`' gradients (plus the sums kept while sync was off),
@@ -343,6 +346,7 @@ std::shared_ptr<detail::ReduceInFlight> ParamGroup::Impl::start_reduce(const std
   // A dense reduction's blocks end with one flag per parameter (row-sparse: one parameter,
   // whose rows must stay whole).
   const int64_t flags = row_sparse_cols > 0 ? 0 : static_cast<int64_t>(indices.size());
+  std::vector<detail::TakenSums> taken;
   int64_t elements = 0;
   for (const auto i : indices) elements += layout.padded_elements(static_cast<int64_t>(i));
   auto input = at::zeros({shard_group.size(), elements + flags}, first.options().dtype(dtype));
@@ -357,6 +361,7 @@ std::shared_ptr<detail::ReduceInFlight> ParamGroup::Impl::start_reduce(const std
       input.narrow(1, offset, padded).copy_(layout.padded_blocks(total, static_cast<int64_t>(i)));
       if (flags > 0) input.select(1, elements + static_cast<int64_t>(slot)).fill_(1);
     }
+    if (pending[i].defined()) taken.push_back({i, std::move(pending[i]), {}, false});
     pending[i] = at::Tensor();
     grads[i] = at::Tensor();
     offset += padded;
@@ -368,13 +373,14 @@ std::shared_ptr<detail::ReduceInFlight> ParamGroup::Impl::start_reduce(const std
   if (shard_group.size() == 1) {
     in_flight->unreduced = std::move(flat);
   } else if (row_sparse_cols > 0) {
-    in_flight->pending = comm::start_row_sparse_reduce_scatter(flat, row_sparse_cols, reduce_op,
-                                                               shard_group, agreement, in_flight->content);
+    in_flight->pending = comm::start_row_sparse_reduce_scatter(flat, row_sparse_cols, reduce_op, shard_group,
+                                                               agreement, in_flight->content);
   } else {
     in_flight->pending =
         comm::start_reduce_scatter(flat, reduce_op, shard_group, agreement, in_flight->content);
   }
-  in_flight->partial = take_partial(indices, elements, flags, dtype);
+  in_flight->taken = std::move(taken);
+  take_partial(indices, elements, flags, dtype, *in_flight);
   in_flight->replicate = replicate_group;
   in_flight->op = reduce_op;
   in_flight->held = defers_all_reduce();

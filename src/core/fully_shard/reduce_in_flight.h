@@ -17,6 +17,14 @@
 
 namespace hyper_parallel::fully_shard::detail {
 
+/// Sums a reduction took from where its group held them (kept while sync was off, or reduce-scattered
+/// while the all-reduce was off), put back if a failed backward drops the reduction.
+struct TakenSums {
+  size_t param = 0;
+  at::Tensor pending, partial;
+  bool partial_reached = false;
+};
+
 /// A group's reduce-scatter in flight, then the sums held from earlier reduce-scatters (HSDP with
 /// all_reduce off), its all-reduce over the replicate dim (HSDP) and its scaling: done once, by
 /// the first of its parameters' deferred gradients to be finished.
@@ -27,6 +35,7 @@ struct ReduceInFlight {
   at::Tensor partial;  // reduce-scattered sums held from earlier backwards, added before the all-reduce
   // HSDP with all_reduce off: no all-reduce and no scaling; the result is held as partial sums.
   bool held = false;
+  std::vector<TakenSums> taken;
   int64_t content = 0;  // the reduce-scatter's, for the all-reduce (comm::OpSignature::content)
   comm::ReduceOp op = comm::ReduceOp::kAvg;  // over the shard dim, then the replicate dim
   double scale = 1.0;

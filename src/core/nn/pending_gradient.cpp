@@ -19,8 +19,18 @@ using WeakParam = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorI
 struct Entry {
   WeakParam param;  // the parameter (weak: the registry never keeps one alive)
   WaitForGradient wait;
-  bool run_hooks = false;  // the parameter's hooks see the waited tensor first
+  bool run_hooks = false;                           // the parameter's hooks see the waited tensor first
+  std::function<void(const at::Tensor&)> complete;  // takes the waited tensor instead of .grad
+  OnDropped dropped;                                // a failed backward drops it
 };
+
+void drop(Entry& e) noexcept {
+  if (!e.dropped) return;
+  try {
+    e.dropped();
+  } catch (...) {  // the failure that stopped the backward is already on its way to the caller
+  }
+}
 
 struct Registry {
   std::mutex mutex;
@@ -48,7 +58,17 @@ std::optional<Entry> take(const c10::TensorImpl* param) {
 
 // .grad += the sum: the bits AccumulateGrad would have left had it added the sum.
 void apply(Entry& e) {
-  auto sum = e.wait();
+  at::Tensor sum;
+  try {
+    sum = e.wait();
+  } catch (...) {
+    drop(e);
+    throw;
+  }
+  if (e.complete) {
+    e.complete(sum);
+    return;
+  }
   auto impl = e.param.lock();
   if (!impl || !sum.defined()) return;  // undefined: no contribution (no hook sees it)
   at::Tensor param(std::move(impl));
@@ -72,6 +92,7 @@ void abandon_all() noexcept {  // NOLINT(bugprone-exception-escape)
       e->wait();
     } catch (...) {  // the failure that stopped the backward is already on its way to the caller
     }
+    drop(*e);
   }
   std::lock_guard<std::mutex> lock(registry().mutex);
   registry().pass_open = false;
@@ -100,11 +121,7 @@ void open_pass() {
   });
 }
 
-}  // namespace
-
-void defer_gradient(const at::Tensor& param, WaitForGradient wait, bool run_hooks) {
-  TORCH_INTERNAL_ASSERT(param.defined() && wait, "defer_gradient: undefined argument");
-  Entry e{WeakParam(param.getIntrusivePtr()), std::move(wait), run_hooks};
+void defer(Entry e) {
   bool open = false;
   {
     auto& r = registry();
@@ -114,6 +131,20 @@ void defer_gradient(const at::Tensor& param, WaitForGradient wait, bool run_hook
     r.pass_open = true;
   }
   if (open) open_pass();
+}
+
+}  // namespace
+
+void defer_gradient(const at::Tensor& param, WaitForGradient wait, bool run_hooks, OnDropped dropped) {
+  TORCH_INTERNAL_ASSERT(param.defined() && wait, "defer_gradient: undefined argument");
+  defer(Entry{WeakParam(param.getIntrusivePtr()), std::move(wait), run_hooks, {}, std::move(dropped)});
+}
+
+void defer_completion(const at::Tensor& param, WaitForGradient wait,
+                      std::function<void(const at::Tensor&)> complete, OnDropped dropped) {
+  TORCH_INTERNAL_ASSERT(param.defined() && wait && complete, "defer_completion: undefined argument");
+  defer(Entry{WeakParam(param.getIntrusivePtr()), std::move(wait), false, std::move(complete),
+              std::move(dropped)});
 }
 
 void finish_gradient(const at::Tensor& param) {

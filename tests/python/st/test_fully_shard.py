@@ -489,6 +489,52 @@ def test_hsdp_without_all_reduce_holds_the_reduce_scatters_for_the_last_micro_ba
     assert len(seen) == 1 and torch.equal(seen[0], net.layer.weight.grad)
 
 
+class FailsOnce(Net):
+    """Net whose backward raises once between its blocks when fail is set."""
+
+    fail = False
+
+    def forward(self, x):
+        x = self.blocks[0](x)
+        if self.fail:
+            self.fail = False
+
+            def boom(grad):
+                raise ArithmeticError("boom")
+
+            x.register_hook(boom)
+        return self.head(self.norm(self.blocks[1](x)))
+
+
+@pytest.mark.parametrize("comm_fusion", [False, True])
+@pytest.mark.parametrize("held, fails", [("all-reduce", 1), ("all-reduce", 2), ("sync", 2)])
+def test_a_failed_backward_leaves_the_held_sums_as_they_were_for_its_retry(comm_fusion, held, fails):
+    """Micro-batches 0 and 1 hold sums (reduce-scattered without the all-reduce, or kept without
+    sync), 2 reduces them; micro-batch `fails` raises part-way once and is run again: the
+    gradients are the reference's, neither one micro-batch more nor the held ones fewer."""
+    ws, r = dist.get_world_size(), dist.get_rank()
+    if ws != 4:
+        pytest.skip("a 2 x 2 (replicate, shard) mesh needs 4 ranks")
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    reference = Net()
+    net = FailsOnce()
+    shard(net, mesh=mesh, comm_fusion=comm_fusion)
+    for m in range(3):
+        reference(batch(m, ws)).pow(2).mean().backward()
+        if held == "all-reduce":
+            net.set_requires_all_reduce(m == 2)
+        else:
+            net.set_requires_gradient_sync(m == 2)
+        x = batch(m, ws)[r * ROWS_PER_RANK:][:ROWS_PER_RANK]
+        if m == fails:
+            net.fail = True
+            with pytest.raises(ArithmeticError, match="boom"):
+                net(x).pow(2).mean().backward()
+        net(x).pow(2).mean().backward()
+    for (name, p), q in zip(net.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(full_tensor(p, p.grad), q.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
 class Branchy(nn.Module):
     """g (a then b, or a alone) under a head; a rank's mode picks what it runs."""
 
