@@ -1,11 +1,12 @@
 // fully_shard against the full-batch single-process reference at world sizes 1, 2, 3 and 4:
-// training (AdamW) with reshard_after_forward on and off, HSDP (also with the all-reduce held
-// for the last micro-batch), a sum over the ranks in place of the average, gradient accumulation without sync, mixed precision, uneven and empty shards;
-// exact collective counts per phase; implicit and explicit prefetch; groups gathered right after their own
-// optimizer step; the shards' sizes and the optimizer state's; an embedding's row-sparse gather and
-// reduce-scatter, bitwise the dense ones, also under a TP style that cuts its vocabulary; the module cast
-// after fully_shard; a sequence-parallel norm with a loss term on its weight on a 2 x 2 mesh; every error a
-// user can cause.
+// training (AdamW) with reshard_after_forward on and off, HSDP (also with the all-reduce held for
+// the last micro-batch), a sum over the ranks in place of the average, gradient accumulation
+// without sync, mixed precision, uneven and empty shards; exact collective counts per phase;
+// implicit and explicit prefetch; groups gathered right after their own optimizer step; the
+// shards' sizes and the optimizer state's; an embedding's row-sparse gather and reduce-scatter,
+// bitwise the dense ones, also under a TP style that cuts its vocabulary; the module cast after
+// fully_shard; a sequence-parallel norm with a loss term on its weight on a 2 x 2 mesh; every
+// error a user can cause.
 #include <gtest/gtest.h>
 
 #include <new>
