@@ -135,15 +135,17 @@ std::vector<at::Tensor> ParamGroup::register_pre_backward(std::vector<at::Tensor
   if (!torch::autograd::GradMode::is_enabled()) return outputs;
   std::weak_ptr<Impl> weak = impl_;
   const int64_t made = impl_->generation;
+  auto read = std::make_shared<const std::vector<detail::ShardState>>(impl_->shard_states());
   for (auto& out : outputs) {
     if (!out.defined() || !out.requires_grad()) continue;
     out = hyper_parallel::detail::attach_backward(
         out, out.detach(),
-        [weak, then, made](const at::Tensor& grad) {
+        [weak, then, made, read](const at::Tensor& grad) {
           // Before the module's own backward reads its parameters: gather them if resharded,
           // and start the gather of the group whose backward comes next.
           if (auto self = weak.lock()) {
             self->check_not_converted_since(made);
+            self->check_unchanged_since(*read);
             self->backward_began = true;
             // An embedding's backward reads no weight: a row-sparse group is not gathered again.
             if (self->row_sparse_cols == 0) self->finish_gather();

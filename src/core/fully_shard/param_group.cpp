@@ -281,6 +281,26 @@ void ParamGroup::Impl::check_not_converted_since(int64_t made) const {
                     "convert before the forward)");
 }
 
+std::vector<detail::ShardState> ParamGroup::Impl::shard_states() const {
+  std::vector<detail::ShardState> states;
+  for (const auto& p : params)
+    states.push_back({static_cast<int64_t>(p._version()), p.storage().unsafeGetStorageImpl()});
+  return states;
+}
+
+void ParamGroup::Impl::check_unchanged_since(const std::vector<detail::ShardState>& read) const {
+  if (row_sparse_cols > 0) return;
+  const auto now = shard_states();
+  for (size_t i = 0; i < params.size() && i < read.size(); ++i) {
+    TORCH_CHECK_VALUE(now[i].version == read[i].version && now[i].storage == read[i].storage,
+                      "fully_shard: expected the parameters of ", label(),
+                      " unchanged from a forward to its backward, got ", names[i],
+                      " changed in place in between (an optimizer step, load_state_dict or a copy into it "
+                      "before the backward): the backward would pair the forward's activations with other "
+                      "values; run the backward first");
+  }
+}
+
 void ParamGroup::Impl::prepare_gather() {
   TORCH_INTERNAL_ASSERT(
       !unsharded && !gather_in_flight,

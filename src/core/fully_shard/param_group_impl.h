@@ -30,6 +30,11 @@ namespace hyper_parallel::fully_shard {
 
 namespace detail {
 struct ReduceInFlight;
+// A shard as a forward read it: its version and its storage (a .data write replaces it).
+struct ShardState {
+  int64_t version = 0;
+  const void* storage = nullptr;
+};
 }  // namespace detail
 
 struct ParamGroup::Impl : std::enable_shared_from_this<ParamGroup::Impl> {
@@ -144,6 +149,12 @@ struct ParamGroup::Impl : std::enable_shared_from_this<ParamGroup::Impl> {
   // parameters were converted or replaced since, or are now stale for the buffers (a cast not yet
   // gathered): that graph's views are of buffers no longer (or not to be) gathered.
   void check_not_converted_since(int64_t made) const;
+  // The shards as they are now.
+  std::vector<detail::ShardState> shard_states() const;
+  // The backward of a forward that read the shards as `read`: a c10::ValueError if one changed in
+  // place since (the backward would pair the forward's activations with other values), except in
+  // a row-sparse group (an embedding's backward reads no weight).
+  void check_unchanged_since(const std::vector<detail::ShardState>& read) const;
   // Whether this unfinished pass will not end by itself (pre_forward then begins a new one).
   bool pass_left_open() const;
   // Whether a shard changed in place, or its data was replaced, since the last gather read it.

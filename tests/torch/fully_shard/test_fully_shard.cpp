@@ -288,6 +288,27 @@ TEST(FullyShard, AGatherStartedBeforeAnInPlaceChangeIsDoneAgain) {
   EXPECT_TRUE(block1->group()->is_unsharded());
 }
 
+// A shard changed in place between a forward and its backward (an optimizer step, a load): the
+// backward would pair the forward's activations with other values; an error there, as torch's
+// version check, after which training goes on.
+TEST(FullyShard, AShardChangedBetweenAForwardAndItsBackwardIsAnError) {
+  const int64_t p = hp_test::world_size(), r = hp_test::rank();
+  for (const bool reshard : {true, false}) {
+    Block block;
+    fs::fully_shard(block, fs::FullyShardOptions().mesh(dp_mesh()).reshard_after_forward(reshard));
+    const auto x = batch(0, p).narrow(0, r * kRowsPerRank, kRowsPerRank);
+    auto pending = loss_of(block.forward(x));
+    {
+      at::NoGradGuard no_grad;
+      block.down->weight.mul_(0.5);
+    }
+    HP_EXPECT_THROW_MSG(pending.backward(),
+                        "unchanged from a forward to its backward, got down.weight changed");
+    loss_of(block.forward(x)).backward();
+    EXPECT_TRUE(block.down->weight.grad().defined());
+  }
+}
+
 // The module cast after fully_shard (module->to(dtype), as FSDP2 allows): the group gathers in
 // the shards' new dtype and trains as the reference cast alike, to float64's precision (a block:
 // Net's RMSNorm computes in float32); a cast between a forward and its backward is an error at
