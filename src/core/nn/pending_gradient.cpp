@@ -72,7 +72,14 @@ void apply(Entry& e) {
   auto impl = e.param.lock();
   if (!impl || !sum.defined()) return;  // undefined: no contribution (no hook sees it)
   at::Tensor param(std::move(impl));
-  if (e.run_hooks) sum = torch::autograd::AccumulateGrad::callHooks(param, std::move(sum));
+  if (e.run_hooks) {
+    try {
+      sum = torch::autograd::AccumulateGrad::callHooks(param, std::move(sum));
+    } catch (...) {
+      drop(e);
+      throw;
+    }
+  }
   at::NoGradGuard no_grad;
   auto& grad = param.mutable_grad();
   if (grad.defined() && grad.sizes() == sum.sizes()) {

@@ -270,6 +270,36 @@ def test_load_state_dict_takes_pieces_whole_tensors_or_dtensors_as_the_original(
         sharded().load_state_dict({"head.weight": source.head.weight})
     with pytest.raises(ValueError, match="expected blocks.0.up.weight on a device, got it on meta"):
         shard(Net().to("meta"), mesh=dp_mesh()).load_state_dict(source.state_dict())
+    # Through a module above it, which fully_shard was not applied to.
+    holder = nn.ModuleDict({"net": sharded()})
+    holder.load_state_dict({"net." + k: v for k, v in source.state_dict().items()})
+    assert all(torch.equal(full_tensor(p), q.detach()) for p, q in zip(holder.net.parameters(), source.parameters()))
+    # Between a forward and its backward, as torch: the backward would read other values.
+    net = sharded()
+    out = net(x).sum()
+    net.load_state_dict(source.state_dict())
+    with pytest.raises(ValueError, match="unchanged from a forward to its backward, got .* changed in place"):
+        out.backward()
+
+
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(2)
+        self.emb, self.head = nn.Embedding(10, DIM), nn.Linear(DIM, 10, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(self.emb(ids))
+
+
+def test_load_state_dict_loads_a_tied_parameter_under_either_name():
+    source = doubled(Tied())
+    net = fully_shard(Tied(), mesh=dp_mesh())
+    net.load_state_dict(source.state_dict())
+    assert torch.equal(full_tensor(net.emb.weight), source.emb.weight.detach())
+    ids = torch.arange(6).reshape(2, 3)
+    torch.testing.assert_close(net(ids), source(ids), rtol=1e-5, atol=1e-6)
 
 
 def test_mixed_precision_gathers_in_bf16_and_keeps_float32_shards():

@@ -27,7 +27,7 @@ from hyper_parallel import _C
 from hyper_parallel.core.dtensor.placement_types import Shard
 from hyper_parallel.core.fully_shard.hooks import cast_inputs, install_hooks
 from hyper_parallel.core.fully_shard.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from hyper_parallel.core.fully_shard.state_dict import local_state_dict
+from hyper_parallel.core.fully_shard.state_dict import make_values_local, warn_if_assign
 from hyper_parallel.core.tensor_parallel.style import _core_mesh
 
 __all__ = ["CPUOffloadPolicy", "FSDPModule", "HSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "fully_shard",
@@ -135,7 +135,8 @@ class FSDPModule:
         if self._fsdp_group is not None and not self._fsdp_standing.shards_in_place:
             raise ValueError(f"FSDPModule.load_state_dict: expected a load into {type(self).__name__} outside its "
                              "forward and backward, got one while its gathered parameters stand in for the shards")
-        return super().load_state_dict(local_state_dict(self, state_dict, assign), strict=strict)
+        warn_if_assign(assign)
+        return super().load_state_dict(state_dict, strict=strict)
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Accepted for code written for the original and FSDP2, where False lets the end of a
@@ -330,6 +331,7 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: Optional
                                       f"gradient is not reduce-scattered; drop sparse=True (an nn.Embedding in a "
                                       f"fully_shard call of its own sends only the rows its ids touch)")
     _extend_class(module)
+    module._register_load_state_dict_pre_hook(make_values_local, with_module=True)
     if not owned:
         _share_pass_order(module)
         return module

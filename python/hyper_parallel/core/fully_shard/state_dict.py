@@ -9,8 +9,7 @@ rank passes the same whole tensors, as loading one file on every rank does. torc
 pieces into the shards (a later gather sees they changed)."""
 
 import warnings
-from collections import OrderedDict
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -37,22 +36,25 @@ def local_value(key: str, value: Any, target: torch.Tensor) -> Any:
                      f"{_shape(value.shape)}")
 
 
-def local_state_dict(module: nn.Module, state_dict: Mapping[str, Any], assign: bool) -> "OrderedDict[str, Any]":
-    """``state_dict`` with each value made what torch's ``module.load_state_dict`` copies into
-    this rank's parameter or buffer."""
+def make_values_local(module: nn.Module, state_dict: dict, prefix: str, *_) -> None:
+    """A load pre-hook of a module fully_shard was applied to (torch's load_state_dict runs it on
+    that module, also from a module above it, before the module and those below it load): each
+    value of a parameter or buffer there is made what torch copies into this rank's tensor. Tied
+    parameters are found under each of their names."""
+    for name, sub in module.named_modules(remove_duplicate=False):
+        sub_prefix = prefix + (name + "." if name else "")
+        for tensors in (sub._parameters, sub._buffers):
+            for tname, target in tensors.items():
+                key = sub_prefix + tname
+                if target is None or key not in state_dict:
+                    continue
+                if target.is_meta:
+                    raise ValueError(f"FSDPModule.load_state_dict: expected {key} on a device, got it on meta (a "
+                                     "copy into it would load nothing); call module.to_empty(device='cpu') first")
+                state_dict[key] = local_value(key, state_dict[key], target)
+
+
+def warn_if_assign(assign: bool) -> None:
     if assign:
         warnings.warn("FSDPModule.load_state_dict: assign=True is ignored (torch 1.13 has no assign): the "
                       "values are copied into the shards", stacklevel=3)
-    targets = dict(module.named_parameters())
-    targets.update(module.named_buffers())
-    local = OrderedDict()
-    for key, value in state_dict.items():
-        target = targets.get(key)
-        if target is not None and target.is_meta:
-            raise ValueError(f"FSDPModule.load_state_dict: expected {key} on a device, got it on meta (a copy "
-                             "into it would load nothing); call module.to_empty(device='cpu') first")
-        local[key] = value if target is None else local_value(key, value, target)
-    metadata = getattr(state_dict, "_metadata", None)
-    if metadata is not None:
-        local._metadata = metadata
-    return local
