@@ -164,7 +164,8 @@ class ParamGroup {
   void set_gradient_scaling_factor(double factor);
   /// How the data-parallel ranks' gradients combine: comm::ReduceOp::kAvg (the default) or kSum
   /// (the original's reduce op type "sum": no division by the data-parallel size), in the
-  /// reduce-scatter and in HSDP's all-reduce alike. Takes effect at the next reduction.
+  /// reduce-scatter and in HSDP's all-reduce alike. Takes effect at the next reduction; a
+  /// c10::ValueError while the group holds sums reduce-scattered with the other op.
   void set_reduce_op(comm::ReduceOp op);
   /// true: the group's one parameter is an embedding's table, read by one module's forward at the
   /// rows of its ids and not at all by its backward. Its forward gathers only those rows (see
