@@ -73,7 +73,9 @@ bool any_defined(const std::vector<at::Tensor>& tensors) {
 
 }  // namespace
 
-bool ParamGroup::Impl::holds_sums() const { return any_defined(pending) || any_defined(partial); }
+bool ParamGroup::Impl::holds_sums() const { return any_defined(pending) || holds_partial_sums(); }
+
+bool ParamGroup::Impl::holds_partial_sums() const { return any_defined(partial); }
 
 bool ParamGroup::Impl::defers_all_reduce() const {
   return !all_reduce && replicate_group && replicate_group->size() > 1;
@@ -123,8 +125,8 @@ void ParamGroup::Impl::put_back(const detail::ReduceInFlight& reduce, size_t i) 
 // A group this synced backward did not reach holds the sums of the unsynced ones, or
 // reduce-scattered sums waiting for the all-reduce: reduced now, as its next synced backward
 // would (agreed per op: ranks must hold the same sums), so this step's optimizer sees every
-// micro-batch. Autograd reaches none of these parameters: their
-// hooks run on the reduced gradient when .grad is completed.
+// micro-batch. Autograd reaches none of these parameters: their hooks run on the reduced
+// gradient when .grad is completed.
 void ParamGroup::Impl::reduce_held_sums() {
   // arrivals > 0: reached, its own end of backward reduces them. Sent by every rank that holds
   // any sum, a frozen parameter's included (it keeps that sum), for every parameter that wants a

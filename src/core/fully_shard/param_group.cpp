@@ -395,10 +395,8 @@ void ParamGroup::set_requires_all_reduce(bool all_reduce) { impl_->all_reduce = 
 void ParamGroup::set_reduce_op(comm::ReduceOp op) {
   auto& s = *impl_;
   // Reduce-scattered sums held for the all-reduce were combined with the old op.
-  const bool held =
-      std::any_of(s.partial.begin(), s.partial.end(), [](const at::Tensor& t) { return t.defined(); });
   TORCH_CHECK_VALUE(
-      op == s.reduce_op || !held, "fully_shard: expected the reduce op of ", s.label(),
+      op == s.reduce_op || !s.holds_partial_sums(), "fully_shard: expected the reduce op of ", s.label(),
       " set before the micro-batches whose reduce-scattered sums it holds, got a change from ",
       comm::to_string(s.reduce_op), " to ", comm::to_string(op),
       " while it holds some (set_requires_all_reduce(false)); change it after the backward with "

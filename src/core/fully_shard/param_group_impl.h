@@ -214,6 +214,8 @@ struct ParamGroup::Impl : std::enable_shared_from_this<ParamGroup::Impl> {
   // Whether the group holds sums kept while sync was off, or reduce-scattered sums waiting for
   // the all-reduce (held_sums.h).
   bool holds_sums() const;
+  // Whether it holds reduce-scattered sums waiting for the all-reduce.
+  bool holds_partial_sums() const;
   // Whether this group's reductions now stop after the reduce-scatter: HSDP, all_reduce off.
   bool defers_all_reduce() const;
   // Adds reduced parameter i's block (and whether any rank had a gradient) to its partial.
