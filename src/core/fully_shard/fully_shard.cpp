@@ -161,11 +161,14 @@ void for_each_state(const std::shared_ptr<State>& state, bool recurse, Fn&& fn) 
 
 }  // namespace
 
-FSDPModule fully_shard(torch::nn::Module& module, const FullyShardOptions& options) {
+namespace {
+
+// A new state for `module` (refused if fully_shard was applied to it), with the states below it.
+std::shared_ptr<State> new_state(torch::nn::Module& module, const FullyShardOptions& options,
+                                 const std::string& where) {
   TORCH_CHECK_VALUE(state_of(module) == nullptr,
-                    "fully_shard: expected a module fully_shard was not applied to, "
-                    "got ",
-                    module.name(), " again");
+                    "fully_shard: expected a module fully_shard was not applied to, got ", module.name(),
+                    where, " again");
   auto state = std::make_shared<State>();
   try {
     state->module = module.shared_from_this();
@@ -177,34 +180,109 @@ FSDPModule fully_shard(torch::nn::Module& module, const FullyShardOptions& optio
   for (const auto& item : module.named_modules("", /*include_self=*/false)) {
     if (auto below = state_of(*item.value()); below) state->below.push_back(below);
   }
-  const auto owners = unmanaged_owners(module);
+  return state;
+}
+
+// One group of the parameters of `owners` (owners[i] under states[i]'s module) and their hooks.
+void make_group(const std::vector<std::vector<Owner>>& owners,
+                const std::vector<std::shared_ptr<State>>& states, const FullyShardOptions& options) {
   std::vector<at::Tensor> params;
   std::vector<std::string> names;
-  for (const auto& owner : owners) {
-    for (const auto& [name, param] : owner.params) {
-      params.push_back(param);
-      names.push_back(owner.path.empty() ? name : owner.path + "." + name);
+  const Owner* alone = nullptr;
+  size_t count = 0;
+  for (const auto& of_module : owners) {
+    for (const auto& owner : of_module) {
+      alone = &owner;
+      ++count;
+      for (const auto& [name, param] : owner.params) {
+        params.push_back(param);
+        names.push_back(owner.path.empty() ? name : owner.path + "." + name);
+      }
     }
   }
-  if (!params.empty()) {
-    state->group = std::make_shared<ParamGroup>(std::move(params), std::move(names), options);
-    state->group->set_users(static_cast<int64_t>(owners.size()));
-    // An embedding's gradient is the rows of the tokens the step saw: those travel, not the rest.
-    const bool embedding_alone = owners.size() == 1 && owners[0].params.size() == 1 &&
-                                 dynamic_cast<nn::EmbeddingImpl*>(owners[0].module) != nullptr;
-    if (options.row_sparse_embeddings() && embedding_alone) state->group->set_row_sparse_gradients(true);
-    for (const auto& owner : owners) install_hooks(owner, state);
+  if (params.empty()) return;
+  auto group = std::make_shared<ParamGroup>(std::move(params), std::move(names), options);
+  // Each owner's call is a user: the pass ends once each has run (also across a list's modules).
+  group->set_users(static_cast<int64_t>(count));
+  // An embedding's gradient is the rows of the tokens the step saw: those travel, not the rest.
+  const bool embedding_alone =
+      count == 1 && alone->params.size() == 1 && dynamic_cast<nn::EmbeddingImpl*>(alone->module) != nullptr;
+  if (options.row_sparse_embeddings() && embedding_alone) group->set_row_sparse_gradients(true);
+  for (const auto& state : states) state->group = group;
+  for (size_t i = 0; i < owners.size(); ++i) {
+    for (const auto& owner : owners[i]) install_hooks(owner, states[i]);
   }
-  {
-    auto& r = registry();
-    std::lock_guard<std::mutex> lock(r.mutex);
-    r.by_module.insert_or_assign(&module, Registry::Entry{state, state->group ? nullptr : state});
-  }
-  // This call is the root of the groups below it (until a call above it): one prefetch order.
+}
+
+void register_state(torch::nn::Module& module, const std::shared_ptr<State>& state) {
+  auto& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  r.by_module.insert_or_assign(&module, Registry::Entry{state, state->group ? nullptr : state});
+}
+
+// This call is the root of the groups below it (until a call above it): one prefetch order.
+void share_pass_order(const std::shared_ptr<State>& state) {
   std::vector<ParamGroup*> groups;
   for_each_state(state, true, [&](State& s) { groups.push_back(s.group.get()); });
   ParamGroup::share_pass_order(groups);
+}
+
+// The modules of a list that no other one of it contains, each once.
+std::vector<torch::nn::Module*> roots_of(const std::vector<torch::nn::Module*>& modules) {
+  TORCH_CHECK_VALUE(!modules.empty(), "fully_shard: expected a non-empty list of modules, got an empty one");
+  std::vector<std::vector<const torch::nn::Module*>> inside(modules.size());
+  for (size_t i = 0; i < modules.size(); ++i) {
+    TORCH_CHECK_VALUE(modules[i] != nullptr, "fully_shard: expected a module at index ", i,
+                      " of the list, got nullptr");
+    for (const auto& sub : modules[i]->modules(/*include_self=*/false)) inside[i].push_back(sub.get());
+  }
+  std::vector<torch::nn::Module*> roots;
+  for (auto* m : modules) {
+    bool below = false;
+    for (const auto& in : inside) below = below || std::find(in.begin(), in.end(), m) != in.end();
+    if (!below && std::find(roots.begin(), roots.end(), m) == roots.end()) roots.push_back(m);
+  }
+  return roots;
+}
+
+}  // namespace
+
+FSDPModule fully_shard(torch::nn::Module& module, const FullyShardOptions& options) {
+  auto state = new_state(module, options, "");
+  make_group({unmanaged_owners(module)}, {state}, options);
+  register_state(module, state);
+  share_pass_order(state);
   return FSDPModule(state);
+}
+
+std::vector<FSDPModule> fully_shard(const std::vector<torch::nn::Module*>& modules,
+                                    const FullyShardOptions& options) {
+  const auto roots = roots_of(modules);
+  std::vector<std::shared_ptr<State>> states;
+  std::vector<std::vector<Owner>> owners;
+  for (auto* m : roots) {
+    const auto at = std::find(modules.begin(), modules.end(), m) - modules.begin();
+    states.push_back(new_state(*m, options, " at index " + std::to_string(at) + " of the list"));
+  }
+  // A module two of them hold (registered in both) is an owner once.
+  std::vector<const torch::nn::Module*> seen;
+  for (size_t i = 0; i < roots.size(); ++i) {
+    owners.emplace_back();
+    for (auto& owner : unmanaged_owners(*roots[i])) {
+      if (std::find(seen.begin(), seen.end(), owner.module) != seen.end()) continue;
+      seen.push_back(owner.module);
+      if (roots.size() > 1) owner.path = std::to_string(i) + (owner.path.empty() ? "" : "." + owner.path);
+      owners.back().push_back(std::move(owner));
+    }
+  }
+  make_group(owners, states, options);
+  std::vector<FSDPModule> handles;
+  for (size_t i = 0; i < roots.size(); ++i) {
+    register_state(*roots[i], states[i]);
+    handles.push_back(FSDPModule(states[i]));
+  }
+  for (const auto& state : states) share_pass_order(state);
+  return handles;
 }
 
 std::optional<FSDPModule> FSDPModule::of(torch::nn::Module& module) {

@@ -803,6 +803,72 @@ TEST(FullyShard, AModuleMadeWhereAGoneOneWasIsANewOne) {
   }
 }
 
+// fully_shard on a list of modules: one group of their parameters, gathered once per pass (by
+// the first of them to run) and reduce-scattered once, next to each other (norm, head: bitwise
+// the run with them in the root's group) or with another group between them (block0, head).
+TEST(FullyShard, AListOfModulesIsOneGroupGatheredOncePerPass) {
+  const int64_t p = hp_test::world_size(), r = hp_test::rank();
+  const int64_t moves = p > 1 ? 1 : 0;
+  Net reference, in_root;
+  train(reference, 3, r, p, /*sharded=*/false);
+  const auto ref_params = full_parameters(reference);
+  shard(in_root, fs::FullyShardOptions().mesh(dp_mesh()));
+  train(in_root, 3, r, p, /*sharded=*/true);
+  for (bool apart : {false, true}) {
+    SCOPED_TRACE(apart ? "block0 and head" : "norm and head");
+    Net net;
+    const auto options = fs::FullyShardOptions().mesh(dp_mesh());
+    fs::fully_shard(*net.blocks[1], options);
+    if (!apart) fs::fully_shard(*net.blocks[0], options);
+    torch::nn::Module* first = apart ? static_cast<torch::nn::Module*>(net.blocks[0].get()) : net.norm.get();
+    const auto handles = fs::fully_shard({first, net.head.get()}, options);
+    ASSERT_EQ(handles.size(), 2u);
+    EXPECT_EQ(handles[0].group(), handles[1].group());
+    EXPECT_EQ(fs::FSDPModule::of(*net.head)->group(), handles[0].group());
+    auto root = fs::fully_shard(net, options);
+    EXPECT_EQ(root.group() == nullptr, !apart);  // the norm's when apart
+    hp::comm::reset_collective_counts();
+    {
+      hp::comm::CommRegion region("step");
+      train(net, 3, r, p, /*sharded=*/true);
+    }
+    const int64_t groups = kBlocks + 1;
+    // A step: each group gathers for its forward and again for its backward, and reduces once.
+    EXPECT_EQ(hp::comm::collective_count(CollectiveKind::kAllGather, "step"), 3 * 2 * moves * groups);
+    EXPECT_EQ(hp::comm::collective_count(CollectiveKind::kReduceScatter, "step"), 3 * moves * groups);
+    const auto params = full_parameters(net);
+    auto same = in_root.parameters();
+    for (size_t i = 0; i < params.size(); ++i) {
+      hp_test::expect_close(params[i], ref_params[i], "parameter " + std::to_string(i));
+      if (!apart) {
+        EXPECT_TRUE(at::equal(net.parameters()[i], same[i])) << "parameter " << i << " not bitwise";
+      }
+    }
+  }
+}
+
+// A module listed twice or below another of the list is a part of that one; an empty list, a
+// nullptr and a managed module (by its index) are errors that change nothing.
+TEST(FullyShard, AListsErrorsNameWhatWasExpected) {
+  const auto options = fs::FullyShardOptions().mesh(dp_mesh());
+  HP_EXPECT_THROW_MSG(fs::fully_shard(std::vector<torch::nn::Module*>{}, options),
+                      "fully_shard: expected a non-empty list of modules, got an empty one");
+  Net net;
+  HP_EXPECT_THROW_MSG(fs::fully_shard({net.norm.get(), nullptr}, options),
+                      "fully_shard: expected a module at index 1 of the list, got nullptr");
+  fs::fully_shard(*net.head, options);
+  HP_EXPECT_THROW_MSG(fs::fully_shard({net.norm.get(), net.head.get()}, options),
+                      "fully_shard: expected a module fully_shard was not applied to, got "
+                      "hyper_parallel::nn::LinearImpl at index 1 of the list again");
+  EXPECT_FALSE(fs::FSDPModule::of(*net.norm).has_value());
+  auto& block = *net.blocks[0];
+  const auto handles = fs::fully_shard({block.up.get(), &block, &block}, options);
+  ASSERT_EQ(handles.size(), 1u);
+  EXPECT_TRUE(fs::FSDPModule::of(block).has_value());
+  EXPECT_FALSE(fs::FSDPModule::of(*block.up).has_value());
+  EXPECT_EQ(handles[0].group()->parameters().size(), 4u);
+}
+
 TEST(FullyShard, ErrorsNameWhatWasExpected) {
   HP_EXPECT_THROW_MSG(fs::ParamGroup({at::zeros({})}, {"scalar"}, {}),
                       "fully_shard: expected parameters of at least one dim (sharded on dim 0), got scalar");

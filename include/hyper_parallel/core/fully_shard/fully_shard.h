@@ -76,6 +76,8 @@ class FSDPModule {
  private:
   explicit FSDPModule(std::shared_ptr<State> state) : state_(std::move(state)) {}
   friend FSDPModule fully_shard(torch::nn::Module&, const FullyShardOptions&);
+  friend std::vector<FSDPModule> fully_shard(const std::vector<torch::nn::Module*>&,
+                                             const FullyShardOptions&);
   std::shared_ptr<State> state_;
 };
 
@@ -84,5 +86,15 @@ class FSDPModule {
 /// belongs to a module without hook points, if `module` is already managed, or for the
 /// options ParamGroup refuses. Collective over the mesh.
 FSDPModule fully_shard(torch::nn::Module& module, const FullyShardOptions& options = {});
+
+/// One group of the parameters of several modules (and their descendants) that no earlier call
+/// took, FSDP2's fully_shard([...]) (`fully_shard({model.norm.get(), model.head.get()}, options)`):
+/// the first of them whose forward runs gathers it, and it is resharded once each of their
+/// modules owning parameters has run. A module listed twice, or below another of the list, is a
+/// part of that one. Returns the handles of the rest, in the list's order (they share the group). A
+/// c10::ValueError for an empty list, a nullptr, or a module already managed (naming its index), beside the
+/// single module's errors. Collective over the mesh.
+std::vector<FSDPModule> fully_shard(const std::vector<torch::nn::Module*>& modules,
+                                    const FullyShardOptions& options = {});
 
 }  // namespace hyper_parallel::fully_shard

@@ -18,7 +18,7 @@ ranks (then all-reduced over the replicate dim of an HSDP mesh). The module's cl
 subclass of FSDPModule (HSDPModule) with the original's methods.
 """
 
-from typing import Iterable, Optional, Union
+from typing import Iterable, List, Optional, Union
 
 import torch
 from torch import nn
@@ -227,12 +227,32 @@ def _extend_class(module: nn.Module) -> None:
     module.__class__ = _EXTENDED[cls]
 
 
-def _check_options(module, reshard_after_forward, shard_placement_fn, mp_policy, offload_policy, replicate_params,
+def _roots(module) -> list:
+    """The modules of a fully_shard call: ``module``, or those of a list that no other one of
+    the list contains (a module listed twice, or below another, is a part of that one)."""
+    if isinstance(module, nn.Module):
+        modules = [module]
+    elif isinstance(module, list) and module:
+        modules = module
+    else:
+        got = "an empty list" if isinstance(module, list) else type(module).__name__
+        raise ValueError(f"fully_shard: expected an nn.Module or a non-empty list of them, got {got}")
+    for i, m in enumerate(modules):
+        if not isinstance(m, nn.Module):
+            raise ValueError(f"fully_shard: expected an nn.Module or a list of them, got {type(m).__name__} at "
+                             f"index {i} of the list")
+        if isinstance(m, FSDPModule):
+            raise ValueError(f"fully_shard: expected a module fully_shard was not applied to, got "
+                             f"{type(m).__name__}" + (f" at index {i} of the list" if len(modules) > 1 else ""))
+    roots = []
+    for m in modules:
+        if all(m is other or m not in set(other.modules()) for other in modules) and m not in roots:
+            roots.append(m)
+    return roots
+
+
+def _check_options(reshard_after_forward, shard_placement_fn, mp_policy, offload_policy, replicate_params,
                    comm_fusion):
-    if not isinstance(module, nn.Module):
-        raise ValueError(f"fully_shard: expected an nn.Module, got {type(module).__name__}")
-    if isinstance(module, FSDPModule):
-        raise ValueError(f"fully_shard: expected a module fully_shard was not applied to, got {type(module).__name__}")
     if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
         raise NotImplementedError("fully_shard: an int reshard_after_forward (resharding to a smaller group after the "
                                   f"forward) is not supported; expected True or False, got {reshard_after_forward}")
@@ -254,15 +274,18 @@ def _check_options(module, reshard_after_forward, shard_placement_fn, mp_policy,
                          f"{type(shard_placement_fn).__name__}")
 
 
-def _owned_parameters(module: nn.Module, ignored: set, shard_placement_fn):
+def _owned_parameters(roots: list, ignored: set, shard_placement_fn):
     """[(owner module, parameter name, parameter, qualified name)] of the parameters to manage,
-    each listed under every module that holds it."""
+    each listed under every module that holds it; the names of a list's modules' parameters begin
+    with their index in it."""
     owned, seen = [], {}
-    for path, sub in module.named_modules(remove_duplicate=False):
+    walk = [(f"{i}." if len(roots) > 1 else "", path, sub) for i, root in enumerate(roots)
+            for path, sub in root.named_modules(remove_duplicate=False)]
+    for prefix, path, sub in walk:
         for name, param in sub.named_parameters(recurse=False):
             if id(param) in ignored or _C.FullyShardParamGroup.is_managed(param):
                 continue
-            qualified = f"{path}.{name}" if path else name
+            qualified = prefix + (f"{path}.{name}" if path else name)
             if shard_placement_fn is not None and id(param) not in seen:
                 placement = shard_placement_fn(param)
                 if placement is not None and placement != Shard(0):
@@ -297,11 +320,12 @@ def _check_earlier_calls(module: nn.Module, ignored: set) -> None:
                              "and shard the modules sharing a parameter in one call)")
 
 
-def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: Optional[Union[bool, int]] = True,
-                shard_placement_fn=None, mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+def fully_shard(module: Union[nn.Module, List[nn.Module]], *, mesh=None,
+                reshard_after_forward: Optional[Union[bool, int]] = True, shard_placement_fn=None,
+                mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
                 offload_policy: OffloadPolicy = OffloadPolicy(), ignored_params: Optional[Iterable] = None,
                 replicate_params: Optional[Iterable] = None, comm_fusion: bool = False,
-                row_sparse_embeddings: bool = True) -> nn.Module:
+                row_sparse_embeddings: bool = True) -> Union[nn.Module, List[nn.Module]]:
     """Shards ``module``'s parameters that no earlier call took on dim 0 over ``mesh`` (1-d, or
     2-d (replicate, shard) for HSDP; default: 1-d over the world) and returns it, now an
     FSDPModule. ``reshard_after_forward`` True frees the gathered parameters after the forward
@@ -312,8 +336,14 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: Optional
     gradients are bitwise the same. A group whose one parameter is an
     ``nn.Embedding``'s weight gathers in its forward only the rows of its ids and reduce-scatters
     only the gradient rows of the tokens some rank saw (bitwise the dense run);
-    ``row_sparse_embeddings=False`` keeps it dense. Collective over the mesh."""
-    _check_options(module, reshard_after_forward, shard_placement_fn, mp_policy, offload_policy, replicate_params,
+    ``row_sparse_embeddings=False`` keeps it dense.
+
+    ``module`` may be a list of modules (``fully_shard([model.norm, model.output])``): one group
+    of all their parameters, gathered by the first of them whose forward runs and resharded once
+    each has run; each becomes an FSDPModule of that group, and the list is returned. Collective
+    over the mesh."""
+    roots = _roots(module)
+    _check_options(reshard_after_forward, shard_placement_fn, mp_policy, offload_policy, replicate_params,
                    comm_fusion)
     _bool(row_sparse_embeddings, "fully_shard row_sparse_embeddings")
     if mesh is None:
@@ -322,19 +352,29 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: Optional
         from hyper_parallel.core.dtensor import init_device_mesh  # pylint: disable=import-outside-toplevel
         mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
     ignored = {id(p) for p in (ignored_params or ())}
-    _check_earlier_calls(module, ignored)
-    owned, names = _owned_parameters(module, ignored, shard_placement_fn)
+    for root in roots:
+        _check_earlier_calls(root, ignored)
+    owned, names = _owned_parameters(roots, ignored, shard_placement_fn)
     for sub, _, param, _ in owned:
         if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse:
             raise NotImplementedError(f"fully_shard: expected embeddings with dense gradients, got "
                                       f"{type(sub).__name__}(sparse=True) owning {names[id(param)]}: its sparse "
                                       f"gradient is not reduce-scattered; drop sparse=True (an nn.Embedding in a "
                                       f"fully_shard call of its own sends only the rows its ids touch)")
-    _extend_class(module)
-    module._register_load_state_dict_pre_hook(make_values_local, with_module=True)
-    if not owned:
-        _share_pass_order(module)
-        return module
+    for root in roots:
+        _extend_class(root)
+        root._register_load_state_dict_pre_hook(make_values_local, with_module=True)
+    if owned:
+        _make_group(roots, owned, names, mesh, reshard_after_forward, mp_policy, offload_policy, comm_fusion,
+                    row_sparse_embeddings)
+    for root in roots:
+        _share_pass_order(root)
+    return module
+
+
+def _make_group(roots, owned, names, mesh, reshard_after_forward, mp_policy, offload_policy, comm_fusion,
+                row_sparse_embeddings) -> None:
+    """The C++ group of the ``owned`` parameters and the hooks that drive it."""
     params = {id(p): p for _, _, p, _ in owned}
     order = list(params)
     group = _C.FullyShardParamGroup(
@@ -345,17 +385,17 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: Optional
     owners = {}
     for sub, name, param, _ in owned:
         owners.setdefault(sub, []).append((name, order.index(id(param))))
-    # Owners called on their own (outside the module's forward, which is a pass by itself) make
-    # a pass once each has run.
-    group.set_users(max(1, sum(1 for sub in owners if sub is not module)))
+    # One module's forward is a pass by itself, and the owners called on their own (outside it)
+    # make one once each has run; a list's modules make one once each of them has run.
+    group.set_users(len(roots) if len(roots) > 1 else max(1, sum(1 for sub in owners if sub is not roots[0])))
     # Only the embedding's own forward reads the rows of its ids: a module around it may read more.
-    if row_sparse_embeddings and isinstance(module, nn.Embedding) and list(owners) == [module] and len(order) == 1:
+    if (row_sparse_embeddings and len(roots) == 1 and isinstance(roots[0], nn.Embedding) and
+            list(owners) == roots and len(order) == 1):
         group.set_row_sparse_gradients(True)
-    module._fsdp_group = group
-    module._fsdp_owners = tuple(owners)
-    install_hooks(group, owners, mp_policy, module)
-    _share_pass_order(module)
-    return module
+    for root in roots:
+        root._fsdp_group = group
+        root._fsdp_owners = tuple(owners)
+    install_hooks(group, owners, mp_policy, roots)
 
 
 def _share_pass_order(root: nn.Module) -> None:

@@ -168,7 +168,7 @@ def _register_pre_hook_first(module: nn.Module, hook) -> None:
     module._forward_pre_hooks.move_to_end(handle.id, last=False)
 
 
-def install_hooks(group, owners, mp_policy: MixedPrecisionPolicy, fsdp_module):
+def install_hooks(group, owners, mp_policy: MixedPrecisionPolicy, fsdp_modules: list):
     """The module fully_shard was applied to gathers the group for its whole forward and stands
     the gathered parameters in for the shards in every owning module's ``_parameters``, so a read
     outside an owner's own forward (a tied head's ``emb.weight``, a sliced position table,
@@ -176,17 +176,21 @@ def install_hooks(group, owners, mp_policy: MixedPrecisionPolicy, fsdp_module):
     ends the pass and puts the shards back (views of the gathered parameters during the group's
     backward, see _Standing). Each other owning module has hooks of its own for a call outside
     that forward (checkpoint's recomputation in the backward, a direct call), which stand in the
-    whole group too; inside it they reuse its parameters."""
+    whole group too; inside it they reuse its parameters. The modules of a list each have the
+    module's hooks, but as users of the group: the first to run gathers it, and the pass ends
+    once each has run (the group's user count)."""
     standing = _Standing(group, owners)
+    alone = len(fsdp_modules) == 1
 
-    def hooks(sharded_module):
-        on_backward = standing.begin_backward if sharded_module else None
+    def hooks(module, sharded_module):
+        on_backward = standing.begin_backward if module in fsdp_modules else None
+        caller = module if module in fsdp_modules else fsdp_modules[0]
 
         def gather(mod, args):
             standing.adopt_replaced()
             # An embedding's forward reads the rows of its ids (a row-sparse group gathers those).
             ids = args[0] if isinstance(mod, nn.Embedding) and args and isinstance(args[0], torch.Tensor) else None
-            standing.stand_in(group.pre_forward(ids, getattr(fsdp_module, "_fsdp_forward_prefetch", []),
+            standing.stand_in(group.pre_forward(ids, getattr(caller, "_fsdp_forward_prefetch", []),
                                                 sharded_module=sharded_module))
 
         def pre_hook(mod, args):
@@ -194,31 +198,27 @@ def install_hooks(group, owners, mp_policy: MixedPrecisionPolicy, fsdp_module):
             return cast_inputs(args, mp_policy)
 
         def post_hook(mod, args, output):
-            output = _with_pre_backward(group, output, getattr(fsdp_module, "_fsdp_backward_prefetch", []),
-                                        on_backward)
+            output = _with_pre_backward(group, output, getattr(caller, "_fsdp_backward_prefetch", []), on_backward)
             if group.post_forward(sharded_module=sharded_module):
                 standing.put_back()
             return output
 
         return gather, pre_hook, post_hook
 
-    owner_gather, owner_pre_hook, owner_post_hook = hooks(sharded_module=False)
     for sub in owners:
-        if sub is fsdp_module:
-            continue
-        if isinstance(sub, nn.Embedding):  # its gather may read the ids its other pre-hooks give
-            sub.register_forward_pre_hook(owner_pre_hook)
-        else:
-            _register_pre_hook_first(sub, owner_gather)
-            sub.register_forward_pre_hook(lambda mod, args: cast_inputs(args, mp_policy))
-        sub.register_forward_hook(owner_post_hook)
-    gather, pre_hook, post_hook = hooks(sharded_module=True)
-    if isinstance(fsdp_module, nn.Embedding):
+        if sub not in fsdp_modules:
+            _install(sub, *hooks(sub, sharded_module=False), mp_policy)
+    for module in fsdp_modules:
+        _install(module, *hooks(module, sharded_module=alone), mp_policy)
+        module._fsdp_standing = standing
+        module._fsdp_mp_policy = mp_policy
+
+
+def _install(module: nn.Module, gather, pre_hook, post_hook, mp_policy: MixedPrecisionPolicy) -> None:
+    if isinstance(module, nn.Embedding):
         # Its gather may read the ids (row-sparse): the ones the module's other pre-hooks give.
-        fsdp_module.register_forward_pre_hook(pre_hook)
+        module.register_forward_pre_hook(pre_hook)
     else:
-        _register_pre_hook_first(fsdp_module, gather)
-        fsdp_module.register_forward_pre_hook(lambda mod, args: cast_inputs(args, mp_policy))
-    fsdp_module.register_forward_hook(post_hook)
-    fsdp_module._fsdp_standing = standing
-    fsdp_module._fsdp_mp_policy = mp_policy
+        _register_pre_hook_first(module, gather)
+        module.register_forward_pre_hook(lambda mod, args: cast_inputs(args, mp_policy))
+    module.register_forward_hook(post_hook)
