@@ -339,6 +339,8 @@ def test_mixed_precision_casts_the_modules_float_inputs_nested_and_by_keyword():
     (dict(shard_placement_fn=lambda p: Shard(1)), NotImplementedError, "only Shard\\(0\\)"),
     (dict(comm_fusion=1), ValueError, "comm_fusion: expected a bool"),
     (dict(row_sparse_embeddings=None), ValueError, "row_sparse_embeddings: expected a bool"),
+    (dict(comm_fusion_zero_copy=1), ValueError, "comm_fusion_zero_copy: expected a bool"),
+    (dict(sharded_accumulated_grad=True), NotImplementedError, "sharded_accumulated_grad=True is the original's"),
 ])
 def test_options_that_cannot_apply_are_clear_errors(kwargs, error, message):
     with pytest.raises(error, match=message):
@@ -394,12 +396,12 @@ def test_an_embedding_alone_gathers_and_reduces_row_sparse_bitwise_as_dense():
     assert forward_sent <= dense_forward_sent - 3 * gather_saved
 
 
-def train_wide(comm_fusion):
+def train_wide(comm_fusion, **options):
     """2 AdamW steps of a block of two 1024 x 1024 fp32 layers (4 MiB of gradient each); the
     reduce-scatters of each backward."""
     torch.manual_seed(5)
     block = nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1024))
-    fully_shard(block, mesh=dp_mesh(), comm_fusion=comm_fusion)
+    fully_shard(block, mesh=dp_mesh(), comm_fusion=comm_fusion, **options)
     opt = torch.optim.AdamW(block.parameters(), lr=1e-2)
     counts = []
     for s in range(2):
@@ -420,6 +422,9 @@ def test_comm_fusion_reduces_a_group_in_one_message_and_buckets_otherwise_bitwis
     # The second layer's weight fills a bucket; its bias, the first layer's weight and bias the last.
     assert counts == [2, 2]
     assert all(torch.equal(p, q) for p, q in zip(params, fused))
+    # The original's comm_fusion_zero_copy is accepted and changes nothing.
+    zero_copy_counts, zero_copy = train_wide(comm_fusion=True, comm_fusion_zero_copy=True)
+    assert zero_copy_counts == [1, 1] and all(torch.equal(p, q) for p, q in zip(zero_copy, fused))
 
 
 class WithSpare(nn.Module):

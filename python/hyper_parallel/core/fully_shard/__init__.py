@@ -10,6 +10,11 @@ from hyper_parallel.core.fully_shard.api import (
     fully_shard,
     hsdp_sync_stream,
 )
+from hyper_parallel.core.fully_shard.model_state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
 
 __all__ = [
     "CPUOffloadPolicy",
@@ -17,6 +22,9 @@ __all__ = [
     "HSDPModule",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
+    "StateDictOptions",
     "fully_shard",
+    "get_model_state_dict",
     "hsdp_sync_stream",
+    "set_model_state_dict",
 ]

@@ -28,10 +28,13 @@ from hyper_parallel.core.dtensor.placement_types import Shard
 from hyper_parallel.core.fully_shard.hooks import cast_inputs, install_hooks
 from hyper_parallel.core.fully_shard.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from hyper_parallel.core.fully_shard.state_dict import make_values_local, warn_if_assign
+# The original's import path of these two.
+from hyper_parallel.core.fully_shard.model_state_dict import (  # noqa: F401  pylint: disable=unused-import
+    get_model_state_dict, set_model_state_dict)
 from hyper_parallel.core.tensor_parallel.style import _core_mesh
 
 __all__ = ["CPUOffloadPolicy", "FSDPModule", "HSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "fully_shard",
-           "hsdp_sync_stream"]
+           "get_model_state_dict", "hsdp_sync_stream", "set_model_state_dict"]
 
 
 class _UnshardHandle:
@@ -325,6 +328,7 @@ def fully_shard(module: Union[nn.Module, List[nn.Module]], *, mesh=None,
                 mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
                 offload_policy: OffloadPolicy = OffloadPolicy(), ignored_params: Optional[Iterable] = None,
                 replicate_params: Optional[Iterable] = None, comm_fusion: bool = False,
+                comm_fusion_zero_copy: Optional[bool] = None, sharded_accumulated_grad: bool = False,
                 row_sparse_embeddings: bool = True) -> Union[nn.Module, List[nn.Module]]:
     """Shards ``module``'s parameters that no earlier call took on dim 0 over ``mesh`` (1-d, or
     2-d (replicate, shard) for HSDP; default: 1-d over the world) and returns it, now an
@@ -338,6 +342,12 @@ def fully_shard(module: Union[nn.Module, List[nn.Module]], *, mesh=None,
     only the gradient rows of the tokens some rank saw (bitwise the dense run);
     ``row_sparse_embeddings=False`` keeps it dense.
 
+    The original's ``comm_fusion_zero_copy`` (shards as views of one flat buffer, so its fused
+    gather reads them in place) is accepted and changes nothing here: the gather copies the
+    shards into its one message either way. Its ``sharded_accumulated_grad=True`` (MindSpore only
+    there) is a NotImplementedError: ``set_requires_all_reduce(False)`` holds the reduce-scattered
+    sums for one all-reduce per step.
+
     ``module`` may be a list of modules (``fully_shard([model.norm, model.output])``): one group
     of all their parameters, gathered by the first of them whose forward runs and resharded once
     each has run; each becomes an FSDPModule of that group, and the list is returned. Collective
@@ -346,6 +356,12 @@ def fully_shard(module: Union[nn.Module, List[nn.Module]], *, mesh=None,
     _check_options(reshard_after_forward, shard_placement_fn, mp_policy, offload_policy, replicate_params,
                    comm_fusion)
     _bool(row_sparse_embeddings, "fully_shard row_sparse_embeddings")
+    if comm_fusion_zero_copy is not None:
+        _bool(comm_fusion_zero_copy, "fully_shard comm_fusion_zero_copy")
+    if _bool(sharded_accumulated_grad, "fully_shard sharded_accumulated_grad"):
+        raise NotImplementedError("fully_shard: sharded_accumulated_grad=True is the original's MindSpore-only mode; "
+                                  "expected False, got True (module.set_requires_all_reduce(False) holds the "
+                                  "reduce-scattered sums for one all-reduce per step)")
     if mesh is None:
         import torch.distributed as dist  # pylint: disable=import-outside-toplevel
 
