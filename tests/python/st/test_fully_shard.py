@@ -330,10 +330,48 @@ def test_mixed_precision_casts_the_modules_float_inputs_nested_and_by_keyword():
     assert seen == {"x": torch.bfloat16, "extra": [torch.bfloat16, torch.int64], "bias": torch.bfloat16}
 
 
+def test_mixed_precision_output_dtype_casts_each_sharded_modules_outputs():
+    """FSDP2's output_dtype: each module fully_shard was applied to returns its floating outputs
+    in it, after its pre-backward node (also a module whose parameters calls below took). bf16
+    blocks with float32 outputs train bitwise as without, the loss taken of the output in float32."""
+    def run(output_dtype):
+        net, seen = Net(), []
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, output_dtype=output_dtype)
+        shard(net, mesh=dp_mesh(), mp_policy=policy)
+        net.blocks[0].register_forward_hook(lambda mod, args, out: seen.append(out.dtype))
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+        for s in range(2):
+            out = net(batch(s, dist.get_world_size())[dist.get_rank() * ROWS_PER_RANK:][:ROWS_PER_RANK])
+            seen.append(out.dtype)
+            opt.zero_grad()
+            out.float().pow(2).mean().backward()
+            opt.step()
+        return seen, [full_tensor(p) for p in net.parameters()]
+
+    seen, cast = run(torch.float32)
+    seen_before, before = run(None)
+    assert seen == [torch.float32] * 4 and seen_before == [torch.bfloat16] * 4
+    assert all(torch.equal(p, q) for p, q in zip(cast, before))
+
+    class Wrapper(nn.Module):  # fully_shard on it takes no parameter: the block's call did
+        def __init__(self):
+            super().__init__()
+            self.block = Block()
+
+        def forward(self, x):
+            return self.block(x).to(torch.bfloat16)
+
+    wrapper = Wrapper()
+    fully_shard(wrapper.block, mesh=dp_mesh())
+    fully_shard(wrapper, mesh=dp_mesh(), mp_policy=MixedPrecisionPolicy(output_dtype=torch.float64))
+    assert wrapper._fsdp_group is None and wrapper(batch(0, 1)).dtype == torch.float64
+
+
 @pytest.mark.parametrize("kwargs, error, message", [
     (dict(reshard_after_forward=2), NotImplementedError, "an int reshard_after_forward"),
     (dict(reshard_after_forward="yes"), ValueError, "reshard_after_forward: expected a bool"),
-    (dict(mp_policy=MixedPrecisionPolicy(output_dtype=torch.bfloat16)), NotImplementedError, "output_dtype"),
+    (dict(mp_policy=MixedPrecisionPolicy(output_dtype=torch.int64)), ValueError,
+     "expected MixedPrecisionPolicy output_dtype None or a floating dtype, got torch.int64"),
     (dict(offload_policy=CPUOffloadPolicy()), ValueError, "pin_memory false"),
     (dict(replicate_params=[nn.Parameter(torch.zeros(2))]), NotImplementedError, "replicate_params"),
     (dict(shard_placement_fn=lambda p: Shard(1)), NotImplementedError, "only Shard\\(0\\)"),

@@ -25,7 +25,7 @@ from torch import nn
 
 from hyper_parallel import _C
 from hyper_parallel.core.dtensor.placement_types import Shard
-from hyper_parallel.core.fully_shard.hooks import cast_inputs, install_hooks
+from hyper_parallel.core.fully_shard.hooks import cast_inputs, cast_outputs, install_hooks
 from hyper_parallel.core.fully_shard.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from hyper_parallel.core.fully_shard.state_dict import make_values_local, warn_if_assign
 # The original's import path of these two.
@@ -263,9 +263,10 @@ def _check_options(reshard_after_forward, shard_placement_fn, mp_policy, offload
         _bool(reshard_after_forward, "fully_shard reshard_after_forward")
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise ValueError(f"fully_shard: expected a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
-    if mp_policy.output_dtype is not None:
-        raise NotImplementedError("fully_shard: MixedPrecisionPolicy output_dtype is not supported; cast the "
-                                  f"module's output yourself (got {mp_policy.output_dtype})")
+    if mp_policy.output_dtype is not None and not (isinstance(mp_policy.output_dtype, torch.dtype) and
+                                                   mp_policy.output_dtype.is_floating_point):
+        raise ValueError(f"fully_shard: expected MixedPrecisionPolicy output_dtype None or a floating dtype, got "
+                         f"{mp_policy.output_dtype!r}")
     if not isinstance(offload_policy, OffloadPolicy):
         raise ValueError(f"fully_shard: expected an OffloadPolicy, got {type(offload_policy).__name__}")
     if replicate_params:
@@ -383,6 +384,9 @@ def fully_shard(module: Union[nn.Module, List[nn.Module]], *, mesh=None,
     if owned:
         _make_group(roots, owned, names, mesh, reshard_after_forward, mp_policy, offload_policy, comm_fusion,
                     row_sparse_embeddings)
+    elif mp_policy.output_dtype is not None:  # no group's hooks: the outputs are still cast, as FSDP2's
+        for root in roots:
+            root.register_forward_hook(lambda mod, args, output: cast_outputs(output, mp_policy))
     for root in roots:
         _share_pass_order(root)
     return module

@@ -9,7 +9,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from hyper_parallel.core.fully_shard.policies import MixedPrecisionPolicy
 
-__all__ = ["cast_inputs", "install_hooks"]
+__all__ = ["cast_inputs", "cast_outputs", "install_hooks"]
 
 
 def _with_pre_backward(group, output, prefetch, on_backward=None):
@@ -22,6 +22,14 @@ def _with_pre_backward(group, output, prefetch, on_backward=None):
             wrapped.register_hook(on_backward)
         leaves[i] = wrapped
     return tree_unflatten(leaves, spec)
+
+
+def cast_outputs(output, mp_policy: MixedPrecisionPolicy):
+    """``output`` (any nesting) with floating tensors cast to output_dtype, if the policy has one."""
+    if mp_policy.output_dtype is None:
+        return output
+    return tree_map(lambda a: a.to(mp_policy.output_dtype) if isinstance(a, torch.Tensor) and a.is_floating_point()
+                    else a, output)
 
 
 def cast_inputs(inputs, mp_policy: MixedPrecisionPolicy):
@@ -201,7 +209,8 @@ def install_hooks(group, owners, mp_policy: MixedPrecisionPolicy, fsdp_modules: 
             output = _with_pre_backward(group, output, getattr(caller, "_fsdp_backward_prefetch", []), on_backward)
             if group.post_forward(sharded_module=sharded_module):
                 standing.put_back()
-            return output
+            # As FSDP2's: the outputs of a module fully_shard was applied to, after the pre-backward.
+            return output if module not in fsdp_modules else cast_outputs(output, mp_policy)
 
         return gather, pre_hook, post_hook
 

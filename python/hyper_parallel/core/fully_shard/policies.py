@@ -9,7 +9,8 @@ import torch
 @dataclass(frozen=True)
 class MixedPrecisionPolicy:
     """``param_dtype``: the gathered parameters' dtype (the shards keep theirs: the optimizer's
-    copy); ``reduce_dtype``: the gradient reduction's; ``output_dtype``: not supported (None);
+    copy); ``reduce_dtype``: the gradient reduction's; ``output_dtype``: the floating outputs of a
+    module fully_shard was applied to are cast to it (None: left as computed);
     ``cast_forward_inputs``: floating inputs of a managed module are cast to param_dtype."""
 
     param_dtype: Optional[torch.dtype] = None
