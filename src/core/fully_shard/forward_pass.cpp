@@ -13,11 +13,17 @@ namespace hyper_parallel::fully_shard {
 // A pass ends when every user has run, or with its backward. One that skipped a user ends with
 // neither if it had no backward: its views were made without grad (an evaluation, or the part of
 // the group a reentrant checkpoint runs), and this forward needs gradients; or its backward began
-// and failed. A new pass begins.
+// and failed; or its gathered parameters are gone or stale (pass_outdated). A new pass begins.
 bool ParamGroup::Impl::pass_left_open() const {
+  if (pass_outdated()) return true;
   if (!gathered_with_grad) return torch::autograd::GradMode::is_enabled();
   return backward_began;
 }
+
+// A pass whose users did not all run (a forward that raised part-way, or one module of the group
+// called on its own) and whose gathered parameters are gone or were gathered from other values
+// than the shards hold now (an optimizer step since): its views must not be read again.
+bool ParamGroup::Impl::pass_outdated() const { return !unsharded || shards_changed(); }
 
 void ParamGroup::Impl::gather_for_forward(const at::Tensor& rows) {
   if (unsharded && shards_changed()) {  // gathered ahead (unshard), then changed in place
@@ -53,8 +59,9 @@ const std::vector<at::Tensor>& ParamGroup::pre_forward(const at::Tensor& rows,
   // a forward that raised) is over.
   if (caller == Caller::kShardedModule) s.open_calls = 0;
   // An open call keeps the group gathered: a count that a forward which threw left behind, with
-  // the group freed since, is over too (its views must not be read).
-  if (s.open_calls > 0 && !s.unsharded) s.open_calls = 0;
+  // the group freed or its shards changed since (an optimizer step), is over too (its views
+  // must not be read).
+  if (s.open_calls > 0 && s.pass_outdated()) s.open_calls = 0;
   if (s.open_calls > 0) {
     ++s.open_calls;
     // A region of the pass that runs without grad (a reentrant checkpoint's) is one that a

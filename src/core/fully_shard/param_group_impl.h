@@ -157,6 +157,8 @@ struct ParamGroup::Impl : std::enable_shared_from_this<ParamGroup::Impl> {
   void check_unchanged_since(const std::vector<detail::ShardState>& read) const;
   // Whether this unfinished pass will not end by itself (pre_forward then begins a new one).
   bool pass_left_open() const;
+  // Whether the gathered parameters of an unfinished pass are gone or stale (shards changed).
+  bool pass_outdated() const;
   // Whether a shard changed in place, or its data was replaced, since the last gather read it.
   bool shards_changed() const;
 

@@ -199,6 +199,68 @@ def test_methods_of_either_module_act_on_the_group():
         torch.testing.assert_close(full_tensor(p, p.grad), q.grad * factor, rtol=1e-5, atol=1e-6, msg=name)
 
 
+def run_with_an_interruption(net, sharded, call_alone):
+    """Two steps; between the first's backward and its optimizer step, a forward with grad that
+    raises after the first block (caught), or a call of the head on its own."""
+    ws, r = dist.get_world_size(), dist.get_rank()
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    for s in range(2):
+        x = batch(s, ws)[r * ROWS_PER_RANK:][:ROWS_PER_RANK] if sharded else batch(s, ws)
+        opt.zero_grad()
+        (net(x).pow(2).sum() / len(x)).backward()
+        if s == 0:
+            if call_alone:
+                net.head(x)
+            else:
+                with pytest.raises(RuntimeError, match="interrupted"):
+                    net.blocks[1].register_forward_pre_hook(_interrupt_once)
+                    net(x)
+            opt.step()
+
+
+def _interrupt_once(module, args):
+    module._forward_pre_hooks.popitem()
+    raise RuntimeError("interrupted")
+
+
+@pytest.mark.parametrize("call_alone", [False, True])
+@pytest.mark.parametrize("reshard", [True, False])
+@pytest.mark.parametrize("listed", [True, False])
+def test_a_pass_left_unfinished_before_an_optimizer_step_is_not_read_after_it(call_alone, reshard, listed):
+    """A group's pass where some modules ran and others did not (the forward raised in between,
+    or the head was called alone; the head and the first block in a list, or the head and the
+    norm in the root's group), then an optimizer step: the next forward gathers the stepped
+    shards."""
+    reference, net = Net(), Net()
+    run_with_an_interruption(reference, False, call_alone)
+    shard(net, [[net.blocks[0], net.head]] if listed else [], dp_mesh(), reshard_after_forward=reshard)
+    run_with_an_interruption(net, True, call_alone)
+    for (name, p), q in zip(net.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(full_tensor(p, p.grad), q.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_call_that_fails_leaves_its_modules_as_they_were():
+    net = Net()
+    with pytest.raises(TypeError, match="expected a DeviceMesh"):
+        fully_shard([net.norm, net.head], mesh="dp")
+    assert not isinstance(net.norm, FSDPModule) and not isinstance(net.head, FSDPModule)
+    net.head.double()
+    with pytest.raises(ValueError, match="expected one dtype for a group's parameters"):
+        fully_shard([net.norm, net.head], mesh=dp_mesh())
+    assert not isinstance(net.norm, FSDPModule) and not isinstance(net.head, FSDPModule)
+    net.head.float()
+    fully_shard([net.norm, net.head], mesh=dp_mesh())
+    assert net.norm._fsdp_group is net.head._fsdp_group
+
+
+def test_a_module_below_another_of_the_list_may_be_sharded_already():
+    net = Net()
+    fully_shard(net.blocks[0].up, mesh=dp_mesh())
+    fully_shard([net.blocks[0].up, net.blocks[0]], mesh=dp_mesh())
+    assert net.blocks[0]._fsdp_group is not net.blocks[0].up._fsdp_group
+    assert len(net.blocks[0]._fsdp_group.parameters) == 2  # down's
+
+
 @pytest.mark.parametrize("modules, message", [
     ([], "expected an nn.Module or a non-empty list of them, got an empty list"),
     ((nn.Linear(2, 2),), "expected an nn.Module or a non-empty list of them, got tuple"),

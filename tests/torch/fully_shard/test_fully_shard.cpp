@@ -140,6 +140,35 @@ TEST(FullyShard, AForwardThatThrewDoesNotLeaveFreedParametersToRead) {
     EXPECT_TRUE(at::allclose(params[i], ref[i], 1e-5, 1e-6)) << "parameter " << i;
 }
 
+// A forward that threw part-way leaves its group gathered and its call open; after an optimizer
+// step the next forward gathers the stepped shards, not the parameters left gathered.
+TEST(FullyShard, AForwardThatThrewThenAStepGathersTheSteppedShards) {
+  const auto rank = hp_test::rank(), ranks = hp_test::world_size();
+  for (bool reshard : {true, false}) {
+    SCOPED_TRACE(reshard ? "reshard_after_forward" : "kept after forward");
+    Net reference, net;
+    shard(net, fs::FullyShardOptions().mesh(dp_mesh()).reshard_after_forward(reshard));
+    for (Net* m : {&reference, &net}) {
+      const bool sharded = m == &net;
+      torch::optim::AdamW opt(m->parameters(), torch::optim::AdamWOptions(1e-2));
+      for (int64_t s = 0; s < 2; ++s) {
+        auto x = batch(s, ranks);
+        if (sharded) x = x.narrow(0, rank * kRowsPerRank, kRowsPerRank);
+        opt.zero_grad();
+        loss_of(m->forward(x)).backward();
+        if (s == 0) {
+          EXPECT_ANY_THROW(m->forward(at::randn({kRowsPerRank, kIn + 1})));  // up's matmul throws
+          opt.step();
+        }
+      }
+    }
+    auto ref = reference.parameters(), got = net.parameters();
+    for (size_t i = 0; i < got.size(); ++i)
+      hp_test::expect_close(hp::tensor_parallel::full_tensor(got[i], got[i].grad()), ref[i].grad(),
+                            "gradient " + std::to_string(i));
+  }
+}
+
 TEST(FullyShard, ShardsParametersAndTheOptimizerState) {
   const int64_t p = hp_test::world_size(), r = hp_test::rank();
   Net full, net;

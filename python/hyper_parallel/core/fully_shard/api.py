@@ -244,13 +244,16 @@ def _roots(module) -> list:
         if not isinstance(m, nn.Module):
             raise ValueError(f"fully_shard: expected an nn.Module or a list of them, got {type(m).__name__} at "
                              f"index {i} of the list")
-        if isinstance(m, FSDPModule):
-            raise ValueError(f"fully_shard: expected a module fully_shard was not applied to, got "
-                             f"{type(m).__name__}" + (f" at index {i} of the list" if len(modules) > 1 else ""))
     roots = []
     for m in modules:
         if all(m is other or m not in set(other.modules()) for other in modules) and m not in roots:
             roots.append(m)
+    for m in roots:  # one below another of the list may be sharded already (bottom-up)
+        if isinstance(m, FSDPModule):
+            where = f" at index {next(i for i, o in enumerate(modules) if o is m)} of the list" if len(modules) > 1 \
+                else ""
+            raise ValueError(f"fully_shard: expected a module fully_shard was not applied to, got "
+                             f"{type(m).__name__}{where}")
     return roots
 
 
@@ -378,12 +381,14 @@ def fully_shard(module: Union[nn.Module, List[nn.Module]], *, mesh=None,
                                       f"{type(sub).__name__}(sparse=True) owning {names[id(param)]}: its sparse "
                                       f"gradient is not reduce-scattered; drop sparse=True (an nn.Embedding in a "
                                       f"fully_shard call of its own sends only the rows its ids touch)")
+    # The group first: what it refuses (the mesh, mixed dtypes) leaves the modules as they were.
+    group = _new_group(roots, owned, names, mesh, reshard_after_forward, mp_policy, offload_policy, comm_fusion,
+                       row_sparse_embeddings) if owned else None
     for root in roots:
         _extend_class(root)
         root._register_load_state_dict_pre_hook(make_values_local, with_module=True)
-    if owned:
-        _make_group(roots, owned, names, mesh, reshard_after_forward, mp_policy, offload_policy, comm_fusion,
-                    row_sparse_embeddings)
+    if group is not None:
+        _hook_group(group, roots, owned, mp_policy)
     elif mp_policy.output_dtype is not None:  # no group's hooks: the outputs are still cast, as FSDP2's
         for root in roots:
             root.register_forward_hook(lambda mod, args, output: cast_outputs(output, mp_policy))
@@ -392,9 +397,9 @@ def fully_shard(module: Union[nn.Module, List[nn.Module]], *, mesh=None,
     return module
 
 
-def _make_group(roots, owned, names, mesh, reshard_after_forward, mp_policy, offload_policy, comm_fusion,
-                row_sparse_embeddings) -> None:
-    """The C++ group of the ``owned`` parameters and the hooks that drive it."""
+def _new_group(roots, owned, names, mesh, reshard_after_forward, mp_policy, offload_policy, comm_fusion,
+               row_sparse_embeddings):
+    """The C++ group of the ``owned`` parameters."""
     params = {id(p): p for _, _, p, _ in owned}
     order = list(params)
     group = _C.FullyShardParamGroup(
@@ -402,16 +407,25 @@ def _make_group(roots, owned, names, mesh, reshard_after_forward, mp_policy, off
         True if reshard_after_forward is None else reshard_after_forward, mp_policy.param_dtype,
         mp_policy.reduce_dtype, isinstance(offload_policy, CPUOffloadPolicy),
         getattr(offload_policy, "pin_memory", False), reduce_bucket_cap_bytes=0 if comm_fusion else None)
-    owners = {}
-    for sub, name, param, _ in owned:
-        owners.setdefault(sub, []).append((name, order.index(id(param))))
+    holders = {sub for sub, _, _, _ in owned}
     # One module's forward is a pass by itself, and the owners called on their own (outside it)
     # make one once each has run; a list's modules make one once each of them has run.
-    group.set_users(len(roots) if len(roots) > 1 else max(1, sum(1 for sub in owners if sub is not roots[0])))
+    group.set_users(len(roots) if len(roots) > 1 else max(1, sum(1 for sub in holders if sub is not roots[0])))
     # Only the embedding's own forward reads the rows of its ids: a module around it may read more.
     if (row_sparse_embeddings and len(roots) == 1 and isinstance(roots[0], nn.Embedding) and
-            list(owners) == roots and len(order) == 1):
+            holders == {roots[0]} and len(order) == 1):
         group.set_row_sparse_gradients(True)
+    return group
+
+
+def _hook_group(group, roots, owned, mp_policy) -> None:
+    """The hooks that drive ``group`` on the modules of the call and those holding its parameters."""
+    index = {}  # as _new_group ordered them
+    for _, _, param, _ in owned:
+        index.setdefault(id(param), len(index))
+    owners = {}
+    for sub, name, param, _ in owned:
+        owners.setdefault(sub, []).append((name, index[id(param)]))
     for root in roots:
         root._fsdp_group = group
         root._fsdp_owners = tuple(owners)
