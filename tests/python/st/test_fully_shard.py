@@ -223,6 +223,29 @@ def test_reduce_op_type_sum_adds_the_ranks_gradients_up_on_the_module_it_is_set_
         torch.testing.assert_close(full_tensor(p, p.grad), q.grad * factor, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("mesh_shape", [(0,), (2, 2)])
+def test_gradient_divide_factor_divides_the_ranks_sum_on_the_module_it_is_set_on(mesh_shape):
+    """FSDP2's set_gradient_divide_factor(f) (not recursive): the root's group sums over every dp
+    rank, HSDP's replicas included, and divides by f; the blocks keep the average."""
+    ws, r = dist.get_world_size(), dist.get_rank()
+    if mesh_shape == (2, 2) and ws != 4:
+        pytest.skip("a 2 x 2 (replicate, shard) mesh needs 4 ranks")
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")) if mesh_shape == (2, 2) \
+        else dp_mesh()
+    reference, net = Net(), shard(Net(), mesh=mesh)
+    net.set_gradient_divide_factor(3)
+    reference(batch(0, ws)).pow(2).mean().backward()
+    net(batch(0, ws)[r * ROWS_PER_RANK:][:ROWS_PER_RANK]).pow(2).mean().backward()
+    for (name, p), q in zip(net.named_parameters(), reference.parameters()):
+        factor = 1 if name.startswith("blocks.") else ws / 3
+        torch.testing.assert_close(full_tensor(p, p.grad), q.grad * factor, rtol=1e-5, atol=1e-6, msg=name)
+    net.blocks[0].set_reduce_scatter_divide_factor(ws)  # the deprecated name; ws: the average again
+    net.set_force_sum_reduction_for_comms(True)
+    for bad in (0, -1.0, float("inf"), True, "2"):
+        with pytest.raises(ValueError, match="set_gradient_divide_factor: expected a finite number > 0"):
+            net.set_gradient_divide_factor(bad)
+
+
 def doubled(net):
     with torch.no_grad():
         for p in net.parameters():

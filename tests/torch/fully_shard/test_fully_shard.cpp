@@ -523,6 +523,31 @@ TEST(FullyShard, ReduceOpSumAddsTheDataParallelRanksGradientsUp) {
   }
 }
 
+// FSDP2's set_gradient_divide_factor (not recursive): the root's group sums over every dp rank
+// and divides by the factor; the blocks keep the average.
+TEST(FullyShard, GradientDivideFactorDividesTheRanksSum) {
+  const int64_t p = hp_test::world_size(), r = hp_test::rank();
+  std::vector<DeviceMesh> meshes{dp_mesh()};
+  if (p == 4) meshes.push_back(hp::dtensor::init_device_mesh("cpu", {2, 2}, {"replicate", "shard"}));
+  for (const auto& mesh : meshes) {
+    Net reference, net;
+    shard(net, fs::FullyShardOptions().mesh(mesh));
+    fs::FSDPModule::of(net)->set_gradient_divide_factor(3.0);
+    loss_of(reference.forward(batch(0, p))).backward();
+    loss_of(net.forward(batch(0, p).narrow(0, r * kRowsPerRank, kRowsPerRank))).backward();
+    const auto ref = reference.parameters();
+    const auto grads = hp::tensor_parallel::full_named_parameters(net, /*gradients=*/true);
+    for (size_t i = 0; i < ref.size(); ++i) {
+      const double factor = grads[i].first.rfind("block", 0) == 0 ? 1.0 : static_cast<double>(p) / 3.0;
+      hp_test::expect_close(grads[i].second, ref[i].grad() * factor, grads[i].first);
+    }
+  }
+  Net net;
+  shard(net, fs::FullyShardOptions().mesh(dp_mesh()));
+  HP_EXPECT_THROW_MSG(fs::FSDPModule::of(net)->set_gradient_divide_factor(0.0),
+                      "FSDPModule::set_gradient_divide_factor: expected a finite factor > 0, got 0");
+}
+
 // On a 1-d mesh a reduce-scatter completes the gradient: all_reduce off changes nothing.
 TEST(FullyShard, RequiresAllReduceOffOnA1dMeshWritesTheGradientsAsBefore) {
   const int64_t p = hp_test::world_size(), r = hp_test::rank();

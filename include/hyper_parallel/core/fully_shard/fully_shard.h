@@ -61,6 +61,10 @@ class FSDPModule {
   /// kAvg (the default) or kSum: how the dp ranks' gradients of this module's group combine
   /// (not recursive, as the original's set_reduce_op_type).
   void set_reduce_op(comm::ReduceOp op) const;
+  /// FSDP2's: the dp ranks' gradients of this module's group are summed and divided by `factor`
+  /// (> 0; FSDP2's default divides by the dp size, as kAvg). Sets the reduce op to kSum and the
+  /// gradient scaling factor to 1 / factor (not recursive).
+  void set_gradient_divide_factor(double factor) const;
   /// The modules whose gathers start as soon as this one's forward / backward begins (they
   /// travel while it computes), beside the implicit prefetch of the next module in the order
   /// the last pass ran them.

@@ -18,6 +18,7 @@ ranks (then all-reduced over the replicate dim of an HSDP mesh). The module's cl
 subclass of FSDPModule (HSDPModule) with the original's methods.
 """
 
+import math
 from typing import Iterable, List, Optional, Union
 
 import torch
@@ -181,6 +182,27 @@ class FSDPModule:
             raise ValueError(f"FSDPModule.set_reduce_op_type: expected one of {list(ops)}, got {reduce_op_type!r}")
         if self._fsdp_group is not None:
             self._fsdp_group.set_reduce_op(op)
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """FSDP2's: this module's group sums the dp ranks' gradients and divides by ``factor``
+        (> 0; the default divides by the dp size). Sets the reduce op to "sum" and the gradient
+        scaling factor to 1 / factor; not recursive."""
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor < math.inf:
+            raise ValueError(f"FSDPModule.set_gradient_divide_factor: expected a finite number > 0, got {factor!r}")
+        if self._fsdp_group is not None:
+            self._fsdp_group.set_reduce_op(_C.ReduceOp.SUM)
+            self._fsdp_group.set_gradient_scaling_factor(1.0 / factor)
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """FSDP2's deprecated name of set_gradient_divide_factor."""
+        self.set_gradient_divide_factor(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Accepted for code written for FSDP2, where True sums in the collectives and divides
+        around them (for fp16, or backends without an average): the same average, up to
+        rounding, which the reductions here compute either way (they sum 16-bit gradients in
+        fp32)."""
+        _bool(enable, "FSDPModule.set_force_sum_reduction_for_comms")
 
     def _prefetch_groups(self, modules, what: str):
         if not isinstance(modules, (list, tuple)):
