@@ -71,8 +71,9 @@ def dp_mesh():
 
 
 def shard(net, lists, mesh, **options):
-    """fully_shard on each block not in a list, on each list, then on the root."""
-    listed = {id(m) for modules in lists for m in modules}
+    """fully_shard on each block not in a list (or in a container in one), on each list, then on
+    the root."""
+    listed = {id(sub) for modules in lists for m in modules for sub in m.modules()}
     for b in net.blocks:
         if id(b) not in listed:
             fully_shard(b, mesh=mesh, **options)
@@ -132,6 +133,18 @@ def test_modules_with_another_group_between_them_gather_once_per_pass(reshard):
     assert net.head._fsdp_group.gather_stats["gathers"] == steps * (2 if reshard else 1)
     assert net._fsdp_group is not None  # the norm's
     assert comm.collective_count("reduce_scatter") == steps * 4
+
+
+def test_a_container_in_the_list_stands_for_its_modules():
+    """An nn.ModuleList is never called itself: its blocks (and the norm) make the group's pass,
+    one gather per forward and one per backward."""
+    steps = 2
+    reference = trained_reference(steps)
+    net = sharded_run(lambda net: [[net.blocks, net.norm]], dp_mesh(), steps, comm_fusion=True)
+    assert_trained_as(net, reference)
+    assert isinstance(net.blocks, FSDPModule) and net.blocks._fsdp_group is net.norm._fsdp_group
+    assert net.norm._fsdp_group.gather_stats["gathers"] == steps * 2
+    assert comm.collective_count("reduce_scatter") == steps * 2  # the list's and the root's (the head)
 
 
 def test_a_module_of_the_list_called_twice_in_a_forward():

@@ -404,13 +404,14 @@ def fully_shard(module: Union[nn.Module, List[nn.Module]], *, mesh=None,
                                       f"gradient is not reduce-scattered; drop sparse=True (an nn.Embedding in a "
                                       f"fully_shard call of its own sends only the rows its ids touch)")
     # The group first: what it refuses (the mesh, mixed dtypes) leaves the modules as they were.
-    group = _new_group(roots, owned, names, mesh, reshard_after_forward, mp_policy, offload_policy, comm_fusion,
+    callers = _callers(roots)
+    group = _new_group(callers, owned, names, mesh, reshard_after_forward, mp_policy, offload_policy, comm_fusion,
                        row_sparse_embeddings) if owned else None
     for root in roots:
         _extend_class(root)
         root._register_load_state_dict_pre_hook(make_values_local, with_module=True)
     if group is not None:
-        _hook_group(group, roots, owned, mp_policy)
+        _hook_group(group, roots, callers, owned, mp_policy)
     elif mp_policy.output_dtype is not None:  # no group's hooks: the outputs are still cast, as FSDP2's
         for root in roots:
             root.register_forward_hook(lambda mod, args, output: cast_outputs(output, mp_policy))
@@ -419,7 +420,27 @@ def fully_shard(module: Union[nn.Module, List[nn.Module]], *, mesh=None,
     return module
 
 
-def _new_group(roots, owned, names, mesh, reshard_after_forward, mp_policy, offload_policy, comm_fusion,
+def _callers(roots: list) -> dict:
+    """The modules whose calls make a pass of the group -> the module of the call each belongs
+    to: the module; a list's modules, where a container among them (an ``nn.ModuleList`` or
+    ``nn.ModuleDict``, never called itself) stands for the modules in it."""
+    if len(roots) == 1:
+        return {roots[0]: roots[0]}
+    callers = {}
+
+    def add(module, root):
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+            for child in module.children():
+                add(child, root)
+        else:
+            callers.setdefault(module, root)
+
+    for root in roots:
+        add(root, root)
+    return callers
+
+
+def _new_group(callers, owned, names, mesh, reshard_after_forward, mp_policy, offload_policy, comm_fusion,
                row_sparse_embeddings):
     """The C++ group of the ``owned`` parameters."""
     params = {id(p): p for _, _, p, _ in owned}
@@ -430,17 +451,18 @@ def _new_group(roots, owned, names, mesh, reshard_after_forward, mp_policy, offl
         mp_policy.reduce_dtype, isinstance(offload_policy, CPUOffloadPolicy),
         getattr(offload_policy, "pin_memory", False), reduce_bucket_cap_bytes=0 if comm_fusion else None)
     holders = {sub for sub, _, _, _ in owned}
+    first = next(iter(callers))
     # One module's forward is a pass by itself, and the owners called on their own (outside it)
     # make one once each has run; a list's modules make one once each of them has run.
-    group.set_users(len(roots) if len(roots) > 1 else max(1, sum(1 for sub in holders if sub is not roots[0])))
+    group.set_users(len(callers) if len(callers) > 1 else max(1, sum(1 for sub in holders if sub is not first)))
     # Only the embedding's own forward reads the rows of its ids: a module around it may read more.
-    if (row_sparse_embeddings and len(roots) == 1 and isinstance(roots[0], nn.Embedding) and
-            holders == {roots[0]} and len(order) == 1):
+    if (row_sparse_embeddings and len(callers) == 1 and isinstance(first, nn.Embedding) and holders == {first} and
+            len(order) == 1):
         group.set_row_sparse_gradients(True)
     return group
 
 
-def _hook_group(group, roots, owned, mp_policy) -> None:
+def _hook_group(group, roots, callers, owned, mp_policy) -> None:
     """The hooks that drive ``group`` on the modules of the call and those holding its parameters."""
     index = {}  # as _new_group ordered them
     for _, _, param, _ in owned:
@@ -448,10 +470,12 @@ def _hook_group(group, roots, owned, mp_policy) -> None:
     owners = {}
     for sub, name, param, _ in owned:
         owners.setdefault(sub, []).append((name, index[id(param)]))
+    standing = install_hooks(group, owners, mp_policy, callers)
     for root in roots:
         root._fsdp_group = group
         root._fsdp_owners = tuple(owners)
-    install_hooks(group, owners, mp_policy, roots)
+        root._fsdp_standing = standing
+        root._fsdp_mp_policy = mp_policy
 
 
 def _share_pass_order(root: nn.Module) -> None:

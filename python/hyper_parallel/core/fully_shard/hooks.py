@@ -176,7 +176,7 @@ def _register_pre_hook_first(module: nn.Module, hook) -> None:
     module._forward_pre_hooks.move_to_end(handle.id, last=False)
 
 
-def install_hooks(group, owners, mp_policy: MixedPrecisionPolicy, fsdp_modules: list):
+def install_hooks(group, owners, mp_policy: MixedPrecisionPolicy, callers: dict):
     """The module fully_shard was applied to gathers the group for its whole forward and stands
     the gathered parameters in for the shards in every owning module's ``_parameters``, so a read
     outside an owner's own forward (a tied head's ``emb.weight``, a sliced position table,
@@ -184,21 +184,24 @@ def install_hooks(group, owners, mp_policy: MixedPrecisionPolicy, fsdp_modules: 
     ends the pass and puts the shards back (views of the gathered parameters during the group's
     backward, see _Standing). Each other owning module has hooks of its own for a call outside
     that forward (checkpoint's recomputation in the backward, a direct call), which stand in the
-    whole group too; inside it they reuse its parameters. The modules of a list each have the
-    module's hooks, but as users of the group: the first to run gathers it, and the pass ends
-    once each has run (the group's user count)."""
+    whole group too; inside it they reuse its parameters. ``callers``: that module, or a list's
+    modules (the modules in a container of it), each -> the module of the call whose prefetch
+    lists it follows; a list's modules each have the module's hooks, but as users of the group:
+    the first to run gathers it, and the pass ends once each has run (the group's user count).
+    Returns what stands in the owners' ``_parameters``."""
     standing = _Standing(group, owners)
-    alone = len(fsdp_modules) == 1
+    alone = len(callers) == 1
+    first_call = next(iter(callers.values()))
 
     def hooks(module, sharded_module):
-        on_backward = standing.begin_backward if module in fsdp_modules else None
-        caller = module if module in fsdp_modules else fsdp_modules[0]
+        on_backward = standing.begin_backward if module in callers else None
+        call = callers.get(module, first_call)
 
         def gather(mod, args):
             standing.adopt_replaced()
             # An embedding's forward reads the rows of its ids (a row-sparse group gathers those).
             ids = args[0] if isinstance(mod, nn.Embedding) and args and isinstance(args[0], torch.Tensor) else None
-            standing.stand_in(group.pre_forward(ids, getattr(caller, "_fsdp_forward_prefetch", []),
+            standing.stand_in(group.pre_forward(ids, getattr(call, "_fsdp_forward_prefetch", []),
                                                 sharded_module=sharded_module))
 
         def pre_hook(mod, args):
@@ -206,21 +209,20 @@ def install_hooks(group, owners, mp_policy: MixedPrecisionPolicy, fsdp_modules: 
             return cast_inputs(args, mp_policy)
 
         def post_hook(mod, args, output):
-            output = _with_pre_backward(group, output, getattr(caller, "_fsdp_backward_prefetch", []), on_backward)
+            output = _with_pre_backward(group, output, getattr(call, "_fsdp_backward_prefetch", []), on_backward)
             if group.post_forward(sharded_module=sharded_module):
                 standing.put_back()
             # As FSDP2's: the outputs of a module fully_shard was applied to, after the pre-backward.
-            return output if module not in fsdp_modules else cast_outputs(output, mp_policy)
+            return output if module not in callers else cast_outputs(output, mp_policy)
 
         return gather, pre_hook, post_hook
 
     for sub in owners:
-        if sub not in fsdp_modules:
+        if sub not in callers:
             _install(sub, *hooks(sub, sharded_module=False), mp_policy)
-    for module in fsdp_modules:
+    for module in callers:
         _install(module, *hooks(module, sharded_module=alone), mp_policy)
-        module._fsdp_standing = standing
-        module._fsdp_mp_policy = mp_policy
+    return standing
 
 
 def _install(module: nn.Module, gather, pre_hook, post_hook, mp_policy: MixedPrecisionPolicy) -> None:
