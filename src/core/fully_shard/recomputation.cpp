@@ -83,6 +83,9 @@ const std::vector<at::Tensor>& ParamGroup::Impl::recompute(const std::shared_ptr
 std::vector<at::Tensor> ParamGroup::backward_views() {
   auto& s = *impl_;
   if (s.row_sparse_cols > 0 || s.open_calls > 0) return {};
+  // Asked for by a hook on the module's outputs, which may run before their pre-backward node
+  // gathers the group again (resharded after the forward): the views must not be of freed buffers.
+  s.finish_gather();
   s.views_out = true;
   // Made in the backward, where grad mode is off: a nested backward must reach their nodes.
   const at::AutoGradMode grad_mode(true);

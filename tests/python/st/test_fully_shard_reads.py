@@ -259,6 +259,44 @@ def test_a_backward_hook_reading_a_parameter_of_a_module_whose_backward_is_over_
     assert len(seen) == 2 and all(w is net.blocks[1].down.weight for w in seen)
 
 
+@pytest.mark.parametrize("reshard", [True, False])
+def test_a_hook_on_the_roots_output_reads_whole_parameters(reshard):
+    """It runs before the output's pre-backward node gathers the group again (resharded after the
+    forward): the backward views it sees are of the group gathered for it, not of freed buffers."""
+    ws, r = dist.get_world_size(), dist.get_rank()
+    reference, net = GPT(tied=None), fully_shard(GPT(tied=None), mesh=dp_mesh(), reshard_after_forward=reshard)
+    ids = ids_of(0, ws)[r * ROWS_PER_RANK:][:ROWS_PER_RANK]
+    seen = []
+    out = net(ids)
+    out.register_hook(lambda grad: seen.append(net.head.weight.detach().clone()))
+    out.sum().backward()
+    assert torch.equal(seen[0], reference.head.weight.detach())
+
+
+def test_a_state_dict_inside_the_forward_gives_the_pieces():
+    """Not aliases of the gathered buffers, which the group frees after its forward."""
+    from hyper_parallel.core.fully_shard import get_model_state_dict  # pylint: disable=import-outside-toplevel
+
+    net = GPT(tied=None)
+    fully_shard(net.blocks[0], mesh=dp_mesh())
+    fully_shard(net, mesh=dp_mesh())
+    inside, errors = [], []
+
+    def hook(mod, args, output):
+        inside.append(net.state_dict())
+        try:
+            get_model_state_dict(net)
+        except ValueError as error:
+            errors.append(str(error))
+
+    net.blocks[1].register_forward_hook(hook)
+    net(ids_of(0, 1))
+    outside = net.state_dict()
+    assert list(inside[0]) == list(outside)
+    assert all(torch.equal(inside[0][k], v) for k, v in outside.items())
+    assert "expected a call outside the forward and backward of the model's fully_shard modules" in errors[0]
+
+
 def test_two_backwards_of_one_forward_recompute_the_region_whole():
     """retain_graph: the second backward of the first step reduces by the plan the first made."""
     ws, r = dist.get_world_size(), dist.get_rank()

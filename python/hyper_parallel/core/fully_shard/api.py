@@ -28,7 +28,7 @@ from hyper_parallel import _C
 from hyper_parallel.core.dtensor.placement_types import Shard
 from hyper_parallel.core.fully_shard.hooks import cast_inputs, cast_outputs, install_hooks
 from hyper_parallel.core.fully_shard.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from hyper_parallel.core.fully_shard.state_dict import make_values_local, warn_if_assign
+from hyper_parallel.core.fully_shard.state_dict import make_values_local, shards_in_state_dict, warn_if_assign
 # The original's import path of these two.
 from hyper_parallel.core.fully_shard.model_state_dict import (  # noqa: F401  pylint: disable=unused-import
     get_model_state_dict, set_model_state_dict)
@@ -410,6 +410,7 @@ def fully_shard(module: Union[nn.Module, List[nn.Module]], *, mesh=None,
     for root in roots:
         _extend_class(root)
         root._register_load_state_dict_pre_hook(make_values_local, with_module=True)
+        root._register_state_dict_hook(shards_in_state_dict)
     if group is not None:
         _hook_group(group, roots, callers, owned, mp_policy)
     elif mp_policy.output_dtype is not None:  # no group's hooks: the outputs are still cast, as FSDP2's

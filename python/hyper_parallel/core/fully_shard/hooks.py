@@ -55,6 +55,10 @@ class _Standing:
         self._backward_views = None
         self.shards_in_place = True  # the owners hold the shards (no call or backward of the group)
 
+    def index_of(self, module: nn.Module, name: str):
+        """The group's index of ``module``'s parameter ``name``, or None if the group has none."""
+        return next((index for mod, n, index in self._slots if mod is module and n == name), None)
+
     def stand_in(self, tensors, shards: bool = False) -> None:
         for mod, name, index in self._slots:
             mod._parameters[name] = tensors[index]

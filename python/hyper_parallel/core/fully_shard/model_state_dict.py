@@ -73,6 +73,17 @@ def _checked(options, what: str) -> StateDictOptions:
     return StateDictOptions(**{f: getattr(options, f) for f in _FLAGS})
 
 
+def _check_shards_in_place(model: nn.Module, what: str) -> None:
+    """Outside the forward and backward of the model's fully_shard modules: inside, their
+    modules hold the gathered parameters, without the shards' layouts."""
+    for name, sub in model.named_modules():
+        standing = getattr(sub, "_fsdp_standing", None)
+        if standing is not None and not standing.shards_in_place:
+            raise ValueError(f"{what}: expected a call outside the forward and backward of the model's fully_shard "
+                             f"modules, got one while {name or 'the model'}'s gathered parameters stand in for its "
+                             "shards")
+
+
 def _parameters_by_key(model: nn.Module) -> Dict[str, torch.Tensor]:
     """Each state-dict key of a parameter (every name of a tied one) -> the parameter."""
     out = {}
@@ -87,6 +98,7 @@ def get_model_state_dict(model: nn.Module, *, options: Optional[Any] = None) -> 
     """``model.state_dict()``, with each laid-out parameter whole if ``options.full_state_dict``
     (gathered over its mesh: every rank calls it, with the same options). See StateDictOptions."""
     opts = _checked(options, "get_model_state_dict")
+    _check_shards_in_place(model, "get_model_state_dict")
     state = model.state_dict()
     params = _parameters_by_key(model)
     if opts.ignore_frozen_params:
@@ -114,6 +126,7 @@ def set_model_state_dict(model: nn.Module, state_dict: Dict[str, Any], *, option
     whole tensors are broadcast one at a time (each rank keeps its piece) and the other ranks'
     ``state_dict`` is not read. Collective with broadcast_from_rank0. See StateDictOptions."""
     opts = _checked(options, "set_model_state_dict")
+    _check_shards_in_place(model, "set_model_state_dict")
     params = _parameters_by_key(model)
     if opts.broadcast_from_rank0:
         state_dict = _from_rank0(model, state_dict, params, opts.strict)

@@ -54,6 +54,23 @@ def make_values_local(module: nn.Module, state_dict: dict, prefix: str, *_) -> N
                 state_dict[key] = local_value(key, state_dict[key], target)
 
 
+def shards_in_state_dict(module: nn.Module, state_dict: dict, prefix: str, *_) -> None:
+    """A state-dict hook of a module fully_shard was applied to: while the gathered parameters
+    stand in for the shards (a state_dict() inside its forward or backward), each parameter of
+    its group is still given as this rank's piece, not as an alias of the gathered buffers, which
+    the group frees after its forward."""
+    standing = getattr(module, "_fsdp_standing", None)
+    if standing is None or standing.shards_in_place:
+        return
+    shards = module._fsdp_group.parameters
+    for path, sub in module.named_modules(remove_duplicate=False):
+        for name in sub._parameters:
+            key = prefix + (path + "." if path else "") + name
+            index = standing.index_of(sub, name)
+            if index is not None and key in state_dict:
+                state_dict[key] = shards[index].detach()
+
+
 def warn_if_assign(assign: bool) -> None:
     if assign:
         warnings.warn("FSDPModule.load_state_dict: assign=True is ignored (torch 1.13 has no assign): the "
