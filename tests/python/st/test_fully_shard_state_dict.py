@@ -159,6 +159,71 @@ def test_rank0s_problems_are_every_ranks_error_and_nothing_loads(change, message
     assert_whole_as(net, Net())
 
 
+class WithState(nn.Module):
+    """A BatchNorm (its num_batches_tracked default depends on the dict's _metadata) and a module
+    with an extra state (a non-tensor value)."""
+
+    class Counter(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def get_extra_state(self):
+            return {"count": self.count}
+
+        def set_extra_state(self, state):
+            self.count = state["count"]
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.lin, self.bn, self.counter = nn.Linear(DIM, DIM), nn.BatchNorm1d(DIM), WithState.Counter()
+
+
+@pytest.mark.parametrize("broadcast", [False, True])
+def test_extra_states_metadata_and_unexpected_keys_load_as_torch_loads_them(broadcast):
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast, strict=False)
+    source = WithState()
+    source.counter.count = 5
+    source.bn.num_batches_tracked.fill_(9)
+    given = source.state_dict()
+    del given["bn.num_batches_tracked"]
+    given["extra"] = torch.zeros(1)
+    net = WithState()
+    fully_shard(net, mesh=init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",)))
+    net.bn.num_batches_tracked.fill_(4)
+    result = set_model_state_dict(net, given if dist.get_rank() == 0 or not broadcast else {}, options=options)
+    assert net.counter.count == 5 and torch.equal(full_tensor(net.lin.weight), source.lin.weight.detach())
+    assert int(net.bn.num_batches_tracked) == 4  # torch keeps it, as the dict's metadata says the version has it
+    assert result.missing_keys == ["bn.num_batches_tracked"] and result.unexpected_keys == ["extra"]
+
+
+def test_a_value_rank0_cannot_send_is_every_ranks_error_before_anything_moves():
+    net = parallel("fsdp")
+    given = Net(seed=11).state_dict()
+    given["head.weight"] = torch.empty(2, DIM, device="meta")
+    with pytest.raises(ValueError, match="expected head.weight a dense tensor with data on cpu, got one on meta"):
+        set_model_state_dict(net, given if dist.get_rank() == 0 else {},
+                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    assert_whole_as(net, Net())
+
+
+def test_a_load_inside_the_forward_is_an_error_also_from_a_module_above():
+    holder = nn.ModuleDict({"net": parallel("fsdp")})
+    errors = []
+
+    def hook(mod, args, output):
+        try:
+            holder.load_state_dict({"net." + k: v for k, v in Net(seed=11).state_dict().items()})
+        except ValueError as error:
+            errors.append(str(error))
+
+    holder.net.blocks[1].register_forward_hook(hook)
+    holder.net(torch.randn(3, DIM))
+    assert "expected a load into FSDPNet outside its forward and backward" in errors[0]
+    assert_whole_as(holder.net, Net())
+
+
 def test_option_errors():
     net = parallel("fsdp")
     with pytest.raises(ValueError, match="expected full_state_dict=True with broadcast_from_rank0=True"):

@@ -19,6 +19,7 @@ A sharded state dict (``full_state_dict=False``) has each laid-out parameter as 
 """
 
 import dataclasses
+from collections import OrderedDict
 from typing import Any, Dict, Optional
 
 import torch
@@ -26,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hyper_parallel import _C
+from hyper_parallel.core.fully_shard.broadcast_state_dict import from_rank0
 from hyper_parallel.core.fully_shard.state_dict import local_value
 from hyper_parallel.core.tensor_parallel.grad_utils import layout_of
 
@@ -128,84 +130,14 @@ def set_model_state_dict(model: nn.Module, state_dict: Dict[str, Any], *, option
     opts = _checked(options, "set_model_state_dict")
     _check_shards_in_place(model, "set_model_state_dict")
     params = _parameters_by_key(model)
+    unexpected = []
     if opts.broadcast_from_rank0:
-        state_dict = _from_rank0(model, state_dict, params, opts.strict)
+        state_dict, unexpected = from_rank0(model, state_dict, params, opts.strict)
     else:
-        state_dict = {k: local_value(k, v, params[k]) if k in params else v for k, v in state_dict.items()}
-    return model.load_state_dict(state_dict, strict=opts.strict)
-
-
-def _global_shape(target: torch.Tensor):
-    layout = layout_of(target)
-    return tuple(layout.global_shape) if layout is not None else tuple(target.shape)
-
-
-def _rank0_problems(targets: Dict[str, torch.Tensor], state_dict, strict: bool) -> str:
-    """What in rank 0's ``state_dict`` cannot load (empty if nothing)."""
-    if not isinstance(state_dict, dict):
-        return f"expected a dict on rank 0, got {type(state_dict).__name__}"
-    problems = []
-    for key, value in state_dict.items():
-        if key not in targets:
-            if strict:
-                problems.append(f"unexpected key {key}")
-            continue
-        if isinstance(value, _C.DTensor):
-            problems.append(f"expected {key} whole, got a DTensor (broadcast_from_rank0 broadcasts whole tensors)")
-        elif not isinstance(value, torch.Tensor):
-            problems.append(f"expected {key} a tensor, got {type(value).__name__}")
-        elif tuple(value.shape) != _global_shape(targets[key]):
-            problems.append(f"expected {key} of the whole tensor's shape {list(_global_shape(targets[key]))}, got "
-                            f"{list(value.shape)}")
-    if strict:
-        problems += [f"missing key {key}" for key in targets if key not in state_dict]
-    return "; ".join(problems)
-
-
-# The dtypes the core's broadcast takes; any other travels as its bytes.
-_SENDABLE = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32)
-
-
-def _broadcast(tensor: torch.Tensor) -> torch.Tensor:
-    """Rank 0's ``tensor`` (of this shape and dtype on every rank)."""
-    if tensor.dtype in _SENDABLE:
-        return _C.broadcast(tensor.contiguous(), 0, dist.group.WORLD)
-    raw = tensor.contiguous().view(-1).view(torch.uint8)
-    words = torch.cat([raw, raw.new_zeros((-raw.numel()) % 4)]).view(torch.int32)
-    got = _C.broadcast(words, 0, dist.group.WORLD).view(torch.uint8)[:raw.numel()]
-    return got.view(tensor.dtype).view(tensor.shape)
-
-
-def _broadcast_problems(message: str) -> str:
-    """Rank 0's ``message`` on every rank."""
-    data = torch.tensor(list(message.encode()), dtype=torch.uint8)
-    length = int(_broadcast(torch.tensor([data.numel()], dtype=torch.int64)).item())
-    if length == 0:
-        return ""
-    return bytes(_broadcast(data if dist.get_rank() == 0 else torch.empty(length, dtype=torch.uint8)).tolist()).decode()
-
-
-def _from_rank0(model: nn.Module, state_dict, params: Dict[str, torch.Tensor], strict: bool) -> Dict[str, Any]:
-    """This rank's values of rank 0's whole tensors: first rank 0's verdict on its dict (all ranks
-    raise the same error), then which keys it has, then each tensor, in the model's order."""
-    from hyper_parallel.core import comm  # pylint: disable=import-outside-toplevel
-
-    comm.ensure_initialized()
-    rank = dist.get_rank()
-    targets = {k: v for k, v in model.state_dict(keep_vars=True).items() if isinstance(v, torch.Tensor)}
-    problems = _broadcast_problems(_rank0_problems(targets, state_dict, strict) if rank == 0 else "")
-    if problems:
-        raise ValueError(f"set_model_state_dict: rank 0's state_dict cannot load: {problems}")
-    keys = list(targets)
-    present = _broadcast(torch.tensor([rank == 0 and k in state_dict for k in keys], dtype=torch.int32))
-    out = {}
-    for key, has in zip(keys, present.tolist()):
-        if not has:
-            continue
-        target = params.get(key, targets[key])
-        if rank == 0:
-            whole = state_dict[key].detach().to(target.dtype)
-        else:
-            whole = torch.empty(_global_shape(target), dtype=target.dtype)
-        out[key] = local_value(key, _broadcast(whole), target)
-    return out
+        local = OrderedDict((k, local_value(k, v, params[k]) if k in params else v) for k, v in state_dict.items())
+        if hasattr(state_dict, "_metadata"):  # the modules' versions (BatchNorm's reads its own)
+            local._metadata = state_dict._metadata
+        state_dict = local
+    result = model.load_state_dict(state_dict, strict=opts.strict)
+    result.unexpected_keys.extend(unexpected)
+    return result

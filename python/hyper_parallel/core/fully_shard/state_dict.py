@@ -40,7 +40,13 @@ def make_values_local(module: nn.Module, state_dict: dict, prefix: str, *_) -> N
     """A load pre-hook of a module fully_shard was applied to (torch's load_state_dict runs it on
     that module, also from a module above it, before the module and those below it load): each
     value of a parameter or buffer there is made what torch copies into this rank's tensor. Tied
-    parameters are found under each of their names."""
+    parameters are found under each of their names. Inside the module's forward or backward (its
+    gathered parameters stand in for the shards) it is a ValueError: the load would write the
+    gathered buffers, and the shards would keep their values."""
+    standing = getattr(module, "_fsdp_standing", None)
+    if standing is not None and not standing.shards_in_place:
+        raise ValueError(f"FSDPModule.load_state_dict: expected a load into {type(module).__name__} outside its "
+                         "forward and backward, got one while its gathered parameters stand in for the shards")
     for name, sub in module.named_modules(remove_duplicate=False):
         sub_prefix = prefix + (name + "." if name else "")
         for tensors in (sub._parameters, sub._buffers):
