@@ -160,10 +160,6 @@ void for_each_state(const std::shared_ptr<State>& state, bool recurse, Fn&& fn) 
   for (const auto& b : state->below) for_each_state(b, true, fn);
 }
 
-}  // namespace
-
-namespace {
-
 // A new state for `module` (refused if fully_shard was applied to it), with the states below it.
 std::shared_ptr<State> new_state(torch::nn::Module& module, const FullyShardOptions& options,
                                  const std::string& where) {

@@ -66,9 +66,10 @@ def _roots(module) -> list:
         if not isinstance(m, nn.Module):
             raise ValueError(f"fully_shard: expected an nn.Module or a list of them, got {type(m).__name__} at "
                              f"index {i} of the list")
+    below = [set(other.modules()) - {other} for other in modules]
     roots = []
     for m in modules:
-        if all(m is other or m not in set(other.modules()) for other in modules) and m not in roots:
+        if not any(m in inside for inside in below) and m not in roots:
             roots.append(m)
     for m in roots:  # one below another of the list may be sharded already (bottom-up)
         if isinstance(m, FSDPModule):

@@ -34,12 +34,12 @@ def _broadcast(tensor: torch.Tensor) -> torch.Tensor:
     return got.view(tensor.dtype).view(tensor.shape)
 
 
-def _broadcast_object(obj: Any) -> Any:
-    """Rank 0's ``obj`` (pickled) on every rank."""
-    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8) if dist.get_rank() == 0 else None
+def _broadcast_bytes(payload: bytes) -> bytes:
+    """Rank 0's ``payload`` on every rank (the others pass anything)."""
+    data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if dist.get_rank() == 0 else None
     length = int(_broadcast(torch.tensor([0 if data is None else data.numel()], dtype=torch.int64)).item())
     got = _broadcast(data if data is not None else torch.empty(length, dtype=torch.uint8))
-    return pickle.loads(bytes(got.tolist()))
+    return bytes(got.tolist())
 
 
 def _global_shape(target: torch.Tensor):
@@ -73,11 +73,11 @@ def _problems(entries: Dict[str, Any], state_dict, strict: bool) -> List[str]:
     return problems
 
 
-def _header(entries: Dict[str, Any], state_dict, strict: bool) -> Dict[str, Any]:
-    """Rank 0's header (see the module's doc), or its problems."""
+def _header(entries: Dict[str, Any], state_dict, strict: bool) -> bytes:
+    """Rank 0's header (see the module's doc), or its problems, pickled."""
     problems = _problems(entries, state_dict, strict)
     if problems:
-        return {"problems": problems}
+        return pickle.dumps({"problems": problems})
     header = {
         "present": [k in state_dict for k in entries],
         "unexpected": [k for k in state_dict if k not in entries],
@@ -85,10 +85,10 @@ def _header(entries: Dict[str, Any], state_dict, strict: bool) -> Dict[str, Any]
         "metadata": getattr(state_dict, "_metadata", None),
     }
     try:
-        pickle.dumps(header)
+        return pickle.dumps(header)
     except Exception as error:  # pylint: disable=broad-except  (any object's pickling may raise)
-        return {"problems": [f"expected picklable extra states and metadata, got {type(error).__name__}: {error}"]}
-    return header
+        return pickle.dumps(
+            {"problems": [f"expected picklable extra states and metadata, got {type(error).__name__}: {error}"]})
 
 
 def from_rank0(model: nn.Module, state_dict, params: Dict[str, torch.Tensor],
@@ -100,7 +100,7 @@ def from_rank0(model: nn.Module, state_dict, params: Dict[str, torch.Tensor],
     comm.ensure_initialized()
     rank = dist.get_rank()
     entries = model.state_dict(keep_vars=True)
-    header = _broadcast_object(_header(entries, state_dict, strict) if rank == 0 else None)
+    header = pickle.loads(_broadcast_bytes(_header(entries, state_dict, strict) if rank == 0 else b""))
     if "problems" in header:
         raise ValueError(f"set_model_state_dict: rank 0's state_dict cannot load: {'; '.join(header['problems'])}")
     out = OrderedDict()

@@ -111,10 +111,8 @@ class FSDPModule:
         """torch's load_state_dict, where a sharded parameter's value may be this rank's piece (as
         state_dict() gives it), the whole tensor (each rank takes its piece, without
         communication: pass the same whole tensors on every rank) or a DTensor (its local
-        tensor), as the original's. Another shape is a ValueError naming both."""
-        if self._fsdp_group is not None and not self._fsdp_standing.shards_in_place:
-            raise ValueError(f"FSDPModule.load_state_dict: expected a load into {type(self).__name__} outside its "
-                             "forward and backward, got one while its gathered parameters stand in for the shards")
+        tensor), as the original's. Another shape is a ValueError naming both, as is a load inside
+        the module's forward or backward (the load pre-hook, make_values_local, checks both)."""
         warn_if_assign(assign)
         return super().load_state_dict(state_dict, strict=strict)
 
