@@ -24,16 +24,9 @@ from hyper_parallel.core import comm
 from hyper_parallel.core.dtensor.dtensor import distribute_tensor
 from hyper_parallel.core.dtensor.placement_types import Shard
 
-ROWS_PER_RANK, DIM, HIDDEN = 3, 12, 20  # the head's 2 rows leave empty pieces at 4 ranks
+from fully_shard_models import DIM, Block
 
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.up, self.down = nn.Linear(DIM, HIDDEN), nn.Linear(HIDDEN, DIM)
-
-    def forward(self, x):
-        return x + self.down(torch.relu(self.up(x)))
+ROWS_PER_RANK = 3
 
 
 class Net(nn.Module):

@@ -14,16 +14,9 @@ from torch.utils.checkpoint import checkpoint
 from hyper_parallel import FSDPModule, HSDPModule, full_tensor, fully_shard, init_device_mesh
 from hyper_parallel.core import comm
 
-ROWS_PER_RANK, DIM, HIDDEN = 3, 12, 20
+from fully_shard_models import DIM, Block
 
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.up, self.down = nn.Linear(DIM, HIDDEN), nn.Linear(HIDDEN, DIM)
-
-    def forward(self, x):
-        return x + self.down(torch.relu(self.up(x)))
+ROWS_PER_RANK = 3
 
 
 class Net(nn.Module):
