@@ -1,7 +1,6 @@
 #include <hyper_parallel/core/fully_shard/fully_shard.h>
 
 #include <algorithm>
-#include <cmath>
 #include <map>
 #include <mutex>
 #include <string>
@@ -333,11 +332,7 @@ void FSDPModule::set_reduce_op(comm::ReduceOp op) const {
 }
 
 void FSDPModule::set_gradient_divide_factor(double factor) const {
-  TORCH_CHECK_VALUE(factor > 0 && std::isfinite(factor),
-                    "FSDPModule::set_gradient_divide_factor: expected a finite factor > 0, got ", factor);
-  if (!state_->group) return;
-  state_->group->set_reduce_op(comm::ReduceOp::kSum);
-  state_->group->set_gradient_scaling_factor(1.0 / factor);
+  if (state_->group) state_->group->set_gradient_divide_factor(factor);
 }
 
 void FSDPModule::set_modules_to_forward_prefetch(const std::vector<FSDPModule>& modules) const {

@@ -545,7 +545,7 @@ TEST(FullyShard, GradientDivideFactorDividesTheRanksSum) {
   Net net;
   shard(net, fs::FullyShardOptions().mesh(dp_mesh()));
   HP_EXPECT_THROW_MSG(fs::FSDPModule::of(net)->set_gradient_divide_factor(0.0),
-                      "FSDPModule::set_gradient_divide_factor: expected a finite factor > 0, got 0");
+                      "set_gradient_divide_factor: expected a finite number > 0, got 0");
 }
 
 // On a 1-d mesh a reduce-scatter completes the gradient: all_reduce off changes nothing.

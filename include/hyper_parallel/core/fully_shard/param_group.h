@@ -167,6 +167,9 @@ class ParamGroup {
   /// reduce-scatter and in HSDP's all-reduce alike. Takes effect at the next reduction; a
   /// c10::ValueError while the group holds sums reduce-scattered with the other op.
   void set_reduce_op(comm::ReduceOp op);
+  /// FSDP2's: the ranks' gradients are summed and divided by `factor` (set_reduce_op(kSum) and a
+  /// scaling factor of 1 / factor). A c10::ValueError unless factor is finite and > 0.
+  void set_gradient_divide_factor(double factor);
   /// true: the group's one parameter is an embedding's table, read by one module's forward at the
   /// rows of its ids and not at all by its backward. Its forward gathers only those rows (see
   /// pre_forward), it is not prefetched or gathered again for the backward, and its gradient's

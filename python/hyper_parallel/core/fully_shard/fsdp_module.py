@@ -2,7 +2,6 @@
 becomes a subclass of it. Each acts on the module's C++ parameter group (``_fsdp_group``), or on
 the groups of the modules below it (``recurse``)."""
 
-import math
 from typing import Optional
 
 import torch
@@ -161,11 +160,10 @@ class FSDPModule:
         """FSDP2's: this module's group sums the dp ranks' gradients and divides by ``factor``
         (> 0; the default divides by the dp size). Sets the reduce op to "sum" and the gradient
         scaling factor to 1 / factor; not recursive."""
-        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor < math.inf:
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)):
             raise ValueError(f"FSDPModule.set_gradient_divide_factor: expected a finite number > 0, got {factor!r}")
         if self._fsdp_group is not None:
-            self._fsdp_group.set_reduce_op(_C.ReduceOp.SUM)
-            self._fsdp_group.set_gradient_scaling_factor(1.0 / factor)
+            self._fsdp_group.set_gradient_divide_factor(float(factor))
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """FSDP2's deprecated name of set_gradient_divide_factor."""
