@@ -56,12 +56,29 @@ int64_t output_features(torch::nn::Module& module, nn::ModuleKind kind) {
   return layout->global_shape[kind == nn::ModuleKind::kLinear ? 0 : 1];
 }
 
+namespace {
+
+std::optional<std::string> first_submodule_parameter(const torch::nn::Module& module) {
+  for (const auto& item : module.named_parameters(/*recurse=*/true)) {
+    if (item.key().find('.') != std::string::npos) return item.key();
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
 nn::HookableModule& sharding_target(const ParallelStyle& style, torch::nn::Module& module,
                                     const DeviceMesh& mesh, std::optional<int64_t> src_data_rank) {
   auto& hm = hookable(style.name().c_str(), module);
   std::vector<std::pair<std::string, at::Tensor>> parameters;  // handles to the module's tensors
   for (const auto& item : module.named_parameters(/*recurse=*/false))
     parameters.emplace_back(item.key(), item.value());
+  // The hooks see the module's own reads (HookableModule::parameter) only: a submodule's
+  // parameter would keep this rank's part of its gradient.
+  const auto held_below = first_submodule_parameter(module);
+  TORCH_CHECK_NOT_IMPLEMENTED(
+      !held_below, style.name(), ": expected a module whose parameters are all its own, got ", module.name(),
+      " whose submodule holds '", held_below.value_or(""), "' (apply the style to that submodule)");
   std::optional<std::string> claimed_by;
   if (hm.forward_kernel() != nullptr) claimed_by = hm.forward_kernel()->name();
   const auto summed =

@@ -344,6 +344,31 @@ TEST(SequenceParallel, AForwardThatDoesNotReadThroughTheHookIsAnError) {
   HP_EXPECT_THROW_MSG(m(x), "forward to read its parameter 'weight' through HookableModule::parameter()");
 }
 
+// A module whose parameters live in a submodule: the style's hooks see the module's own reads
+// only, so the submodule's gradients would stay this rank's part. A clear error, before anything
+// is laid out.
+class NormWrapperImpl : public torch::nn::Module, public hp::nn::HookableModule {
+ public:
+  NormWrapperImpl() { norm = register_module("norm", hp::nn::RMSNorm(12)); }
+  at::Tensor forward(const at::Tensor& x) { return run_output_hooks(norm(run_input_hooks(x))); }
+  hp::nn::RMSNorm norm{nullptr};
+};
+TORCH_MODULE(NormWrapper);
+
+TEST(SequenceParallel, AModuleWhoseSubmoduleHoldsParametersIsAnError) {
+  NormWrapper m;
+  const auto before = m->norm->weight.clone();
+  EXPECT_THROW(tp::parallelize_module(*m, tp_mesh(), tp::SequenceParallel()), c10::NotImplementedError);
+  HP_EXPECT_THROW_MSG(
+      tp::parallelize_module(*m, tp_mesh(), tp::SequenceParallel()),
+      "NormWrapperImpl whose submodule holds 'norm.weight' (apply the style to that submodule)");
+  HP_EXPECT_THROW_MSG(tp::parallelize_module(*m, tp_mesh(), tp::SequenceParallel()),
+                      "SequenceParallel: expected a module whose parameters are all its own, got ");
+  EXPECT_FALSE(hp::nn::recorded_layout(m->norm->weight).has_value());
+  EXPECT_TRUE(at::equal(m->norm->weight, before));
+  tp::parallelize_module(*m, tp_mesh(), {{"norm", std::make_shared<tp::SequenceParallel>()}});
+}
+
 // Linear(10,16) -> ReLU -> Linear(16,10), as in PyTorch's tensor-parallel tests.
 class MLPImpl : public torch::nn::Module {
  public:

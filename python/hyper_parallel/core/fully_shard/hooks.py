@@ -53,6 +53,7 @@ class _Standing:
         self._group = group
         self._slots = [(mod, name, index) for mod, names in owners.items() for name, index in names]
         self._backward_views = None
+        self._stood = None  # the tensors stood in last
         self.shards_in_place = True  # the owners hold the shards (no call or backward of the group)
 
     def index_of(self, module: nn.Module, name: str):
@@ -60,6 +61,13 @@ class _Standing:
         return next((index for mod, n, index in self._slots if mod is module and n == name), None)
 
     def stand_in(self, tensors, shards: bool = False) -> None:
+        """The owners hold ``tensors``. The same gathered ones again (an owner's call inside the
+        group's) are left as they stand: a tensor-parallel style's summing node stood in over one
+        by a module whose forward is still running stays."""
+        if not shards and not self.shards_in_place and self._stood is not None and len(tensors) == len(self._stood) \
+                and all(new is old for new, old in zip(tensors, self._stood)):
+            return
+        self._stood = list(tensors)
         for mod, name, index in self._slots:
             mod._parameters[name] = tensors[index]
             # An RNN reads its weights from a list its __setattr__ keeps (FSDP2 sets them through it).

@@ -23,7 +23,7 @@ def _targets(module: nn.Module, plan: Dict[str, ParallelStyle]):
 
 
 def _describe(fqn: str, module: nn.Module, style: ParallelStyle) -> str:
-    params = [(name, p.dtype, list(p.shape)) for name, p in module.named_parameters(recurse=False)]
+    params = [(name, p.dtype, list(p.shape)) for name, p in module.named_parameters(recurse=style._lays_out_submodules)]
     return _C.describe_target(fqn, type(style).__name__, params)
 
 

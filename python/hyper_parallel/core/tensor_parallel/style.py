@@ -18,6 +18,7 @@ from torch.nn.utils import parametrize
 
 from hyper_parallel import _C
 from hyper_parallel.core.dtensor.placement_types import Placement, Replicate, Shard
+from hyper_parallel.core.tensor_parallel.summed_reads import sum_gradients_of_reads
 
 
 def _module_kind(module: nn.Module) -> str:
@@ -43,100 +44,25 @@ def _core_mesh(device_mesh):
     raise TypeError(f"expected a DeviceMesh (or a mesh with get_group() and size()), got {type(device_mesh).__name__}")
 
 
-def _shard_module(core, module: nn.Module, device_mesh, src_data_rank):
+def _shard_module(core, module: nn.Module, device_mesh, src_data_rank, *, recurse: bool = False):
     """The apply preamble: the core's, in one call (its checks, then the module's parameters laid
-    out by its table). The kind is checked first here too, before a foreign mesh is converted.
-    Returns the kind, the core's mesh (_core_mesh) and the names of the parameters whose gradient
-    is Partial: the style's apply ends with _sum_gradients_of_reads of them."""
+    out by its table; with ``recurse``, its submodules' too). The kind is checked first here too,
+    before a foreign mesh is converted. Returns the kind, the core's mesh (_core_mesh) and the
+    names of the parameters whose gradient is Partial: the style's apply ends with
+    sum_gradients_of_reads of them."""
     kind, module_type = _module_kind(module), type(module).__name__
     core.check_kind(kind, module_type)
-    if parametrize.is_parametrized(module):
-        raise NotImplementedError(f"{core.name()}: expected a module without parametrizations, got {module_type} "
-                                  f"with parametrized {', '.join(module.parametrizations.keys())} (its parameters "
-                                  "are its parametrizations' own, which the style does not lay out)")
+    for path, mod in module.named_modules() if recurse else [("", module)]:
+        if parametrize.is_parametrized(mod):
+            raise NotImplementedError(
+                f"{core.name()}: expected a module without parametrizations, got {type(mod).__name__}"
+                f"{f' ({path!r})' if path else ''} with parametrized {', '.join(mod.parametrizations.keys())} "
+                "(its parameters are its parametrizations' own, which the style does not lay out)")
     device_mesh = _core_mesh(device_mesh)
-    summed = _C.lay_out_parameters(core, kind, module_type, list(module.named_parameters(recurse=False)),
+    summed = _C.lay_out_parameters(core, kind, module_type, list(module.named_parameters(recurse=recurse)),
                                    getattr(module, "_hp_sharding_style", None), device_mesh, src_data_rank)
     module._hp_sharding_style = core.name()
     return kind, device_mesh, summed
-
-
-def _sum_gradients_of_reads(module: nn.Module, names, mesh) -> None:
-    """Through each call, the module holds each parameter of ``names`` as the core's
-    sum_gradient_on_read of what it holds (the parameter, or fully_shard's gathered copy): the
-    gradient of the module's forward is summed over the mesh, a loss term on the parameter itself
-    is not. Stood in as the forward starts, over whatever the forward pre-hooks stood in
-    (fully_shard's gather), and put back, where it still stands, when the forward returns or
-    raises. A module with pre-hooks registered before the style (a weight_norm's computes the
-    weight from the parameters) also has it stood in by a pre-hook ahead of those; if a later
-    pre-hook raises, that one is put back at the next call."""
-    if not names:
-        return
-    # Nothing here refers to the module: a deep copy's hooks act on the copy, and no cycle keeps
-    # a model alive. What a call stood in lives on the module itself.
-    style, laid_out = module._hp_sharding_style, set(module._parameters)
-    module._hp_read_nodes = []  # (name, what it held before, the node stood in), in order
-
-    def stand_in(mod):
-        if torch.is_grad_enabled():
-            _check_parameters_laid_out(style, mod, names, laid_out)
-        _stand_in_reads(mod, names, mesh)
-
-    def stand_in_ahead(mod, args):
-        _put_back_reads(mod)  # what a call whose later pre-hook raised left
-        stand_in(mod)
-
-    if module._forward_pre_hooks:
-        handle = module.register_forward_pre_hook(stand_in_ahead)
-        module._forward_pre_hooks.move_to_end(handle.id, last=False)
-    # Bound to the module (as the styles' forwards are), so a deep copy of the model calls its own.
-    forward = module.forward
-    unbound = forward.__func__ if getattr(forward, "__self__", None) is module else None
-    other = forward if unbound is None else None
-    del forward
-
-    def forward_reading_through_the_sums(self, *args, **kwargs):
-        try:
-            stand_in(self)
-            return unbound(self, *args, **kwargs) if unbound is not None else other(*args, **kwargs)
-        finally:
-            _put_back_reads(self)
-
-    module.forward = types.MethodType(forward_reading_through_the_sums, module)
-
-
-def _stand_in_reads(module: nn.Module, names, mesh) -> None:
-    """Each of ``names`` that does not hold a node stood in already: its node, over what it holds."""
-    records = module._hp_read_nodes
-    for name in names:
-        held = module._parameters.get(name)
-        if held is None or any(node is held for _, _, node in records):
-            continue
-        node = _C.sum_gradient_on_read(held, mesh)
-        records.append((name, held, node))
-        module._parameters[name] = node
-
-
-def _put_back_reads(module: nn.Module) -> None:
-    """What each node stood in for, where the node still stands (newest first)."""
-    records = module._hp_read_nodes
-    for name, held, node in reversed(records):
-        if module._parameters.get(name) is node:
-            module._parameters[name] = held
-    records.clear()
-
-
-def _check_parameters_laid_out(style: str, module: nn.Module, names, laid_out) -> None:
-    """A parameter registered after the style, or one of ``names`` that now is a computed tensor
-    (weight_norm, parametrize after the style), would get this rank's part of its gradient only."""
-    added = sorted(set(module._parameters) - laid_out)
-    computed = [name for name in names if name not in module._parameters and (
-        name in module.__dict__ or isinstance(getattr(type(module), name, None), property))]
-    if added or computed:
-        what = f"'{added[0]}' registered after it" if added else f"'{computed[0]}' now computed from other tensors"
-        raise ValueError(f"{style}: expected {type(module).__name__}'s parameters to be those it laid out "
-                         f"({', '.join(sorted(laid_out))}), got {what}, whose gradient would be this rank's part "
-                         "only (apply weight_norm before the style; parametrize is not supported)")
 
 
 def _replace_first_input(style: str, convert):
@@ -172,6 +98,7 @@ class ParallelStyle:
     own copy, with no communication)."""
 
     src_data_rank: Optional[int] = 0
+    _lays_out_submodules: bool = False  # the style's parameter table covers the submodules' parameters too
 
     def apply(self, module: nn.Module, device_mesh) -> nn.Module:
         raise NotImplementedError(f"{type(self).__name__} does not implement apply")
@@ -201,7 +128,7 @@ class ColwiseParallel(ParallelStyle):
         core = self._core()
         kind, mesh, summed = _shard_module(core, module, device_mesh, self.src_data_rank)
         self._install_hooks(core, module, kind, mesh)
-        _sum_gradients_of_reads(module, summed, mesh)
+        sum_gradients_of_reads(module, summed, mesh)
         return module
 
     def _install_hooks(self, core, module, kind, mesh):
@@ -243,7 +170,7 @@ class RowwiseParallel(ParallelStyle):
             _check_embedding_options(type(self).__name__, module)
         kind, mesh, summed = _shard_module(core, module, device_mesh, self.src_data_rank)
         self._install_hooks(core, module, kind, mesh)
-        _sum_gradients_of_reads(module, summed, mesh)
+        sum_gradients_of_reads(module, summed, mesh)
         return module
 
     def _install_hooks(self, core, module, kind, mesh):
@@ -259,10 +186,12 @@ class RowwiseParallel(ParallelStyle):
 
 
 class SequenceParallel(ParallelStyle):
-    """For modules that act on each token alone (norms, dropout): parameters stay replicated, the
-    input is Shard(sequence_dim), no communication in forward; the gradient of the module's
-    forward on the parameters (Partial) is summed over the mesh in backward, a loss term on the
-    parameters themselves is not."""
+    """For modules that act on each token alone (norms, dropout): the parameters of the module
+    and of its submodules stay replicated, the input is Shard(sequence_dim), no communication in
+    forward; the gradient of the module's forward on the parameters (Partial) is summed over the
+    mesh in backward, a loss term on the parameters themselves is not."""
+
+    _lays_out_submodules = True
 
     def __init__(self, *, sequence_dim: int = 1, use_local_output: bool = False):
         self.sequence_sharding = (Shard(sequence_dim),)
@@ -273,10 +202,10 @@ class SequenceParallel(ParallelStyle):
 
     def apply(self, module, device_mesh):
         core = self._core()
-        _, mesh, summed = _shard_module(core, module, device_mesh, self.src_data_rank)
+        _, mesh, summed = _shard_module(core, module, device_mesh, self.src_data_rank, recurse=self._lays_out_submodules)
         module.register_forward_pre_hook(lambda m, args: core.prepare_inputs(args, mesh))
         module.register_forward_hook(lambda m, args, y: core.prepare_output(y, mesh))
-        _sum_gradients_of_reads(module, summed, mesh)
+        sum_gradients_of_reads(module, summed, mesh)
         return module
 
 
