@@ -133,6 +133,7 @@ void bind_dtensor_class(py::module& m) {
           py::arg("local"), py::arg("device_mesh"), py::arg("placements"), py::arg("run_check") = false,
           py::arg("shape") = py::none())
       .def_static("from_tagged", &dtensor::DTensor::from_tagged, py::arg("local"))
+      .def_static("carry_tag", &dtensor::DTensor::carry_tag, py::arg("from"), py::arg("to"))
       .def_static(
           "trace_back",
           [](const at::Tensor& t, int64_t max_nodes) {

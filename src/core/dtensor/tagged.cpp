@@ -85,6 +85,16 @@ std::optional<DTensor> DTensor::from_tagged(const at::Tensor& local) {
   return result;
 }
 
+at::Tensor DTensor::carry_tag(const at::Tensor& from, const at::Tensor& to) {
+  auto tagged = from.defined() && to.defined() && !from.is_same(to) ? from_tagged(from) : std::nullopt;
+  if (!tagged) return to;
+  TORCH_INTERNAL_ASSERT(to.sizes() == from.sizes(),
+                        "DTensor::carry_tag: expected a tensor of the tagged one's shape ", from.sizes(),
+                        ", got ", to.sizes());
+  tagged->local_ = to;
+  return tagged->to_local_tagged();
+}
+
 TaggedTrace DTensor::trace_back(const at::Tensor& t, int64_t max_nodes) {
   TaggedTrace trace;
   if (!t.defined() || !t.grad_fn()) return trace;

@@ -5,6 +5,8 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
+#include <hyper_parallel/core/dtensor/dtensor.h>
+
 #include "../autograd/attach_backward.h"
 #include "param_group_impl.h"
 
@@ -145,7 +147,7 @@ std::vector<at::Tensor> ParamGroup::register_pre_backward(std::vector<at::Tensor
   auto read = std::make_shared<const std::vector<detail::ShardState>>(impl_->shard_states());
   for (auto& out : outputs) {
     if (!out.defined() || !out.requires_grad()) continue;
-    out = hyper_parallel::detail::attach_backward(
+    auto wrapped = hyper_parallel::detail::attach_backward(
         out, out.detach(),
         [weak, then, made, read](const at::Tensor& grad) {
           // Before the module's own backward reads its parameters: gather them if resharded,
@@ -164,6 +166,7 @@ std::vector<at::Tensor> ParamGroup::register_pre_backward(std::vector<at::Tensor
           return grad;
         },
         "FullyShardPreBackward");
+    out = dtensor::DTensor::carry_tag(out, wrapped);  // a style's use_local_output=false
   }
   return outputs;
 }

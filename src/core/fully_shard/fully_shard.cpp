@@ -10,6 +10,7 @@
 #include <c10/util/Exception.h>
 #include <torch/nn/module.h>
 
+#include <hyper_parallel/core/dtensor/dtensor.h>
 #include <hyper_parallel/core/nn/embedding.h>
 #include <hyper_parallel/core/nn/hookable_module.h>
 
@@ -137,7 +138,7 @@ void install_hooks(const Owner& owner, const std::shared_ptr<State>& state) {
   // An embedding's forward reads the rows of its ids (a row-sparse group gathers only those).
   const bool reads_rows_by_id = dynamic_cast<nn::EmbeddingImpl*>(owner.module) != nullptr;
   hm.add_input_hook([s = state, reads_rows_by_id](std::vector<at::Tensor> inputs) {
-    for (auto& t : inputs) t = cast_input(t, s->mp_policy);
+    for (auto& t : inputs) t = dtensor::DTensor::carry_tag(t, cast_input(t, s->mp_policy));
     s->group->pre_forward(reads_rows_by_id && !inputs.empty() ? inputs[0] : at::Tensor(),
                           [&s] { prefetch(s->forward_prefetch); });
     return inputs;

@@ -605,6 +605,60 @@ TEST(FullyShard, ASequenceParallelNormsLossTermCountsOnceOnA2DMesh) {
   }
 }
 
+// Four linears whose second leaves its output row-sharded and tagged (use_local_output=false):
+// the third reads that layout through fully_shard's pre-backward node and mixed-precision cast.
+struct FourLinears : torch::nn::Module {
+  FourLinears() {
+    at::manual_seed(3);
+    for (int i = 0; i < 4; ++i)
+      layers.push_back(
+          register_module("l" + std::to_string(i), hp::nn::Linear(i % 2 ? 20 : 12, i % 2 ? 12 : 20)));
+  }
+  at::Tensor forward(at::Tensor x) {
+    for (auto& layer : layers) x = layer(x);
+    return x;
+  }
+  std::vector<hp::nn::Linear> layers;
+};
+
+TEST(FullyShard, ALayoutTaggedBetweenModulesCrossesTheirWrappers) {
+  namespace tp = hp::tensor_parallel;
+  const int64_t p = hp_test::world_size();
+  if (p % 2) GTEST_SKIP() << "a (dp, 2) mesh needs an even world size";
+  auto mesh = hp::dtensor::init_device_mesh("cpu", {p / 2, 2}, {"dp", "tp"});
+  const int64_t dp = mesh["dp"].get_local_rank(0), rows = 4;
+  at::manual_seed(5);
+  const auto x = at::randn({p / 2 * rows, 12});
+  FourLinears reference;
+  (reference.forward(x).pow(2).sum() / (p / 2)).backward();
+  for (const auto dtype : {at::kFloat, at::kDouble}) {
+    FourLinears net;
+    tp::parallelize_module(
+        net, mesh["tp"],
+        {{"l0", std::make_shared<tp::ColwiseParallel>()},
+         {"l1",
+          std::make_shared<tp::RowwiseParallel>(
+              tp::RowwiseParallelOptions().output_layouts(hp::dtensor::Shard(0)).use_local_output(false))},
+         {"l2", std::make_shared<tp::ColwiseParallel>()},
+         {"l3", std::make_shared<tp::RowwiseParallel>()}});
+    const auto options =
+        fs::FullyShardOptions()
+            .mesh(mesh["dp"])
+            .mp_policy(fs::MixedPrecisionPolicy().param_dtype(dtype).reduce_dtype(at::kFloat));
+    for (auto& layer : net.layers) fs::fully_shard(*layer, options);
+    fs::fully_shard(net, options);
+    const auto y = net.forward(x.narrow(0, dp * rows, rows));
+    ASSERT_EQ(y.sizes(), (std::vector<int64_t>{rows, 12}));
+    hp_test::expect_close(y.to(at::kFloat), reference.forward(x.narrow(0, dp * rows, rows)), "output");
+    y.pow(2).sum().backward();
+    const auto ref = reference.named_parameters();
+    for (const auto& item : net.named_parameters()) {
+      hp_test::expect_close(tp::full_tensor(item.value(), item.value().grad()), ref[item.key()].grad(),
+                            item.key() + " grad");
+    }
+  }
+}
+
 // set_requires_gradient_sync(false): the backwards add the gathered gradients up without
 // communication; the next synced backward reduce-scatters the sum: the gradient of all three
 // microbatches.

@@ -60,6 +60,10 @@ class DTensor {
   /// The DTensor whose to_local_tagged() returned `local`, if any (and `local` is that very
   /// tensor, still alive).
   static std::optional<DTensor> from_tagged(const at::Tensor& local);
+  /// `to` holds `from`'s values, laid out alike (an identity node or a cast a wrapper put
+  /// between modules: fully_shard's, a mixed-precision policy's): if `from` is tagged, `to` is
+  /// tagged as the same DTensor, so the next module's style reads its layout. Returns `to`.
+  static at::Tensor carry_tag(const at::Tensor& from, const at::Tensor& to);
   /// What the first `max_nodes` nodes of `t`'s autograd graph say of the tagged DTensor `t` was
   /// computed from (a cast, a scale, rows selected): see TaggedTrace. The walk stops at a matmul or
   /// another DTensor's node; a tensor without a graph (computed under no_grad) is not traced back.

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from hyper_parallel import _C
 from hyper_parallel.core.fully_shard.policies import MixedPrecisionPolicy
 
 __all__ = ["cast_inputs", "cast_outputs", "install_hooks"]
@@ -28,8 +29,8 @@ def cast_outputs(output, mp_policy: MixedPrecisionPolicy):
     """``output`` (any nesting) with floating tensors cast to output_dtype, if the policy has one."""
     if mp_policy.output_dtype is None:
         return output
-    return tree_map(lambda a: a.to(mp_policy.output_dtype) if isinstance(a, torch.Tensor) and a.is_floating_point()
-                    else a, output)
+    return tree_map(lambda a: _carry_tag(a, a.to(mp_policy.output_dtype))
+                    if isinstance(a, torch.Tensor) and a.is_floating_point() else a, output)
 
 
 def cast_inputs(inputs, mp_policy: MixedPrecisionPolicy):
@@ -37,8 +38,14 @@ def cast_inputs(inputs, mp_policy: MixedPrecisionPolicy):
     casts nothing."""
     if mp_policy.param_dtype is None or not mp_policy.cast_forward_inputs:
         return None
-    return tree_map(lambda a: a.to(mp_policy.param_dtype) if isinstance(a, torch.Tensor) and a.is_floating_point()
-                    else a, inputs)
+    return tree_map(lambda a: _carry_tag(a, a.to(mp_policy.param_dtype))
+                    if isinstance(a, torch.Tensor) and a.is_floating_point() else a, inputs)
+
+
+def _carry_tag(source: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
+    """``result`` (an alias or a cast of ``source``), tagged with ``source``'s layout if a
+    tensor-parallel style tagged it (``use_local_output=False``): the next style reads it."""
+    return _C.DTensor.carry_tag(source, result)
 
 
 class _Standing:
@@ -136,7 +143,7 @@ class _Standing:
         direct = [a for a in (*args, *kwargs.values()) if _needs_grad(a)]
         if not direct or len(direct) != sum(map(_needs_grad, tree_flatten((args, kwargs))[0])):
             return args, kwargs
-        passed = iter(_PostBackward.apply(self, *direct))
+        passed = iter(map(_carry_tag, direct, _PostBackward.apply(self, *direct)))
         args = tuple(next(passed) if _needs_grad(a) else a for a in args)
         kwargs = {k: next(passed) if _needs_grad(v) else v for k, v in kwargs.items()}
         return args, kwargs
