@@ -2,7 +2,7 @@
 # Both trainers (C++ llama3_train and Python train.py), tiny preset, fp32, 4 steps: --fsdp N
 # trains like replicated --dp N (step-4 loss within 1e-3, relative), at
 #   dp 2 x tp 1                         (world 2; also --no-reshard-after-forward)
-#   dp 2 x tp 2, MC2 on every layer     (world 4, bitwise equal run to run)
+#   dp 2 x tp 2, MC2 on every layer and loss parallel (world 4, bitwise equal run to run)
 #   HSDP 2 replicas x 2 shards x tp 1   (world 4, bitwise equal run to run)
 # (test_llama3 and the Python system tests check dp 2 x tp 1 run to run, without the launches.)
 #   fsdp_trainers.sh HP_RUN LLAMA3_TRAIN TRAIN_PY PYTHONPATH
@@ -57,7 +57,7 @@ sys.exit(0 if rel <= 1e-3 else 1)
 EOF
 }
 
-mc2="--enable-mc2 --mc2-scope all --relaxed-mc2-contract"
+mc2="--enable-mc2 --mc2-scope all --relaxed-mc2-contract --loss-parallel"
 for trainer in cpp py; do
   compare 2 "$trainer" "--dp 2" "--fsdp 2"
   compare 2 "$trainer" "--dp 2" "--fsdp 2 --no-reshard-after-forward"
