@@ -14,14 +14,17 @@ by their values, and another tensor that may come from them (a scale, a shift) i
     loss.backward()
 
 The computation (one all-gather of the row maxima and two all-reduces, none in backward; float32
-inside) is the C++ core's. Inside the context ``F.cross_entropy`` takes that path for such
-logits and behaves as usual for any other tensor.
+inside) is the C++ core's. Importing the package wraps torch's ``cross_entropy_loss``, which
+``F.cross_entropy`` and ``nn.CrossEntropyLoss`` call however they were imported: inside the
+context such logits take that path; outside it, logits sharded over more than one rank are a
+ValueError (torch's loss would read this rank's shard as the whole vocabulary); any other tensor
+is torch's as usual.
 """
 
 import contextlib
 
 import torch
-import torch.nn.functional as F  # patched inside the context
+import torch.jit._builtins
 
 from hyper_parallel import _C
 
@@ -66,29 +69,68 @@ def _sharded_logits(input: torch.Tensor):
     return tagged
 
 
+def _tagged_vocabulary_shard(input: torch.Tensor):
+    """The DTensor of the vocabulary-sharded logits over more than one rank that ``input`` is, is a
+    view of or was computed from (what the autograd graph shows), else None."""
+    t = input
+    while t is not None:
+        tagged = _C.DTensor.from_tagged(t)
+        if tagged is not None:
+            break
+        t = t._base
+    else:
+        tagged = _C.DTensor.trace_back(input)[0]
+    if tagged is None or not _vocabulary_sharded(tagged) or tagged.device_mesh.size() == 1:
+        return None
+    return tagged
+
+
+def _vocab_parallel(input, target, weight, reduction, ignore_index, label_smoothing, sharded):
+    if input.dim() != 2:
+        raise ValueError(f"loss_parallel: expected 2-d logits [N, vocab shard] (e.g. pred.flatten(0, 1)), "
+                         f"got {list(input.shape)}")
+    if weight is not None or reduction != _MEAN or label_smoothing != 0.0:
+        raise NotImplementedError("loss_parallel: only the mean cross-entropy without weight or label "
+                                  "smoothing is supported")
+    if bool((target == ignore_index).any()):
+        raise NotImplementedError(f"loss_parallel: targets equal to ignore_index ({ignore_index}) are not "
+                                  "supported")
+    return _C.vocab_parallel_cross_entropy(input, target, sharded.shape[-1], sharded.device_mesh)
+
+
+_torch_cross_entropy_loss = torch._C._nn.cross_entropy_loss
+_MEAN = 1  # torch's reduction enum (torch.nn._reduction.get_enum("mean"))
+_open_contexts = 0
+
+
+def _cross_entropy_loss(input, target, weight=None, reduction=_MEAN, ignore_index=-100, label_smoothing=0.0):
+    """torch's cross_entropy_loss, which F.cross_entropy and nn.CrossEntropyLoss call however they
+    were imported. Inside loss_parallel(), vocabulary-sharded logits take the vocabulary-parallel
+    loss; outside, they are an error (torch's loss of this rank's shard would be a loss of its
+    own); any other tensor is torch's."""
+    if _open_contexts:
+        sharded = _sharded_logits(input)
+        if sharded is not None:
+            return _vocab_parallel(input, target, weight, reduction, ignore_index, label_smoothing, sharded)
+    elif _tagged_vocabulary_shard(input) is not None:
+        raise ValueError(f"cross_entropy: expected logits sharded over the vocabulary (a style's "
+                         f"output_layouts=Shard(-1), use_local_output=False) inside loss_parallel(), got "
+                         f"{list(input.shape)} logits computed from them outside it, where torch's loss would "
+                         f"read this rank's shard as the whole vocabulary")
+    return _torch_cross_entropy_loss(input, target, weight, reduction, ignore_index, label_smoothing)
+
+
+torch._C._nn.cross_entropy_loss = _cross_entropy_loss
+torch.jit._builtins._register_builtin(_cross_entropy_loss, "aten::cross_entropy_loss")  # scripted code calls aten's
+
+
 @contextlib.contextmanager
 def loss_parallel():
-    original = F.cross_entropy
-
-    def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
-                      reduction="mean", label_smoothing=0.0):
-        sharded = _sharded_logits(input)
-        if sharded is None:
-            return original(input, target, weight, size_average, ignore_index, reduce, reduction, label_smoothing)
-        if input.dim() != 2:
-            raise ValueError(f"loss_parallel: expected 2-d logits [N, vocab shard] (e.g. pred.flatten(0, 1)), "
-                             f"got {list(input.shape)}")
-        if weight is not None or size_average is not None or reduce is not None or reduction != "mean" or \
-                label_smoothing != 0.0:
-            raise NotImplementedError("loss_parallel: only the mean cross-entropy without weight or label "
-                                      "smoothing is supported")
-        if bool((target == ignore_index).any()):
-            raise NotImplementedError(f"loss_parallel: targets equal to ignore_index ({ignore_index}) are not "
-                                      "supported")
-        return _C.vocab_parallel_cross_entropy(input, target, sharded.shape[-1], sharded.device_mesh)
-
-    F.cross_entropy = cross_entropy
+    """Inside, a cross-entropy of the vocabulary-sharded logits (F.cross_entropy, nn.CrossEntropyLoss)
+    is computed in parallel over the vocabulary (see the module's doc)."""
+    global _open_contexts
+    _open_contexts += 1
     try:
         yield
     finally:
-        F.cross_entropy = original
+        _open_contexts -= 1

@@ -1,0 +1,78 @@
+"""loss_parallel whatever calls torch's cross-entropy: F.cross_entropy, a ``cross_entropy``
+imported from torch.nn.functional before the context opened, nn.CrossEntropyLoss. Outside the
+context, logits sharded over the vocabulary on more than one rank are a ValueError, not this
+rank's loss; over one rank, and for any other tensor, torch's loss as usual (also in TorchScript).
+Against the single-process loss."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.functional import cross_entropy  # bound before any context opens
+
+from hyper_parallel import ColwiseParallel, full_tensor, init_device_mesh, loss_parallel, parallelize_module
+
+VOCAB, DIM = 10, 4
+
+
+def vocab_sharded_head(mesh):
+    torch.manual_seed(3)
+    head = nn.Linear(DIM, VOCAB, bias=False)
+    reference = copy.deepcopy(head)
+    return parallelize_module(head, mesh, ColwiseParallel(use_local_output=False)), reference
+
+
+def inputs():
+    torch.manual_seed(4)
+    return torch.randn(2, 3, DIM), torch.randint(VOCAB, (2, 3))
+
+
+ENTRY_POINTS = {"F.cross_entropy": lambda x, y: F.cross_entropy(x, y),
+                "imported_before": lambda x, y: cross_entropy(x, y),
+                "nn.CrossEntropyLoss": lambda x, y: nn.CrossEntropyLoss()(x, y)}
+
+
+@pytest.mark.parametrize("entry", list(ENTRY_POINTS))
+def test_loss_parallel_takes_every_entry_point_to_torchs_cross_entropy(entry):
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+    head, reference = vocab_sharded_head(mesh)
+    x, labels = inputs()
+    with loss_parallel():
+        loss = ENTRY_POINTS[entry](head(x).flatten(0, 1), labels.flatten())
+    loss.backward()
+    expected = F.cross_entropy(reference(x).flatten(0, 1), labels.flatten())
+    expected.backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(full_tensor(head.weight, head.weight.grad), reference.weight.grad, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("entry", list(ENTRY_POINTS))
+def test_vocabulary_sharded_logits_outside_loss_parallel_are_an_error(entry):
+    if dist.get_world_size() < 2:
+        pytest.skip("a vocabulary sharded over more than one rank needs 2 ranks")
+    head, _ = vocab_sharded_head(init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",)))
+    x, labels = inputs()
+    message = r"cross_entropy: expected logits sharded over the vocabulary .* inside loss_parallel\(\), got \[6, "
+    for logits in (head(x).flatten(0, 1), head(x).flatten(0, 1).float() * 2):  # the logits; computed from them
+        with pytest.raises(ValueError, match=message):
+            ENTRY_POINTS[entry](logits, labels.flatten())
+
+
+def scripted_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits, labels)
+
+
+def test_outside_loss_parallel_other_logits_take_torchs_loss_also_in_torchscript():
+    x, labels = inputs()
+    logits = torch.randn(6, VOCAB, requires_grad=True)
+    expected = torch.nn.functional.log_softmax(logits, -1).gather(1, labels.flatten()[:, None]).mean().neg()
+    torch.testing.assert_close(F.cross_entropy(logits, labels.flatten()), expected)
+    torch.testing.assert_close(torch.jit.script(scripted_loss)(logits, labels.flatten()), expected)
+    # A vocabulary "sharded" over one rank is the whole vocabulary: torch's loss is right.
+    head, reference = vocab_sharded_head(
+        init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("dp", "tp"))["tp"])
+    torch.testing.assert_close(F.cross_entropy(head(x).flatten(0, 1), labels.flatten()),
+                               F.cross_entropy(reference(x).flatten(0, 1), labels.flatten()))
