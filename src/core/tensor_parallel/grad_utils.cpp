@@ -72,7 +72,7 @@ struct ShardedSums {
 };
 
 double clip(const std::vector<Entry>& params, double max_norm) {
-  TORCH_CHECK_VALUE(max_norm > 0, "clip_grad_norm_: expected max_norm > 0, got ", max_norm);
+  TORCH_CHECK_VALUE(max_norm >= 0, "clip_grad_norm_: expected max_norm >= 0, got ", max_norm);
   // Squared norms summed as tensors; one .item() at the end, not one per parameter.
   at::Tensor replicated_sq = at::zeros({}, at::kDouble);
   ShardedSums sharded;
@@ -89,8 +89,10 @@ double clip(const std::vector<Entry>& params, double max_norm) {
     }
   }
   const double norm = std::sqrt((replicated_sq + sharded.total()).item<double>());
+  if (std::isinf(max_norm)) return norm;  // measures only
+  // As torch's: a nan norm makes the gradients nan, an inf one zero (or nan where they are inf).
   const double scale = max_norm / (norm + 1e-6);
-  if (scale < 1) {
+  if (!(scale >= 1)) {
     at::NoGradGuard no_grad;
     for (auto& g : grads) g.mul_(scale);
   }

@@ -156,6 +156,28 @@ def test_torch_clip_grad_norm_of_laid_out_parameters_refuses_what_it_cannot_comp
 
 
 @multirank
+@pytest.mark.parametrize("case", ["nan_gradient", "max_norm_0"])
+def test_clip_grad_norm_of_laid_out_parameters_scales_as_torchs(mesh, case):
+    """A nan total norm makes every gradient nan and max_norm 0 zeroes them, as torch's clipping of
+    the unsharded model does; a negative max_norm is an error."""
+    torch.manual_seed(8)
+    ref = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+    model = parallelize_module(copy.deepcopy(ref), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    x = torch.randn(3, 4)
+    for m in (model, ref):
+        m(x).sum().backward()
+        if case == "nan_gradient":
+            m[2].bias.grad[0] = float("nan")
+    max_norm = 0.0 if case == "max_norm_0" else 1.0
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    torch.testing.assert_close(norm.float(), torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm), equal_nan=True)
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(_full_grad(p) if layout_of(p) else p.grad, q.grad, equal_nan=True, msg=name)
+    with pytest.raises(ValueError, match="clip_grad_norm_: expected max_norm >= 0, got -1"):
+        clip_grad_norm_(model.parameters(), -1.0)
+
+
+@multirank
 def test_layout_of_and_full_tensor_round_trip_every_parameter(mesh):
     args = llama.ModelArgs.debug()
     torch.manual_seed(9)

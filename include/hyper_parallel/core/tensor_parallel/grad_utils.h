@@ -15,6 +15,8 @@ namespace hyper_parallel::tensor_parallel {
 
 /// Clips gradients by their global L2 norm: sharded parameters' squared norms are summed over
 /// their mesh, replicated ones counted once. Returns the norm before clipping. All ranks call it.
+/// As torch's, the gradients are multiplied by min(1, max_norm / (norm + 1e-6)) (a nan norm
+/// makes them nan); max_norm >= 0 (0 zeroes them; infinity only measures), else c10::ValueError.
 double clip_grad_norm_(torch::nn::Module& module, double max_norm);
 
 /// The same over a list of parameters (a torch.nn module's, from Python), each laid out as its
