@@ -10,7 +10,7 @@ tensor tagged with its layout, so the next style reads its placements (the C++ c
 """
 
 import types
-from typing import Optional, Sequence, Tuple, Union
+from typing import Dict, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -18,6 +18,7 @@ from torch.nn.utils import parametrize
 
 from hyper_parallel import _C
 from hyper_parallel.core.dtensor.placement_types import Placement, Replicate, Shard
+from hyper_parallel.core.tensor_parallel.forward_wrap import wrap_forward
 from hyper_parallel.core.tensor_parallel.summed_reads import sum_gradients_of_reads
 
 
@@ -202,7 +203,8 @@ class SequenceParallel(ParallelStyle):
 
     def apply(self, module, device_mesh):
         core = self._core()
-        _, mesh, summed = _shard_module(core, module, device_mesh, self.src_data_rank, recurse=self._lays_out_submodules)
+        _, mesh, summed = _shard_module(core, module, device_mesh, self.src_data_rank,
+                                        recurse=self._lays_out_submodules)
         module.register_forward_pre_hook(lambda m, args: core.prepare_inputs(args, mesh))
         module.register_forward_hook(lambda m, args, y: core.prepare_output(y, mesh))
         sum_gradients_of_reads(module, summed, mesh)
@@ -221,27 +223,74 @@ def _check_tensors_at_layouts(style: str, what: str, values: Tuple, layouts: Tup
 
 class PrepareModuleInput(ParallelStyle):
     """Converts each positional input from input_layouts to desired_input_layouts (None leaves
-    one alone) before the module runs."""
+    one alone; no input_layouts: all), and each keyword input named in input_kwarg_layouts to its
+    desired_input_kwarg_layouts entry (none: it keeps its layout, tagged with it), before the
+    module runs."""
 
-    def __init__(self, *, input_layouts: Layouts, desired_input_layouts: Layouts, use_local_output: bool = False):
-        self.input_layouts = _layouts(input_layouts, None)
-        self.desired_input_layouts = _layouts(desired_input_layouts, None)
+    def __init__(self, *, input_layouts: Layouts = None, desired_input_layouts: Layouts = None,
+                 input_kwarg_layouts: Optional[Dict[str, Placement]] = None,
+                 desired_input_kwarg_layouts: Optional[Dict[str, Placement]] = None, use_local_output: bool = False):
+        if input_layouts is not None and desired_input_layouts is None:
+            raise ValueError(f"PrepareModuleInput: expected desired_input_layouts with input_layouts "
+                             f"{input_layouts}, got None")
+        self.input_layouts = None if input_layouts is None else _layouts(input_layouts, None)
+        self.desired_input_layouts = None if input_layouts is None else _layouts(desired_input_layouts, None)
+        self.input_kwarg_layouts = dict(_keyword_layouts("input_kwarg_layouts", input_kwarg_layouts))
+        self.desired_input_kwarg_layouts = dict(_keyword_layouts("desired_input_kwarg_layouts",
+                                                                 desired_input_kwarg_layouts))
+        unknown = sorted(set(self.desired_input_kwarg_layouts) - set(self.input_kwarg_layouts))
+        if unknown:
+            raise ValueError(f"PrepareModuleInput: expected desired_input_kwarg_layouts for keyword inputs that "
+                             f"input_kwarg_layouts names ({sorted(self.input_kwarg_layouts)}), got {unknown[0]!r}")
         self.use_local_output = use_local_output
         self._core()
+        self._keyword_core()
 
     def _core(self):
+        if self.input_layouts is None:
+            return None
         return _C.PrepareModuleInput(list(self.input_layouts), list(self.desired_input_layouts), self.use_local_output)
 
+    def _keyword_core(self):
+        """The C++ core's conversion of the keyword inputs input_kwarg_layouts names, in its order."""
+        if not self.input_kwarg_layouts:
+            return None
+        keys = list(self.input_kwarg_layouts)
+        return keys, _C.PrepareModuleInput([self.input_kwarg_layouts[k] for k in keys],
+                                           [self.desired_input_kwarg_layouts.get(k, self.input_kwarg_layouts[k])
+                                            for k in keys], self.use_local_output)
+
     def apply(self, module, device_mesh):
-        core, mesh = self._core(), _core_mesh(device_mesh)
-        _C.check_tp_mesh(core.name(), mesh)
+        core, keyword, mesh = self._core(), self._keyword_core(), _core_mesh(device_mesh)
+        _C.check_tp_mesh("PrepareModuleInput", mesh)
+        if core is not None:
+            def hook(m, args):
+                _check_tensors_at_layouts("PrepareModuleInput", "input", args, self.input_layouts)
+                return core.prepare_inputs(args, mesh)
 
-        def hook(m, args):
-            _check_tensors_at_layouts("PrepareModuleInput", "input", args, self.input_layouts)
-            return core.prepare_inputs(args, mesh)
+            module.register_forward_pre_hook(hook)
+        if keyword is not None:
+            keys, keyword_core = keyword
 
-        module.register_forward_pre_hook(hook)
+            def convert_keywords(mod, forward, *args, **kwargs):
+                for k in keys:
+                    if kwargs.get(k) is not None and not isinstance(kwargs[k], torch.Tensor):
+                        raise TypeError(f"PrepareModuleInput: expected a tensor as keyword input {k!r} (layout "
+                                        f"{self.input_kwarg_layouts[k]}), got {type(kwargs[k]).__name__}")
+                values = keyword_core.prepare_inputs([kwargs.get(k) for k in keys], mesh)
+                return forward(*args, **{**kwargs, **{k: v for k, v in zip(keys, values) if k in kwargs}})
+
+            wrap_forward(module, convert_keywords)
         return module
+
+
+def _keyword_layouts(what: str, layouts):
+    if layouts is None:
+        return {}
+    if not isinstance(layouts, dict) or not all(isinstance(k, str) and isinstance(v, Placement)
+                                                for k, v in layouts.items()):
+        raise TypeError(f"PrepareModuleInput: expected {what} as a dict of keyword name -> placement, got {layouts!r}")
+    return layouts
 
 
 class PrepareModuleOutput(ParallelStyle):

@@ -11,13 +11,13 @@ pre-hooks stood in (fully_shard's gather of that submodule). A node is never sto
 another, so each read is summed once.
 """
 
-import types
 from typing import Dict, List
 
 import torch
 from torch import nn
 
 from hyper_parallel import _C
+from hyper_parallel.core.tensor_parallel.forward_wrap import wrap_forward
 
 _MARK = "_hp_summed_read"  # set on each node stood in
 
@@ -50,8 +50,8 @@ def sum_gradients_of_reads(module: nn.Module, names, mesh) -> None:
 
 
 def _install(module: nn.Module, by_owner, laid_out, style: str, mesh) -> None:
-    # Nothing here refers to a module: a deep copy's hooks act on the copy, and no cycle keeps a
-    # model alive. What a call stood in lives on the module itself.
+    # Nothing here refers to a module (a deep copy's hooks act on the copy); what a call stood
+    # in lives on the module itself.
     module._hp_read_nodes = []  # (owner, name, what it held before, the node stood in), in order
 
     def stand_in(mod):
@@ -68,20 +68,15 @@ def _install(module: nn.Module, by_owner, laid_out, style: str, mesh) -> None:
     if module._forward_pre_hooks:
         handle = module.register_forward_pre_hook(stand_in_ahead)
         module._forward_pre_hooks.move_to_end(handle.id, last=False)
-    # Bound to the module (as the styles' forwards are), so a deep copy of the model calls its own.
-    forward = module.forward
-    unbound = forward.__func__ if getattr(forward, "__self__", None) is module else None
-    other = forward if unbound is None else None
-    del forward
 
-    def forward_reading_through_the_sums(self, *args, **kwargs):
+    def forward_reading_through_the_sums(mod, forward, *args, **kwargs):
         try:
-            stand_in(self)
-            return unbound(self, *args, **kwargs) if unbound is not None else other(*args, **kwargs)
+            stand_in(mod)
+            return forward(*args, **kwargs)
         finally:
-            _put_back_reads(self)
+            _put_back_reads(mod)
 
-    module.forward = types.MethodType(forward_reading_through_the_sums, module)
+    wrap_forward(module, forward_reading_through_the_sums)
 
 
 def _stand_in_reads(module: nn.Module, owner: nn.Module, names, mesh) -> None:
