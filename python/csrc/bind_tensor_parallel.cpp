@@ -81,8 +81,25 @@ void bind_parameters(py::module& m) {
       py::arg("param"), py::arg("value") = py::none());
   m.def("clip_grad_norm_", py::overload_cast<const std::vector<at::Tensor>&, double>(&tp::clip_grad_norm_),
         py::arg("parameters"), py::arg("max_norm"));
-  m.def("vocab_parallel_cross_entropy", &tp::vocab_parallel_cross_entropy, py::arg("local_logits"),
-        py::arg("targets"), py::arg("vocab_size"), py::arg("mesh"));
+  m.def(
+      "vocab_parallel_cross_entropy",
+      [](const at::Tensor& logits, const at::Tensor& targets, int64_t vocab_size,
+         const dtensor::DeviceMesh& mesh, int64_t ignore_index, int64_t reduction, double label_smoothing) {
+        // torch's reduction enum (torch.nn._reduction.get_enum): 0 none, 1 mean, 2 sum.
+        TORCH_CHECK_VALUE(
+            reduction >= 0 && reduction <= 2,
+            "vocab_parallel_cross_entropy: expected reduction 0 (none), 1 (mean) or 2 (sum), got ",
+            reduction);
+        const tp::LossReduction reductions[] = {tp::LossReduction::kNone, tp::LossReduction::kMean,
+                                                tp::LossReduction::kSum};
+        return tp::vocab_parallel_cross_entropy(logits, targets, vocab_size, mesh,
+                                                tp::CrossEntropyOptions()
+                                                    .ignore_index(ignore_index)
+                                                    .reduction(reductions[reduction])
+                                                    .label_smoothing(label_smoothing));
+      },
+      py::arg("local_logits"), py::arg("targets"), py::arg("vocab_size"), py::arg("mesh"),
+      py::arg("ignore_index") = -100, py::arg("reduction") = 1, py::arg("label_smoothing") = 0.0);
   m.def("untraced_vocab_shard_source", &tp::untraced_vocab_shard_source, py::arg("t"));
   m.def(
       "lay_out_parameters",

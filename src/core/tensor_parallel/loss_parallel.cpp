@@ -19,23 +19,30 @@ namespace hyper_parallel::tensor_parallel {
 
 namespace {
 
-// d loss / d logits = (softmax - onehot(target)) * grad / N, each rank on its vocabulary chunk, in
-// the logits' dtype. The scaled softmax is cast once into the result; then only the N entries of
-// targets this rank holds get their "- 1". Bitwise the unfused ((softmax - onehot) * (grad /
-// N)).to(dtype), without its one-hot, mask-product and clone temporaries (the same ops in torch at
-// 1024 tokens x 4096 logits, one thread: 48-73 ms against 3-9). Out-of-place but for the targets'
-// in-place write, so autograd follows it: a double backward differentiates it in `grad`.
+// d loss / d logits = (softmax - (1 - s) onehot(target) - s / V) * row_scale, each rank on its
+// vocabulary chunk, in the logits' dtype (row_scale: the gradient each token's loss gets, zero for
+// an ignored target; s: label smoothing). The scaled softmax is cast once into the result; then only
+// the entries of targets this rank holds get their "- (1 - s)". Bitwise the unfused
+// ((softmax - onehot) * row_scale).to(dtype), without its one-hot, mask-product and clone
+// temporaries (the same ops in torch at 1024 tokens x 4096 logits, one thread: 48-73 ms against
+// 3-9). Out-of-place but for the targets' in-place write, so autograd follows it: a double backward
+// differentiates it in `grad`.
 at::Tensor logits_gradient(const at::Tensor& softmax_local, const at::Tensor& target_mask,
-                           const at::Tensor& local_target, const at::Tensor& grad, at::ScalarType dtype) {
-  const auto scale = grad / static_cast<double>(std::max<int64_t>(target_mask.numel(), 1));
-  auto out = (softmax_local * scale).to(dtype);
+                           const at::Tensor& local_target, const at::Tensor& row_scale, double smoothing,
+                           int64_t vocab_size, at::ScalarType dtype) {
+  const auto scale = row_scale.unsqueeze(-1);
+  const double uniform = smoothing / static_cast<double>(vocab_size);
+  auto out = ((smoothing > 0 ? softmax_local - uniform : softmax_local) * scale).to(dtype);
   const int64_t n = softmax_local.size(-1);
   if (n == 0) return out;
   // Flat positions of the targets on this rank's chunk: row * n + local id.
   const auto rows = target_mask.logical_not().reshape({-1}).nonzero().view({-1});
   const auto at_target = rows * n + local_target.reshape({-1}).index_select(0, rows);
   const auto picked = softmax_local.reshape({-1}).index_select(0, at_target);
-  out.view({-1}).index_copy_(0, at_target, ((picked - 1) * scale).to(dtype));
+  const auto picked_scale = scale.reshape({-1}).index_select(0, rows);
+  const auto target_gradient = smoothing > 0 ? picked - uniform - (1 - smoothing)
+                                             : picked - 1;  // the unsmoothed one bitwise as before
+  out.view({-1}).index_copy_(0, at_target, (target_gradient * picked_scale).to(dtype));
   return out;
 }
 
@@ -138,25 +145,49 @@ std::optional<dtensor::DTensor> untraced_vocab_shard_source(const at::Tensor& t)
   return *source;
 }
 
-at::Tensor vocab_parallel_cross_entropy(const at::Tensor& local_logits, const at::Tensor& targets,
-                                        int64_t vocab_size, const dtensor::DeviceMesh& mesh) {
-  check_tp_mesh("vocab_parallel_cross_entropy", mesh);
-  const auto shard = detail::vocab_shard(targets, vocab_size, mesh);
-  const int64_t n = shard.size;
+namespace {
+
+void check_loss_inputs(const at::Tensor& local_logits, const at::Tensor& targets, const at::Tensor& ids,
+                       int64_t vocab_size, int64_t n, const dtensor::DeviceMesh& mesh,
+                       const CrossEntropyOptions& options) {
   TORCH_CHECK_VALUE(local_logits.dim() >= 1 && local_logits.size(-1) == n,
                     "vocab_parallel_cross_entropy: expected local logits [..., ", n, "] (chunk ",
                     mesh.get_local_rank(0), " of vocab ", vocab_size, "), got ", local_logits.sizes());
   TORCH_CHECK_VALUE(targets.sizes() == local_logits.sizes().slice(0, local_logits.dim() - 1),
                     "vocab_parallel_cross_entropy: expected targets of shape ",
                     local_logits.sizes().slice(0, local_logits.dim() - 1), ", got ", targets.sizes());
-  TORCH_CHECK_VALUE(targets.numel() == 0 ||
-                        (targets.min().item<int64_t>() >= 0 && targets.max().item<int64_t>() < vocab_size),
-                    "vocab_parallel_cross_entropy: expected targets in [0, ", vocab_size,
-                    "), got values in [", targets.min().item<int64_t>(), ", ", targets.max().item<int64_t>(),
-                    "]");
+  TORCH_CHECK_VALUE(options.label_smoothing() >= 0 && options.label_smoothing() <= 1,
+                    "vocab_parallel_cross_entropy: expected label_smoothing in [0, 1], got ",
+                    options.label_smoothing());
+  // `ids`: the targets with the ignored ones as 0.
+  if (ids.numel() == 0 || (ids.min().item<int64_t>() >= 0 && ids.max().item<int64_t>() < vocab_size)) return;
+  const auto kept = targets.masked_select(targets != options.ignore_index());
+  TORCH_CHECK_VALUE(false, "vocab_parallel_cross_entropy: expected targets in [0, ", vocab_size,
+                    ") or ignore_index (", options.ignore_index(), "), got values in [",
+                    kept.min().item<int64_t>(), ", ", kept.max().item<int64_t>(), "]");
+}
+
+// The gradient each token's loss gets from the reduced loss's gradient `grad`; 0 where ignored.
+at::Tensor row_scale(const at::Tensor& grad, const at::Tensor& kept, LossReduction reduction) {
+  const auto keep = kept.to(grad.scalar_type());
+  return reduction == LossReduction::kMean ? grad / keep.sum() * keep : grad * keep;
+}
+
+}  // namespace
+
+at::Tensor vocab_parallel_cross_entropy(const at::Tensor& local_logits, const at::Tensor& targets,
+                                        int64_t vocab_size, const dtensor::DeviceMesh& mesh,
+                                        const CrossEntropyOptions& options) {
+  check_tp_mesh("vocab_parallel_cross_entropy", mesh);
+  const auto ignored = targets == options.ignore_index();
+  const auto ids = targets.masked_fill(ignored, 0);  // an ignored row reads class 0, and counts zero
+  const auto shard = detail::vocab_shard(ids, vocab_size, mesh);
+  const int64_t n = shard.size;
+  check_loss_inputs(local_logits, targets, ids, vocab_size, n, mesh, options);
   auto group = mesh.get_group(0);
   // The target's logit lives on exactly one rank.
-  const at::Tensor target_mask = shard.outside, local_target = shard.local_ids;
+  const at::Tensor target_mask = shard.outside, local_target = shard.local_ids, kept = ignored.logical_not();
+  const double smoothing = options.label_smoothing();
   const bool needs_grad = at::GradMode::is_enabled() && local_logits.requires_grad();
   at::Tensor loss, softmax_local;
   {
@@ -174,15 +205,35 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& local_logits, const at
     auto picked = n > 0 ? shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
                         : at::zeros(targets.sizes(), logits.options());
     picked = comm::all_reduce(picked.masked_fill(target_mask, 0), comm::ReduceOp::kSum, group);
-    loss = (sum_exp.log() - picked).mean();
+    auto per_token = sum_exp.log() - picked;
+    if (smoothing > 0) {  // the uniform target's term: log-sum-exp minus the mean logit
+      auto sum_shifted = comm::all_reduce(shifted.sum(-1), comm::ReduceOp::kSum, group);
+      per_token = (1 - smoothing) * per_token +
+                  smoothing * (sum_exp.log() - sum_shifted / static_cast<double>(vocab_size));
+    }
+    per_token = per_token.masked_fill(ignored, 0);
+    switch (options.reduction()) {
+      case LossReduction::kNone:
+        loss = per_token;
+        break;
+      case LossReduction::kSum:
+        loss = per_token.sum();
+        break;
+      case LossReduction::kMean:
+        loss = per_token.sum() / kept.sum().to(compute);
+        break;
+    }
     // Only a backward reads the softmax: an eval loss skips its pass over the logits.
     if (!needs_grad) return loss;
     softmax_local = exp / sum_exp.unsqueeze(-1);
   }
   return hyper_parallel::detail::attach_backward(
       local_logits, loss,
-      [softmax_local, target_mask, local_target, dtype = local_logits.scalar_type()](const at::Tensor& grad) {
-        return logits_gradient(softmax_local, target_mask, local_target, grad, dtype);
+      [softmax_local, target_mask, local_target, kept, options, vocab_size,
+       dtype = local_logits.scalar_type()](const at::Tensor& grad) {
+        return logits_gradient(softmax_local, target_mask, local_target,
+                               row_scale(grad, kept, options.reduction()), options.label_smoothing(),
+                               vocab_size, dtype);
       },
       "VocabParallelCrossEntropyBackward");
 }

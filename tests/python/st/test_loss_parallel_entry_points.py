@@ -76,3 +76,38 @@ def test_outside_loss_parallel_other_logits_take_torchs_loss_also_in_torchscript
         init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("dp", "tp"))["tp"])
     torch.testing.assert_close(F.cross_entropy(head(x).flatten(0, 1), labels.flatten()),
                                F.cross_entropy(reference(x).flatten(0, 1), labels.flatten()))
+
+
+OPTIONS = {"ignore_padding": dict(ignore_index=-100), "ignore_a_class": dict(ignore_index=3),
+           "label_smoothing": dict(label_smoothing=0.1), "sum": dict(reduction="sum"), "none": dict(reduction="none"),
+           "smoothing_ignore_sum": dict(label_smoothing=0.2, ignore_index=-100, reduction="sum")}
+
+
+@pytest.mark.parametrize("options", list(OPTIONS))
+def test_loss_parallel_takes_torchs_options(options):
+    """ignore_index (targets of -100 padding, or a class), label_smoothing and each reduction: the
+    loss and the gradients of the unsharded head, through one backward of a weighted sum."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+    head, reference = vocab_sharded_head(mesh)
+    x, labels = inputs()
+    labels = labels.flatten()
+    labels[::4] = -100 if options != "ignore_a_class" else 3
+    kwargs = OPTIONS[options]
+    with loss_parallel():
+        loss = F.cross_entropy(head(x).flatten(0, 1), labels, **kwargs)
+    expected = F.cross_entropy(reference(x).flatten(0, 1), labels, **kwargs)
+    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-6)
+    weights = torch.linspace(0.5, 1.5, loss.numel()).reshape(loss.shape)
+    (loss * weights).sum().backward()
+    (expected * weights).sum().backward()
+    torch.testing.assert_close(full_tensor(head.weight, head.weight.grad), reference.weight.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_loss_parallel_over_targets_all_ignored_is_nan_as_torchs():
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+    head, _ = vocab_sharded_head(mesh)
+    x, _ = inputs()
+    with loss_parallel():
+        assert torch.isnan(F.cross_entropy(head(x).flatten(0, 1), torch.full((6,), -100)))
+        with pytest.raises(NotImplementedError, match="expected no class weight"):
+            F.cross_entropy(head(x).flatten(0, 1), torch.zeros(6, dtype=torch.long), weight=torch.ones(VOCAB))

@@ -8,17 +8,36 @@
 #include <hyper_parallel/core/dtensor/device_mesh.h>
 #include <hyper_parallel/core/dtensor/dtensor.h>
 
+#include <torch/arg.h>
+
 namespace hyper_parallel::tensor_parallel {
 
-/// Mean cross-entropy of `local_logits` [..., V_local] (this rank's Shard(-1) chunk of the
-/// vocabulary, torch.chunk sizes of `vocab_size`) against `targets` [...] (global ids, the same on
-/// every rank, in [0, vocab_size): anything else is a c10::ValueError). Equals
-/// cross_entropy(full_logits, targets), computed in float32 for 16-bit logits and in their own
-/// dtype otherwise; differentiable. Communication, all of
-/// [...]-sized tensors: one all-gather (the max) and two all-reduces (sum of exponentials, target
-/// logit); none in backward.
+/// How the per-token losses combine, as torch's `reduction`.
+enum class LossReduction { kNone, kMean, kSum };
+
+/// torch.nn.functional.cross_entropy's options that the vocabulary-parallel loss takes.
+///
+/// Usage:
+///   vocab_parallel_cross_entropy(logits, targets, vocab, mesh,
+///                                CrossEntropyOptions().ignore_index(-100).label_smoothing(0.1))
+struct CrossEntropyOptions {
+  /// Targets equal to it add no loss and no gradient; the mean is over the others (NaN if none).
+  TORCH_ARG(int64_t, ignore_index) = -100;
+  TORCH_ARG(LossReduction, reduction) = LossReduction::kMean;
+  /// In [0, 1]: the target is (1 - s) on its class and s / vocab_size on every class.
+  TORCH_ARG(double, label_smoothing) = 0.0;
+};
+
+/// Cross-entropy of `local_logits` [..., V_local] (this rank's Shard(-1) chunk of the vocabulary,
+/// torch.chunk sizes of `vocab_size`) against `targets` [...] (global ids, the same on every rank,
+/// in [0, vocab_size) or options.ignore_index: anything else is a c10::ValueError). Equals
+/// cross_entropy(full_logits, targets, ...) with the options, computed in float32 for 16-bit logits
+/// and in their own dtype otherwise; differentiable. Communication, all of [...]-sized tensors: one
+/// all-gather (the max) and two all-reduces (sum of exponentials, target logit), a third with label
+/// smoothing (sum of the logits); none in backward.
 at::Tensor vocab_parallel_cross_entropy(const at::Tensor& local_logits, const at::Tensor& targets,
-                                        int64_t vocab_size, const dtensor::DeviceMesh& mesh);
+                                        int64_t vocab_size, const dtensor::DeviceMesh& mesh,
+                                        const CrossEntropyOptions& options = {});
 
 /// For `t`, a tensor no autograd graph traces back (an eval loss under no_grad:
 /// `pred.flatten(0, 1).float()`; a detached copy): the vocabulary-sharded logits (Shard(-1) on a

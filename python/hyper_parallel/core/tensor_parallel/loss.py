@@ -89,17 +89,15 @@ def _vocab_parallel(input, target, weight, reduction, ignore_index, label_smooth
     if input.dim() != 2:
         raise ValueError(f"loss_parallel: expected 2-d logits [N, vocab shard] (e.g. pred.flatten(0, 1)), "
                          f"got {list(input.shape)}")
-    if weight is not None or reduction != _MEAN or label_smoothing != 0.0:
-        raise NotImplementedError("loss_parallel: only the mean cross-entropy without weight or label "
-                                  "smoothing is supported")
-    if bool((target == ignore_index).any()):
-        raise NotImplementedError(f"loss_parallel: targets equal to ignore_index ({ignore_index}) are not "
-                                  "supported")
-    return _C.vocab_parallel_cross_entropy(input, target, sharded.shape[-1], sharded.device_mesh)
+    if weight is not None:
+        raise NotImplementedError("loss_parallel: expected no class weight, got one (a weight per vocabulary entry "
+                                  "is not supported)")
+    return _C.vocab_parallel_cross_entropy(input, target, sharded.shape[-1], sharded.device_mesh, ignore_index,
+                                           reduction, label_smoothing)
 
 
 _torch_cross_entropy_loss = torch._C._nn.cross_entropy_loss
-_MEAN = 1  # torch's reduction enum (torch.nn._reduction.get_enum("mean"))
+_MEAN = 1  # torch's reduction enum (torch.nn._reduction.get_enum("mean")), which the core reads
 _open_contexts = 0
 
 
