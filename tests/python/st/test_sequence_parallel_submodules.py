@@ -1,7 +1,8 @@
 """SequenceParallel on a module whose parameters live in its submodules (a norm wrapper, an
 nn.Sequential), as torch's style takes it: every parameter of the subtree stays replicated and the
 gradient of the forward on it is summed over tp once, whether the submodule's forward reads it or
-the wrapper reads it itself, with a loss term on the parameters counted once; the same under
+the wrapper reads it itself, with a loss term on the parameters counted once, also after a forward
+that summed nothing (no_grad, frozen); the same under
 fully_shard over dp on a 2 x 2 mesh, with the submodule sharded alone or with the model. Against
 a single-process reference at 2 and 4 ranks."""
 
@@ -98,14 +99,23 @@ def expect_reference_grads(model, norm, x, scale=1.0):
                                    msg=lambda m, name=name: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("before", ["nothing", "no_grad_forward", "frozen_forward"])
 @pytest.mark.parametrize("norm", list(NORMS))
-def test_sequence_parallel_sums_the_gradients_of_its_submodules_parameters(norm):
+def test_sequence_parallel_sums_the_gradients_of_its_submodules_parameters(norm, before):
+    """Also after a forward that summed nothing (an evaluation, the parameters frozen)."""
     ws = dist.get_world_size()
     mesh = init_device_mesh("cpu", (ws,), mesh_dim_names=("tp",))
     x = tokens(ws)
     model = parallelize(NormThenColumn(norm), mesh)
     for p in model.norm.parameters():
         assert p.shape == (DIM,)  # replicated
+    if before == "no_grad_forward":
+        with torch.no_grad():
+            model(my_tokens(x[0], mesh.get_local_rank()))
+    elif before == "frozen_forward":
+        model.requires_grad_(False)
+        model(my_tokens(x[0], mesh.get_local_rank()))
+        model.requires_grad_(True)
     loss(model, my_tokens(x[0], mesh.get_local_rank())).backward()
     expect_reference_grads(model, norm, x)
     assert all(isinstance(p, nn.Parameter) for p in model.norm.parameters())  # put back after the call

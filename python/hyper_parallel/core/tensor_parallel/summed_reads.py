@@ -86,6 +86,8 @@ def _stand_in_reads(module: nn.Module, owner: nn.Module, names, mesh) -> None:
         if held is None or getattr(held, _MARK, False):
             continue
         node = _C.sum_gradient_on_read(held, mesh)
+        if node is held:  # nothing to sum (no grad, a frozen parameter, one rank): nothing stands in
+            continue
         setattr(node, _MARK, True)
         module._hp_read_nodes.append((owner, name, held, node))
         owner._parameters[name] = node
