@@ -44,6 +44,7 @@ class FunctionalBackward final : public torch::autograd::Node {
   void release_variables() override { fn_ = nullptr; }
   bool released() const { return fn_ == nullptr; }
   std::shared_ptr<void> annotation;  // annotate_node's
+  bool identity = false;             // mark_identity's
 
  private:
   BackwardFn fn_;
@@ -97,6 +98,18 @@ bool annotate_node(torch::autograd::Node& node, std::shared_ptr<void> value) {
   if (functional == nullptr) return false;
   functional->annotation = std::move(value);
   return true;
+}
+
+bool mark_identity(torch::autograd::Node& node) {
+  auto* functional = dynamic_cast<FunctionalBackward*>(&node);
+  if (functional == nullptr) return false;
+  functional->identity = true;
+  return true;
+}
+
+bool is_identity(const torch::autograd::Node& node) {
+  const auto* functional = dynamic_cast<const FunctionalBackward*>(&node);
+  return functional != nullptr && functional->identity;
 }
 
 std::shared_ptr<void> node_annotation(const torch::autograd::Node& node) {

@@ -40,6 +40,12 @@ bool made_by_attach_backward(const torch::autograd::Node& node);
 /// Lets a node made by attach_backward carry `value` for whoever walks the graph later (a
 /// DTensor's tag, for the tensors computed from the tagged one). False if `node` is not one.
 bool annotate_node(torch::autograd::Node& node, std::shared_ptr<void> value);
+/// Marks a node made by attach_backward whose outputs are its inputs' values, unchanged (a hook
+/// point such as fully_shard's pre-backward node): a walk of the graph for a layout passes through
+/// it. False if `node` is not one.
+bool mark_identity(torch::autograd::Node& node);
+/// Whether mark_identity marked `node`.
+bool is_identity(const torch::autograd::Node& node);
 /// The value annotate_node gave `node`, else null.
 std::shared_ptr<void> node_annotation(const torch::autograd::Node& node);
 

@@ -27,7 +27,8 @@ inline LastDim last_dim_after(const torch::autograd::Node& node) {
                                                                               : LastDim::kKept;
   if (const auto* index = dynamic_cast<const gen::IndexBackward0*>(&node))
     return index->indices_.size() >= index->self_sizes.size() ? LastDim::kMixed : LastDim::kKept;
-  if (detail::made_by_attach_backward(node)) return LastDim::kNew;
+  if (detail::made_by_attach_backward(node))
+    return detail::is_identity(node) ? LastDim::kKept : LastDim::kNew;
   static const char* const kKeeps[] = {
       "View",   "UnsafeView", "ReshapeAlias", "Unsqueeze", "Squeeze",    "Expand", "Clone",
       "ToCopy", "Div",        "Mul",          "Add",       "Sub",        "Neg",    "Tanh",

@@ -166,7 +166,8 @@ std::vector<at::Tensor> ParamGroup::register_pre_backward(std::vector<at::Tensor
           return grad;
         },
         "FullyShardPreBackward");
-    out = dtensor::DTensor::carry_tag(out, wrapped);  // a style's use_local_output=false
+    hyper_parallel::detail::mark_identity(*wrapped.grad_fn());  // a layout traced back passes through
+    out = dtensor::DTensor::carry_tag(out, wrapped);            // a style's use_local_output=false
   }
   return outputs;
 }

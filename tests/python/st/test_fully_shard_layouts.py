@@ -2,8 +2,8 @@
 fully_shard's wrappers: the pre-backward node on a sharded module's outputs, the post-backward
 node on its inputs, and the mixed-precision casts. The next style reads it (a Shard(0) activation
 into a column layer), and ``loss_parallel`` finds the vocabulary-sharded logits of a head in a
-fully_shard group. Against a single-process reference on a (dp, 2) mesh: (1, 2) at 2 ranks,
-(2, 2) at 4."""
+fully_shard group, also when the model returns logits computed from them (scaled, cast). Against
+a single-process reference on a (dp, 2) mesh: (1, 2) at 2 ranks, (2, 2) at 4."""
 
 import pytest
 import torch
@@ -69,38 +69,46 @@ def test_a_tagged_activation_crosses_fully_shard_modules(mesh, groups, mp):
     expect_close(full_grads(net), {n: p.grad for n, p in reference.named_parameters()})
 
 
+LOGITS = {"as_they_are": lambda logits: logits, "scaled": lambda logits: logits / 0.7,
+          "cast": lambda logits: logits.double()}
+
+
 class TinyLM(nn.Module):
-    def __init__(self):
+    """Returns the head's logits, or logits computed from them (a temperature, a cast up)."""
+
+    def __init__(self, logits="as_they_are"):
         super().__init__()
         torch.manual_seed(7)
         self.emb = nn.Embedding(VOCAB, DIM)
         self.norm = nn.LayerNorm(DIM)
         self.out = nn.Linear(DIM, VOCAB, bias=False)
+        self.logits = LOGITS[logits]
 
     def forward(self, ids):
-        return self.out(self.norm(self.emb(ids)))
+        return self.logits(self.out(self.norm(self.emb(ids))))
 
 
 LM_PLAN = {"emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)), "norm": SequenceParallel(),
            "out": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)}
 
 
+@pytest.mark.parametrize("logits", list(LOGITS))
 @pytest.mark.parametrize("head", ["root_group", "own_group"])
-def test_loss_parallel_finds_the_logits_of_a_head_under_fully_shard(mesh, head):
+def test_loss_parallel_finds_the_logits_of_a_head_under_fully_shard(mesh, head, logits):
     dp, replicas = mesh["dp"].get_local_rank(), mesh["dp"].size()
     torch.manual_seed(9)
     ids, labels = torch.randint(VOCAB, (2, replicas * ROWS, SEQ))
-    reference = TinyLM()
+    reference = TinyLM(logits)
     losses = [F.cross_entropy(reference(ids[r * ROWS:][:ROWS]).flatten(0, 1), labels[r * ROWS:][:ROWS].flatten())
               for r in range(replicas)]
     (sum(losses) / replicas).backward()
-    net = parallelize_module(TinyLM(), mesh["tp"], LM_PLAN)
+    net = parallelize_module(TinyLM(logits), mesh["tp"], LM_PLAN)
     if head == "own_group":
         fully_shard(net.out, mesh=mesh["dp"])
     fully_shard(net, mesh=mesh["dp"])
     logits = net(ids[dp * ROWS:][:ROWS])
     with loss_parallel():
         loss = F.cross_entropy(logits.flatten(0, 1), labels[dp * ROWS:][:ROWS].flatten())
-    torch.testing.assert_close(loss, losses[dp], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(loss, losses[dp].to(loss.dtype), rtol=1e-5, atol=1e-6)
     loss.backward()
     expect_close(full_grads(net), {n: p.grad for n, p in reference.named_parameters()})
