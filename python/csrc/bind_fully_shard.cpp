@@ -122,6 +122,8 @@ void bind_fully_shard(py::module& m) {
       .def("set_gradient_scaling_factor", &fs::ParamGroup::set_gradient_scaling_factor, py::arg("factor"))
       .def("set_reduce_op", &fs::ParamGroup::set_reduce_op, py::arg("op"))
       .def("set_gradient_divide_factor", &fs::ParamGroup::set_gradient_divide_factor, py::arg("factor"))
+      .def_static("check_gradient_divide_factor", &fs::ParamGroup::check_gradient_divide_factor,
+                  py::arg("factor"))
       .def("index_of", &fs::ParamGroup::index_of, py::arg("param"))
       .def("adopt_parameter", &fs::ParamGroup::adopt_parameter, py::arg("index"), py::arg("param"),
            "Parameter index becomes param, a new tensor a conversion made for it (to_empty from meta).")

@@ -81,6 +81,7 @@ void bind_parameters(py::module& m) {
       py::arg("param"), py::arg("value") = py::none());
   m.def("clip_grad_norm_", py::overload_cast<const std::vector<at::Tensor>&, double>(&tp::clip_grad_norm_),
         py::arg("parameters"), py::arg("max_norm"));
+  m.def("grad_norm", &tp::grad_norm, py::arg("parameters"));
   m.def(
       "vocab_parallel_cross_entropy",
       [](const at::Tensor& logits, const at::Tensor& targets, int64_t vocab_size,

@@ -333,7 +333,11 @@ void FSDPModule::set_reduce_op(comm::ReduceOp op) const {
 }
 
 void FSDPModule::set_gradient_divide_factor(double factor) const {
-  if (state_->group) state_->group->set_gradient_divide_factor(factor);
+  if (state_->group) {
+    state_->group->set_gradient_divide_factor(factor);
+  } else {
+    ParamGroup::check_gradient_divide_factor(factor);
+  }
 }
 
 void FSDPModule::set_modules_to_forward_prefetch(const std::vector<FSDPModule>& modules) const {

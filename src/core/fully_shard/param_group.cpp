@@ -356,9 +356,13 @@ void ParamGroup::set_reduce_op(comm::ReduceOp op) {
 void ParamGroup::set_reshard_after_forward(bool reshard) { impl_->reshard_after_forward = reshard; }
 void ParamGroup::set_reshard_after_backward(bool reshard) { impl_->reshard_after_backward = reshard; }
 void ParamGroup::set_gradient_scaling_factor(double factor) { impl_->scale = factor; }
-void ParamGroup::set_gradient_divide_factor(double factor) {
+void ParamGroup::check_gradient_divide_factor(double factor) {
   TORCH_CHECK_VALUE(factor > 0 && std::isfinite(factor),
                     "set_gradient_divide_factor: expected a finite number > 0, got ", factor);
+}
+
+void ParamGroup::set_gradient_divide_factor(double factor) {
+  check_gradient_divide_factor(factor);
   set_reduce_op(comm::ReduceOp::kSum);
   impl_->scale = 1.0 / factor;
 }

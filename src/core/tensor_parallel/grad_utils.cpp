@@ -71,8 +71,8 @@ struct ShardedSums {
   }
 };
 
-double clip(const std::vector<Entry>& params, double max_norm) {
-  TORCH_CHECK_VALUE(max_norm >= 0, "clip_grad_norm_: expected max_norm >= 0, got ", max_norm);
+// The global L2 norm of the parameters' gradients, and the gradients themselves.
+std::pair<double, std::vector<at::Tensor>> global_norm(const std::vector<Entry>& params) {
   // Squared norms summed as tensors; one .item() at the end, not one per parameter.
   at::Tensor replicated_sq = at::zeros({}, at::kDouble);
   ShardedSums sharded;
@@ -88,8 +88,12 @@ double clip(const std::vector<Entry>& params, double max_norm) {
       replicated_sq += sq;
     }
   }
-  const double norm = std::sqrt((replicated_sq + sharded.total()).item<double>());
-  if (std::isinf(max_norm)) return norm;  // measures only
+  return {std::sqrt((replicated_sq + sharded.total()).item<double>()), std::move(grads)};
+}
+
+double clip(const std::vector<Entry>& params, double max_norm) {
+  TORCH_CHECK_VALUE(max_norm >= 0, "clip_grad_norm_: expected max_norm >= 0, got ", max_norm);
+  auto [norm, grads] = global_norm(params);
   // As torch's: a nan norm makes the gradients nan, an inf one zero (or nan where they are inf).
   const double scale = max_norm / (norm + 1e-6);
   if (!(scale >= 1)) {
@@ -97,6 +101,14 @@ double clip(const std::vector<Entry>& params, double max_norm) {
     for (auto& g : grads) g.mul_(scale);
   }
   return norm;
+}
+
+std::vector<Entry> entries_of(const std::vector<at::Tensor>& parameters) {
+  std::vector<Entry> params;
+  for (size_t i = 0; i < parameters.size(); ++i) {
+    params.push_back({"parameter " + std::to_string(i), parameters[i], nn::recorded_layout(parameters[i])});
+  }
+  return params;
 }
 
 at::Tensor full_value(const at::Tensor& t, const std::optional<nn::ParameterLayout>& layout) {
@@ -112,11 +124,11 @@ at::Tensor full_value(const at::Tensor& t, const std::optional<nn::ParameterLayo
 double clip_grad_norm_(torch::nn::Module& module, double max_norm) { return clip(entries(module), max_norm); }
 
 double clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_norm) {
-  std::vector<Entry> params;
-  for (size_t i = 0; i < parameters.size(); ++i) {
-    params.push_back({"parameter " + std::to_string(i), parameters[i], nn::recorded_layout(parameters[i])});
-  }
-  return clip(params, max_norm);
+  return clip(entries_of(parameters), max_norm);
+}
+
+double grad_norm(const std::vector<at::Tensor>& parameters) {
+  return global_norm(entries_of(parameters)).first;
 }
 
 at::Tensor full_tensor(const at::Tensor& param) {

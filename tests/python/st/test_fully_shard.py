@@ -234,9 +234,13 @@ def test_gradient_divide_factor_divides_the_ranks_sum_on_the_module_it_is_set_on
         torch.testing.assert_close(full_tensor(p, p.grad), q.grad * factor, rtol=1e-5, atol=1e-6, msg=name)
     net.blocks[0].set_reduce_scatter_divide_factor(ws)  # the deprecated name; ws: the average again
     net.set_force_sum_reduction_for_comms(True)
+    no_group = nn.Sequential(nn.Linear(2, 2))
+    fully_shard(no_group[0], mesh=mesh)
+    no_group = fully_shard(no_group, mesh=mesh)  # its Linear's call took every parameter: no group
     for bad in (0, -1.0, float("inf"), True, "2"):
-        with pytest.raises(ValueError, match="set_gradient_divide_factor: expected a finite number > 0"):
-            net.set_gradient_divide_factor(bad)
+        for module in (net, no_group):
+            with pytest.raises(ValueError, match="set_gradient_divide_factor: expected a finite number > 0"):
+                module.set_gradient_divide_factor(bad)
 
 
 def doubled(net):

@@ -156,7 +156,7 @@ def test_torch_clip_grad_norm_of_laid_out_parameters_refuses_what_it_cannot_comp
 
 
 @multirank
-@pytest.mark.parametrize("case", ["nan_gradient", "max_norm_0"])
+@pytest.mark.parametrize("case", ["nan_gradient", "max_norm_0", "nan_gradient_max_norm_inf"])
 def test_clip_grad_norm_of_laid_out_parameters_scales_as_torchs(mesh, case):
     """A nan total norm makes every gradient nan and max_norm 0 zeroes them, as torch's clipping of
     the unsharded model does; a negative max_norm is an error."""
@@ -166,9 +166,9 @@ def test_clip_grad_norm_of_laid_out_parameters_scales_as_torchs(mesh, case):
     x = torch.randn(3, 4)
     for m in (model, ref):
         m(x).sum().backward()
-        if case == "nan_gradient":
+        if case.startswith("nan_gradient"):
             m[2].bias.grad[0] = float("nan")
-    max_norm = 0.0 if case == "max_norm_0" else 1.0
+    max_norm = {"max_norm_0": 0.0, "nan_gradient_max_norm_inf": float("inf")}.get(case, 1.0)
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     torch.testing.assert_close(norm.float(), torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm), equal_nan=True)
     for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):

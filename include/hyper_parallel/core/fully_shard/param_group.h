@@ -170,6 +170,8 @@ class ParamGroup {
   /// FSDP2's: the ranks' gradients are summed and divided by `factor` (set_reduce_op(kSum) and a
   /// scaling factor of 1 / factor). A c10::ValueError unless factor is finite and > 0.
   void set_gradient_divide_factor(double factor);
+  /// Its check alone (for a module whose parameters other groups took: nothing to set).
+  static void check_gradient_divide_factor(double factor);
   /// true: the group's one parameter is an embedding's table, read by one module's forward at the
   /// rows of its ids and not at all by its backward. Its forward gathers only those rows (see
   /// pre_forward), it is not prefetched or gathered again for the backward, and its gradient's

@@ -164,6 +164,8 @@ class FSDPModule:
             raise ValueError(f"FSDPModule.set_gradient_divide_factor: expected a finite number > 0, got {factor!r}")
         if self._fsdp_group is not None:
             self._fsdp_group.set_gradient_divide_factor(float(factor))
+        else:
+            _C.FullyShardParamGroup.check_gradient_divide_factor(float(factor))
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """FSDP2's deprecated name of set_gradient_divide_factor."""

@@ -61,7 +61,7 @@ def _clip_grad_norm_by_layout_(parameters, max_norm: float, norm_type: float = 2
         raise NotImplementedError(f"clip_grad_norm_: expected norm_type 2.0 (the global L2 norm) for parameters "
                                   f"that hyper_parallel laid out, got {norm_type}")
     if error_if_nonfinite:
-        norm = _C.clip_grad_norm_(params, math.inf)  # measures only: no gradient is scaled by infinity
+        norm = _C.grad_norm(params)
         if not math.isfinite(norm):
             raise RuntimeError(f"clip_grad_norm_: expected a finite total norm of the gradients "
                                f"(error_if_nonfinite=True), got {norm}")

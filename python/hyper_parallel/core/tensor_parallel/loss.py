@@ -96,7 +96,8 @@ def _vocab_parallel(input, target, weight, reduction, ignore_index, label_smooth
                                            reduction, label_smoothing)
 
 
-_torch_cross_entropy_loss = torch._C._nn.cross_entropy_loss
+# torch's own, also when this module is imported again (importlib.reload) over the wrapper.
+_torch_cross_entropy_loss = getattr(torch._C._nn.cross_entropy_loss, "_torch_own", torch._C._nn.cross_entropy_loss)
 _MEAN = 1  # torch's reduction enum (torch.nn._reduction.get_enum("mean")), which the core reads
 _open_contexts = 0
 
@@ -118,6 +119,7 @@ def _cross_entropy_loss(input, target, weight=None, reduction=_MEAN, ignore_inde
     return _torch_cross_entropy_loss(input, target, weight, reduction, ignore_index, label_smoothing)
 
 
+_cross_entropy_loss._torch_own = _torch_cross_entropy_loss
 torch._C._nn.cross_entropy_loss = _cross_entropy_loss
 torch.jit._builtins._register_builtin(_cross_entropy_loss, "aten::cross_entropy_loss")  # scripted code calls aten's
 
