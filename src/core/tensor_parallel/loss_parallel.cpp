@@ -170,7 +170,8 @@ void check_loss_inputs(const at::Tensor& local_logits, const at::Tensor& targets
 // The gradient each token's loss gets from the reduced loss's gradient `grad`; 0 where ignored.
 at::Tensor row_scale(const at::Tensor& grad, const at::Tensor& kept, LossReduction reduction) {
   const auto keep = kept.to(grad.scalar_type());
-  return reduction == LossReduction::kMean ? grad / keep.sum() * keep : grad * keep;
+  // Every target ignored: torch's mean is NaN, its gradient zero (not NaN * 0).
+  return reduction == LossReduction::kMean ? grad / keep.sum().clamp_min(1) * keep : grad * keep;
 }
 
 }  // namespace

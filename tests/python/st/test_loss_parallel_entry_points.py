@@ -103,11 +103,15 @@ def test_loss_parallel_takes_torchs_options(options):
     torch.testing.assert_close(full_tensor(head.weight, head.weight.grad), reference.weight.grad, rtol=1e-5, atol=1e-6)
 
 
-def test_loss_parallel_over_targets_all_ignored_is_nan_as_torchs():
+def test_loss_parallel_over_targets_all_ignored_is_nan_with_zero_gradients_as_torchs():
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
     head, _ = vocab_sharded_head(mesh)
     x, _ = inputs()
     with loss_parallel():
-        assert torch.isnan(F.cross_entropy(head(x).flatten(0, 1), torch.full((6,), -100)))
+        loss = F.cross_entropy(head(x).flatten(0, 1), torch.full((6,), -100))
+    assert torch.isnan(loss)
+    loss.backward()  # torch's gradient of an all-ignored mean is zero
+    assert torch.equal(head.weight.grad, torch.zeros_like(head.weight))
+    with loss_parallel():
         with pytest.raises(NotImplementedError, match="expected no class weight"):
             F.cross_entropy(head(x).flatten(0, 1), torch.zeros(6, dtype=torch.long), weight=torch.ones(VOCAB))
