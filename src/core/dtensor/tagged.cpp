@@ -88,9 +88,9 @@ std::optional<DTensor> DTensor::from_tagged(const at::Tensor& local) {
 at::Tensor DTensor::carry_tag(const at::Tensor& from, const at::Tensor& to) {
   auto tagged = from.defined() && to.defined() && !from.is_same(to) ? from_tagged(from) : std::nullopt;
   if (!tagged) return to;
-  TORCH_INTERNAL_ASSERT(to.sizes() == from.sizes(),
-                        "DTensor::carry_tag: expected a tensor of the tagged one's shape ", from.sizes(),
-                        ", got ", to.sizes());
+  TORCH_CHECK_VALUE(to.sizes() == from.sizes(),
+                    "DTensor::carry_tag: expected a tensor of the tagged one's shape ", from.sizes(),
+                    ", got ", to.sizes());
   tagged->local_ = to;
   return tagged->to_local_tagged();
 }

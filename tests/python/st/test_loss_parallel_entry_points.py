@@ -71,6 +71,8 @@ def test_outside_loss_parallel_other_logits_take_torchs_loss_also_in_torchscript
     expected = torch.nn.functional.log_softmax(logits, -1).gather(1, labels.flatten()[:, None]).mean().neg()
     torch.testing.assert_close(F.cross_entropy(logits, labels.flatten()), expected)
     torch.testing.assert_close(torch.jit.script(scripted_loss)(logits, labels.flatten()), expected)
+    wrapped = torch._C._nn.cross_entropy_loss  # called directly: torch's binding, its own defaults
+    assert torch.equal(wrapped(logits, labels.flatten()), wrapped._torch_own(logits, labels.flatten()))
     # A vocabulary "sharded" over one rank is the whole vocabulary: torch's loss is right.
     head, reference = vocab_sharded_head(
         init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("dp", "tp"))["tp"])

@@ -85,7 +85,9 @@ def _tagged_vocabulary_shard(input: torch.Tensor):
     return tagged
 
 
-def _vocab_parallel(input, target, weight, reduction, ignore_index, label_smoothing, sharded):
+def _vocab_parallel(input, target, sharded, weight=None, reduction=0, ignore_index=-100, label_smoothing=0.0):
+    """The vocabulary-parallel loss, given torch's cross_entropy_loss arguments (its defaults: the
+    binding's own reduction is none; F.cross_entropy passes every one)."""
     if input.dim() != 2:
         raise ValueError(f"loss_parallel: expected 2-d logits [N, vocab shard] (e.g. pred.flatten(0, 1)), "
                          f"got {list(input.shape)}")
@@ -98,25 +100,25 @@ def _vocab_parallel(input, target, weight, reduction, ignore_index, label_smooth
 
 # torch's own, also when this module is imported again (importlib.reload) over the wrapper.
 _torch_cross_entropy_loss = getattr(torch._C._nn.cross_entropy_loss, "_torch_own", torch._C._nn.cross_entropy_loss)
-_MEAN = 1  # torch's reduction enum (torch.nn._reduction.get_enum("mean")), which the core reads
+_OPTIONS = ("weight", "reduction", "ignore_index", "label_smoothing")  # its arguments after the target
 _open_contexts = 0
 
 
-def _cross_entropy_loss(input, target, weight=None, reduction=_MEAN, ignore_index=-100, label_smoothing=0.0):
+def _cross_entropy_loss(input, target, *args, **kwargs):
     """torch's cross_entropy_loss, which F.cross_entropy and nn.CrossEntropyLoss call however they
     were imported. Inside loss_parallel(), vocabulary-sharded logits take the vocabulary-parallel
     loss; outside, they are an error (torch's loss of this rank's shard would be a loss of its
-    own); any other tensor is torch's."""
+    own); any other tensor is torch's, given the arguments as they came."""
     if _open_contexts:
         sharded = _sharded_logits(input)
         if sharded is not None:
-            return _vocab_parallel(input, target, weight, reduction, ignore_index, label_smoothing, sharded)
+            return _vocab_parallel(input, target, sharded, **dict(zip(_OPTIONS, args)), **kwargs)
     elif _tagged_vocabulary_shard(input) is not None:
         raise ValueError(f"cross_entropy: expected logits sharded over the vocabulary (a style's "
                          f"output_layouts=Shard(-1), use_local_output=False) inside loss_parallel(), got "
                          f"{list(input.shape)} logits computed from them outside it, where torch's loss would "
                          f"read this rank's shard as the whole vocabulary")
-    return _torch_cross_entropy_loss(input, target, weight, reduction, ignore_index, label_smoothing)
+    return _torch_cross_entropy_loss(input, target, *args, **kwargs)
 
 
 _cross_entropy_loss._torch_own = _torch_cross_entropy_loss
