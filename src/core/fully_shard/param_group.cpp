@@ -356,6 +356,7 @@ void ParamGroup::set_reduce_op(comm::ReduceOp op) {
 void ParamGroup::set_reshard_after_forward(bool reshard) { impl_->reshard_after_forward = reshard; }
 void ParamGroup::set_reshard_after_backward(bool reshard) { impl_->reshard_after_backward = reshard; }
 void ParamGroup::set_gradient_scaling_factor(double factor) { impl_->scale = factor; }
+
 void ParamGroup::check_gradient_divide_factor(double factor) {
   TORCH_CHECK_VALUE(factor > 0 && std::isfinite(factor),
                     "set_gradient_divide_factor: expected a finite number > 0, got ", factor);
@@ -366,6 +367,7 @@ void ParamGroup::set_gradient_divide_factor(double factor) {
   set_reduce_op(comm::ReduceOp::kSum);
   impl_->scale = 1.0 / factor;
 }
+
 void ParamGroup::set_row_sparse_gradients(bool row_sparse) {
   auto& s = *impl_;
   if (!row_sparse) {

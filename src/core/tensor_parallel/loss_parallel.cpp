@@ -168,10 +168,13 @@ void check_loss_inputs(const at::Tensor& local_logits, const at::Tensor& targets
 }
 
 // The gradient each token's loss gets from the reduced loss's gradient `grad`; 0 where ignored.
-at::Tensor row_scale(const at::Tensor& grad, const at::Tensor& kept, LossReduction reduction) {
+// `kept_count`: the targets not ignored.
+at::Tensor row_scale(const at::Tensor& grad, const at::Tensor& kept, const at::Tensor& kept_count,
+                     LossReduction reduction) {
   const auto keep = kept.to(grad.scalar_type());
   // Every target ignored: torch's mean is NaN, its gradient zero (not NaN * 0).
-  return reduction == LossReduction::kMean ? grad / keep.sum().clamp_min(1) * keep : grad * keep;
+  return reduction == LossReduction::kMean ? grad / kept_count.to(grad.scalar_type()).clamp_min(1) * keep
+                                           : grad * keep;
 }
 
 }  // namespace
@@ -187,7 +190,8 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& local_logits, const at
   check_loss_inputs(local_logits, targets, ids, vocab_size, n, mesh, options);
   auto group = mesh.get_group(0);
   // The target's logit lives on exactly one rank.
-  const at::Tensor target_mask = shard.outside, local_target = shard.local_ids, kept = ignored.logical_not();
+  const at::Tensor target_mask = shard.outside, local_target = shard.local_ids, kept = ignored.logical_not(),
+                   kept_count = kept.sum();
   const double smoothing = options.label_smoothing();
   const bool needs_grad = at::GradMode::is_enabled() && local_logits.requires_grad();
   at::Tensor loss, softmax_local;
@@ -206,11 +210,12 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& local_logits, const at
     auto picked = n > 0 ? shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
                         : at::zeros(targets.sizes(), logits.options());
     picked = comm::all_reduce(picked.masked_fill(target_mask, 0), comm::ReduceOp::kSum, group);
-    auto per_token = sum_exp.log() - picked;
+    const auto log_sum_exp = sum_exp.log();
+    auto per_token = log_sum_exp - picked;
     if (smoothing > 0) {  // the uniform target's term: log-sum-exp minus the mean logit
       auto sum_shifted = comm::all_reduce(shifted.sum(-1), comm::ReduceOp::kSum, group);
       per_token = (1 - smoothing) * per_token +
-                  smoothing * (sum_exp.log() - sum_shifted / static_cast<double>(vocab_size));
+                  smoothing * (log_sum_exp - sum_shifted / static_cast<double>(vocab_size));
     }
     per_token = per_token.masked_fill(ignored, 0);
     switch (options.reduction()) {
@@ -221,7 +226,7 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& local_logits, const at
         loss = per_token.sum();
         break;
       case LossReduction::kMean:
-        loss = per_token.sum() / kept.sum().to(compute);
+        loss = per_token.sum() / kept_count.to(compute);
         break;
     }
     // Only a backward reads the softmax: an eval loss skips its pass over the logits.
@@ -230,11 +235,11 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& local_logits, const at
   }
   return hyper_parallel::detail::attach_backward(
       local_logits, loss,
-      [softmax_local, target_mask, local_target, kept, options, vocab_size,
+      [softmax_local, target_mask, local_target, kept, kept_count, options, vocab_size,
        dtype = local_logits.scalar_type()](const at::Tensor& grad) {
         return logits_gradient(softmax_local, target_mask, local_target,
-                               row_scale(grad, kept, options.reduction()), options.label_smoothing(),
-                               vocab_size, dtype);
+                               row_scale(grad, kept, kept_count, options.reduction()),
+                               options.label_smoothing(), vocab_size, dtype);
       },
       "VocabParallelCrossEntropyBackward");
 }

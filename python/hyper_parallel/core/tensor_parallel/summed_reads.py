@@ -35,7 +35,7 @@ def sum_gradients_of_reads(module: nn.Module, names, mesh) -> None:
     names = set(names)
     wanted = {id(param) for name, param in module.named_parameters() if name in names}
     by_owner: Dict[str, List[str]] = {}  # submodule path ("" the module) -> its parameters' names
-    for path, owner in module.named_modules(remove_duplicate=False):
+    for path, owner in module.named_modules():  # a submodule at several paths: once
         leaves = [leaf for leaf, param in owner._parameters.items() if param is not None and id(param) in wanted]
         if leaves:
             by_owner.setdefault(path, leaves)
