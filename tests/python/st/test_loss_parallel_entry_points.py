@@ -117,3 +117,20 @@ def test_loss_parallel_over_targets_all_ignored_is_nan_with_zero_gradients_as_to
     with loss_parallel():
         with pytest.raises(NotImplementedError, match="expected no class weight"):
             F.cross_entropy(head(x).flatten(0, 1), torch.zeros(6, dtype=torch.long), weight=torch.ones(VOCAB))
+
+
+def test_loss_parallel_errors_name_what_was_expected():
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+    head, _ = vocab_sharded_head(mesh)
+    x, labels = inputs()
+    logits, labels = head(x).flatten(0, 1), labels.flatten()
+    with loss_parallel():
+        with pytest.raises(ValueError, match=r"expected label_smoothing in \[0, 1\], got 1.5"):
+            F.cross_entropy(logits, labels, label_smoothing=1.5)
+        with pytest.raises(ValueError, match=r"expected targets in \[0, 10\) or ignore_index \(-100\), got values "
+                                             r"in \[-5, 12\]"):
+            F.cross_entropy(logits, labels.index_fill(0, torch.tensor([0, 1, 2]), -100)
+                            .index_fill(0, torch.tensor([3]), -5).index_fill(0, torch.tensor([4]), 12))
+    from hyper_parallel import _C
+    with pytest.raises(ValueError, match=r"DTensor::carry_tag: expected a tensor of the tagged one's shape \[2, 3, "):
+        _C.DTensor.carry_tag(head(x), torch.zeros(2))
