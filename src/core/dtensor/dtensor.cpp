@@ -216,7 +216,7 @@ DTensor DTensor::from_local(const at::Tensor& local, const DeviceMesh& mesh, con
       [mesh, shape, pl](const at::Tensor& grad, const Placements& from) {
         return redistribute_local(grad, mesh, shape, from, for_gradient(pl));
       },
-      "DTensorFromLocalBackward");
+      kFromLocalBackward);
   DTensor result(out, mesh, pl, shape);
   result.grad_slot_ = slot;
   return result;

@@ -51,6 +51,11 @@ struct DTensor::GradSlot {
   }
 };
 
+// The node DTensor::from_local puts on its local tensor. A gradient that reaches it through
+// autograd is in the DTensor's own placements, which it keeps: for such a gradient it is an
+// identity onto the wrapped tensor's gradient edge (its one next edge).
+inline constexpr char kFromLocalBackward[] = "DTensorFromLocalBackward";
+
 // attach_backward for a producer: the gradients of its DTensor's local tensor converge in `slot`.
 inline at::Tensor attach_producer_backward(const at::Tensor& input, const at::Tensor& output,
                                            const std::shared_ptr<DTensor::GradSlot>& slot, Placements own,

@@ -3,15 +3,19 @@
 // reading the very same activation (Llama's w1 and w3 both read the FFN input) reuses the
 // gather instead of moving the same bytes again, as async-TP's all-gather with several weights
 // does. An entry matches only while the activation's storage is alive, at the same view and
-// version (no in-place change since), on the same group and sequence dim, and serves each layer
-// once: a layer that asks again (a new forward pass over the same input) gathers afresh, so a
-// gather and its autograd node never outlive the pass that made them.
+// version (no in-place change since), on the same group and sequence dim, with the same gradient
+// edge (the reader's input gradient must flow where the gather's goes: a gather made under
+// no_grad, of a detached view, or of another tensor over the same storage serves no reader that
+// needs a gradient), and serves each layer once: a layer that asks again (a new forward pass over the same
+// input) gathers afresh, so a gather and its autograd node never outlive the pass that made them.
 
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
+#include <torch/csrc/autograd/function.h>
 
 #include <hyper_parallel/core/comm/process_group.h>
 
@@ -36,6 +40,10 @@ class SharedGather {
   std::vector<int64_t> sizes_, strides_;
   comm::Group group_;
   at::Tensor gathered_;
+  // Where x's gradient goes (its gradient edge), when the gather took one; null otherwise.
+  std::weak_ptr<torch::autograd::Node> grad_node_;
+  uint32_t grad_input_nr_ = 0;
+  bool took_grad_ = false;
   std::vector<const void*> served_;  // the layer that gathered, then those that reused it
 };
 
