@@ -32,32 +32,43 @@ std::vector<int64_t> strides_of(const std::vector<int64_t>& shape) {
   return strides;
 }
 
+// The constructor's arguments, checked before any group is made (user errors: ValueError).
+void check_mesh_arguments(const std::string& device_type, const std::vector<int64_t>& shape,
+                          const std::vector<int64_t>& ranks, const std::vector<std::string>& dim_names) {
+  TORCH_CHECK_VALUE(device_type == "cpu", "DeviceMesh: device_type '", device_type,
+                    "' is not supported by this build (Gloo transport); expected 'cpu'");
+  TORCH_CHECK_VALUE(!shape.empty(), "DeviceMesh: expected a mesh shape with at least 1 dim, got []");
+  for (size_t i = 0; i < shape.size(); ++i) {
+    TORCH_CHECK_VALUE(shape[i] >= 1, "DeviceMesh: expected mesh_shape[", i, "] >= 1, got ", shape[i]);
+  }
+  const int64_t numel = std::accumulate(shape.begin(), shape.end(), int64_t{1}, std::multiplies<>());
+  TORCH_CHECK_VALUE(static_cast<int64_t>(ranks.size()) == numel, "DeviceMesh: expected ", numel,
+                    " ranks for mesh shape ", c10::IntArrayRef(shape), ", got ", ranks.size());
+  TORCH_CHECK_VALUE(dim_names.empty() || dim_names.size() == shape.size(),
+                    "DeviceMesh: expected one name per mesh dim (", shape.size(), "), got ",
+                    dim_names.size());
+  for (size_t i = 0; i < dim_names.size(); ++i) {
+    for (size_t j = 0; j < i; ++j) {
+      TORCH_CHECK_VALUE(dim_names[i] != dim_names[j], "DeviceMesh: expected distinct dim names, got '",
+                        dim_names[i], "' twice");
+    }
+  }
+  const int64_t world = comm::world_size();  // throws if not initialised
+  std::vector<bool> seen(world, false);
+  for (int64_t r : ranks) {
+    TORCH_CHECK_VALUE(r >= 0 && r < world, "DeviceMesh: expected ranks in [0, ", world, "), got ", r);
+    TORCH_CHECK_VALUE(!seen[r], "DeviceMesh: expected each rank once, got rank ", r, " twice");
+    seen[r] = true;
+  }
+}
+
 }  // namespace
 
 DeviceMesh::DeviceMesh(std::string device_type, std::vector<int64_t> shape, std::vector<int64_t> ranks,
                        std::vector<std::string> dim_names, const GroupFactory& make_group) {
-  TORCH_CHECK(device_type == "cpu", "DeviceMesh: device_type '", device_type,
-              "' is not supported by this build (Gloo transport); expected 'cpu'");
-  TORCH_CHECK(!shape.empty(), "DeviceMesh: expected a mesh shape with at least 1 dim, got []");
-  for (size_t i = 0; i < shape.size(); ++i) {
-    TORCH_CHECK(shape[i] >= 1, "DeviceMesh: expected mesh_shape[", i, "] >= 1, got ", shape[i]);
-  }
-  const int64_t numel = std::accumulate(shape.begin(), shape.end(), int64_t{1}, std::multiplies<>());
-  TORCH_CHECK(static_cast<int64_t>(ranks.size()) == numel, "DeviceMesh: expected ", numel,
-              " ranks for mesh shape ", c10::IntArrayRef(shape), ", got ", ranks.size());
-  TORCH_CHECK(dim_names.empty() || dim_names.size() == shape.size(),
-              "DeviceMesh: expected one name per mesh dim (", shape.size(), "), got ", dim_names.size());
-  for (size_t i = 0; i < dim_names.size(); ++i) {
-    for (size_t j = 0; j < i; ++j) {
-      TORCH_CHECK(dim_names[i] != dim_names[j], "DeviceMesh: expected distinct dim names, got '",
-                  dim_names[i], "' twice");
-    }
-  }
-  const int64_t world = comm::world_size();  // throws if not initialised
-  for (int64_t r : ranks) {
-    TORCH_CHECK(r >= 0 && r < world, "DeviceMesh: expected ranks in [0, ", world, "), got ", r);
-  }
-
+  check_mesh_arguments(device_type, shape, ranks, dim_names);
+  const int64_t world = comm::world_size();
+  const int64_t numel = static_cast<int64_t>(ranks.size());
   auto impl = std::make_shared<Impl>();
   impl->device_type = std::move(device_type);
   impl->shape = std::move(shape);
@@ -87,10 +98,36 @@ DeviceMesh::DeviceMesh(std::string device_type, std::vector<int64_t> shape, std:
       comm::Group g = line == everyone ? comm::world()
                       : make_group     ? make_group(line)
                                        : comm::new_group(line);
-      if (g.is_member()) impl->groups[d] = g;
+      if (!g.is_member()) continue;
+      // A coordinate along the line must be the rank in its group (collectives order by it).
+      TORCH_CHECK_VALUE(g.global_ranks() == line, "DeviceMesh: expected the group of the line ",
+                        c10::IntArrayRef(line), " to keep that order, got a group of ranks ",
+                        c10::IntArrayRef(g.global_ranks()),
+                        " (torch.distributed orders a group's ranks: lay each line out in ascending order)");
+      impl->groups[d] = g;
     }
   }
   impl_ = std::move(impl);
+}
+
+namespace {
+// The meshes this thread entered, innermost last (`with mesh:`).
+thread_local std::vector<DeviceMesh> entered_meshes;
+}  // namespace
+
+void DeviceMesh::enter() const { entered_meshes.push_back(*this); }
+
+void DeviceMesh::exit() const {
+  TORCH_CHECK_VALUE(!entered_meshes.empty() && entered_meshes.back() == *this,
+                    "DeviceMesh::exit: expected the innermost mesh this thread entered, got ", str(),
+                    entered_meshes.empty() ? " with none entered" : " while another is innermost");
+  entered_meshes.pop_back();
+}
+
+DeviceMesh DeviceMesh::current() {
+  TORCH_CHECK_VALUE(!entered_meshes.empty(),
+                    "DeviceMesh::current: expected a mesh entered on this thread (`with mesh:`), got none");
+  return entered_meshes.back();
 }
 
 DeviceMesh DeviceMesh::from_group(const comm::Group& group, const std::string& dim_name) {

@@ -1,5 +1,7 @@
 #include <hyper_parallel/core/dtensor/dtensor.h>
 
+#include <functional>
+#include <numeric>
 #include <sstream>
 #include <utility>
 
@@ -272,6 +274,52 @@ DTensor DTensor::redistribute(const Placements& placements) const {
   DTensor result(out, mesh_, target, shape_);
   result.grad_slot_ = slot;
   return result;
+}
+
+DTensor DTensor::redistribute(const DeviceMesh& mesh, const Placements& placements) const {
+  TORCH_CHECK_NOT_IMPLEMENTED(mesh == mesh_, "DTensor::redistribute: expected this DTensor's mesh ",
+                              mesh_.str(), ", got ", mesh.str(),
+                              " (moving to another mesh is not supported)");
+  return redistribute(placements);
+}
+
+DTensor DTensor::reduce_partial() const {
+  Placements target = placements_;
+  for (auto& p : target) {
+    if (p.is_partial()) p = Replicate();
+  }
+  return target == placements_ ? *this : redistribute(target);
+}
+
+DTensor DTensor::with_local(const at::Tensor& local) const {
+  TORCH_CHECK_VALUE(local.defined() && local.sizes() == local_.sizes(),
+                    "DTensor::with_local: expected a local tensor of shape ", local_.sizes(), ", got ",
+                    local.defined() ? local.sizes() : c10::IntArrayRef{});
+  return from_local(local, mesh_, placements_, FromLocalOptions().shape(shape_));
+}
+
+const DTensor& DTensor::copy_(const DTensor& src) const {
+  TORCH_CHECK_VALUE(src.mesh_ == mesh_, "DTensor::copy_: expected a source on this DTensor's mesh ",
+                    mesh_.str(), ", got ", src.mesh_.str());
+  const bool one_element = src.local_.numel() == 1;
+  TORCH_CHECK_VALUE(src.placements_ == placements_ || one_element,
+                    "DTensor::copy_: expected a source with placements ", to_string(placements_),
+                    " or a single local element, got ", to_string(src.placements_), " with ",
+                    src.local_.numel(), " local elements");
+  const auto from = src.local_.sizes();
+  const auto to = local_.sizes();
+  bool broadcasts = from.size() <= to.size();
+  for (size_t i = 1; broadcasts && i <= from.size(); ++i) {
+    broadcasts = from[from.size() - i] == 1 || from[from.size() - i] == to[to.size() - i];
+  }
+  TORCH_CHECK_VALUE(broadcasts || one_element,
+                    "DTensor::copy_: expected a source whose local shape broadcasts to ", to, ", got ", from);
+  local_.copy_(src.local_);
+  return *this;
+}
+
+int64_t DTensor::numel() const {
+  return std::accumulate(shape_.begin(), shape_.end(), int64_t{1}, std::multiplies<>());
 }
 
 at::Tensor DTensor::full_tensor() const {

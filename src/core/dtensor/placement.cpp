@@ -1,5 +1,6 @@
 #include <hyper_parallel/core/dtensor/placement.h>
 
+#include <algorithm>
 #include <sstream>
 
 #include <c10/util/Exception.h>
@@ -48,6 +49,40 @@ std::string to_string(const Placements& placements) {
   for (size_t i = 0; i < placements.size(); ++i) s << (i ? ", " : "") << placements[i].str();
   s << "]";
   return s.str();
+}
+
+Placements placements_from_names(const std::vector<std::vector<std::string>>& tensor_dims,
+                                 const std::vector<std::string>& mesh_dim_names, int64_t ndim) {
+  TORCH_CHECK_VALUE(static_cast<int64_t>(tensor_dims.size()) == ndim,
+                    "placements_from_names: expected one layout name per tensor dim (", ndim, "), got ",
+                    tensor_dims.size());
+  TORCH_CHECK_VALUE(!mesh_dim_names.empty(),
+                    "placements_from_names: expected a mesh with dim names to name its dims, got a mesh "
+                    "without names");
+  Placements placements(mesh_dim_names.size(), Replicate());
+  std::vector<bool> named(mesh_dim_names.size(), false);
+  for (size_t d = 0; d < tensor_dims.size(); ++d) {
+    int64_t previous = -1;  // the mesh dim of the last name of this tensor dim
+    for (const auto& name : tensor_dims[d]) {
+      if (name == "None") continue;
+      const auto it = std::find(mesh_dim_names.begin(), mesh_dim_names.end(), name);
+      TORCH_CHECK_VALUE(it != mesh_dim_names.end(), "placements_from_names: expected names of mesh dims ",
+                        c10::ArrayRef<std::string>(mesh_dim_names), " or 'None', got '", name,
+                        "' for tensor dim ", d);
+      const auto m = static_cast<int64_t>(it - mesh_dim_names.begin());
+      TORCH_CHECK_VALUE(!named[m], "placements_from_names: expected each mesh dim named once, got '", name,
+                        "' twice");
+      TORCH_CHECK_NOT_IMPLEMENTED(m > previous,
+                                  "placements_from_names: expected the mesh dims sharding "
+                                  "tensor dim ",
+                                  d, " in mesh-dim order (outermost first), got '", name, "' after '",
+                                  mesh_dim_names[previous], "'");
+      named[m] = true;
+      previous = m;
+      placements[m] = Shard(static_cast<int64_t>(d));
+    }
+  }
+  return placements;
 }
 
 namespace {

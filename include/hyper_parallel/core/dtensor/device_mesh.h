@@ -65,6 +65,15 @@ class DeviceMesh {
   /// in that order: e.g. fully_shard's Shard(0) over dp applies to a parameter's TP shard.
   static std::optional<DeviceMesh> concatenate(const DeviceMesh& outer, const DeviceMesh& inner);
 
+  /// Makes this mesh the current one of this thread (`with mesh:` in Python) until the matching
+  /// exit(); entries nest. For the calls whose mesh is optional (distribute_tensor, from_local,
+  /// the DTensor factories of the Python package), as PyTorch's.
+  void enter() const;
+  /// Ends the innermost enter() of this thread, which must be this mesh's.
+  void exit() const;
+  /// The mesh of this thread's innermost enter(); a ValueError if there is none.
+  static DeviceMesh current();
+
   /// The same ranks along the same dims of one mesh (a slice made twice is equal to itself).
   bool operator==(const DeviceMesh& other) const;
   bool operator!=(const DeviceMesh& other) const { return !(*this == other); }

@@ -78,6 +78,19 @@ class DTensor {
   /// Partial->Replicate all_reduce, Partial->Shard reduce_scatter, Replicate->Shard local slice,
   /// Shard(i)->Shard(j) all_to_all). Backward moves the gradient back.
   DTensor redistribute(const Placements& placements) const;
+  /// The same, spelled as torch's and the original's redistribute(device_mesh, placements):
+  /// `mesh` must be this DTensor's own (moving to another mesh is a NotImplementedError).
+  DTensor redistribute(const DeviceMesh& mesh, const Placements& placements) const;
+  /// Each Partial mesh dim reduced (to Replicate), the others kept.
+  DTensor reduce_partial() const;
+
+  /// This DTensor's layout over `local`, another tensor of this rank's local shape (a cast or a
+  /// copy of to_local()): differentiable, as from_local.
+  DTensor with_local(const at::Tensor& local) const;
+  /// Copies `src`'s local shard into this one's, with no communication (the original's copy_):
+  /// `src` is on the same mesh, with the same placements or a single local element, and its
+  /// local shape broadcasts to this one's. Returns *this.
+  const DTensor& copy_(const DTensor& src) const;
 
   /// The global tensor on every rank (redistribute to Replicate, then to_local).
   at::Tensor full_tensor() const;
@@ -86,6 +99,8 @@ class DTensor {
   const Placements& placements() const { return placements_; }
   const std::vector<int64_t>& shape() const { return shape_; }
   int64_t dim() const { return static_cast<int64_t>(shape_.size()); }
+  /// Elements of the global tensor.
+  int64_t numel() const;
   at::ScalarType scalar_type() const { return local_.scalar_type(); }
   bool requires_grad() const { return local_.requires_grad(); }
   std::string str() const;

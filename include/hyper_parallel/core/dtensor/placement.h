@@ -58,6 +58,15 @@ inline Placement Partial(comm::ReduceOp op = comm::ReduceOp::kSum) { return Plac
 
 std::string to_string(const Placements& placements);  // "[Shard(0), Replicate()]"
 
+/// The placements the original's layout names spell: for each tensor dim, the names of the mesh
+/// dims that shard it ("None" or none: not sharded; several nest with the first outermost, so
+/// they must come in mesh-dim order), one name per mesh dim at most; a mesh dim named nowhere
+/// replicates. E.g. on a ("dp", "tp") mesh, {{"dp"}, {"None"}} is [Shard(0), Replicate()] and
+/// {{"dp", "tp"}, {"None"}} is [Shard(0), Shard(0)]. `tensor_dims` has one entry per dim of a
+/// tensor of `ndim` dims.
+Placements placements_from_names(const std::vector<std::vector<std::string>>& tensor_dims,
+                                 const std::vector<std::string>& mesh_dim_names, int64_t ndim);
+
 // ---- Shard arithmetic (torch.chunk semantics; no communication) ----
 
 /// Extent of shard `index` when `global` is split into `parts`: torch.chunk sizes

@@ -1,7 +1,7 @@
 """DeviceMesh, placements and DTensor of the C++ core (differentiable redistribution)."""
 
-from hyper_parallel.core.dtensor.device_mesh import DeviceMesh, init_device_mesh
-from hyper_parallel.core.dtensor.dtensor import DTensor, distribute_tensor
+from hyper_parallel.core.dtensor.device_mesh import DeviceMesh, get_current_mesh, init_device_mesh
+from hyper_parallel.core.dtensor.dtensor import DTensor, distribute_tensor, empty, full, ones, zeros
 from hyper_parallel.core.dtensor.placement_types import Partial, Placement, Replicate, Shard
 
 __all__ = [
@@ -12,5 +12,10 @@ __all__ = [
     "Replicate",
     "Shard",
     "distribute_tensor",
+    "empty",
+    "full",
+    "get_current_mesh",
     "init_device_mesh",
+    "ones",
+    "zeros",
 ]

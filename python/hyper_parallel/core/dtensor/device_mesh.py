@@ -4,6 +4,7 @@ each mesh dimension, made collectively when the mesh is made."""
 import datetime
 from typing import Optional, Sequence
 
+import torch
 import torch.distributed as dist
 
 from hyper_parallel import _C
@@ -29,3 +30,20 @@ def init_device_mesh(
     rank calls it."""
     ensure_initialized()
     return _C.init_device_mesh(device_type, list(mesh_shape), list(mesh_dim_names or []), _new_group)
+
+
+def _mesh_arguments(mesh):
+    """``DeviceMesh(device_type, mesh)``'s mesh as (shape, ranks row-major, the group factory): a
+    nested list, tuple, array or integer tensor of global ranks; None is the whole world in order."""
+    ensure_initialized()
+    if mesh is None:
+        return [dist.get_world_size()], list(range(dist.get_world_size())), _new_group
+    grid = torch.as_tensor(mesh)
+    if grid.dtype.is_floating_point or grid.dtype.is_complex or grid.dtype == torch.bool or grid.dim() == 0:
+        raise TypeError(f"DeviceMesh: expected an n-d grid of integer ranks, got {mesh!r}")
+    return list(grid.shape), grid.flatten().tolist(), _new_group
+
+
+def get_current_mesh() -> DeviceMesh:
+    """The mesh of this thread's innermost ``with mesh:``; a ValueError if there is none."""
+    return DeviceMesh.get_current_mesh()

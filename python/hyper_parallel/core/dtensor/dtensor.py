@@ -1,23 +1,70 @@
 """DTensor of the C++ core: a local tensor with its mesh, placements and global shape. from_local,
-redistribute and to_local are differentiable (the C++ core's autograd functions)."""
+redistribute and to_local are differentiable (the C++ core's autograd functions).
+
+Placements are Shard / Replicate / Partial objects or, as in the original, layout names: one
+entry per tensor dim, a mesh dim's name, "None", or a tuple of names (``("dp", "None")`` on a
+("dp", "tp") mesh is ``[Shard(0), Replicate()]``). A mesh left out is the one of the innermost
+``with mesh:``; placements left out replicate."""
 
 from typing import Optional, Sequence
 
 import torch
 
 from hyper_parallel import _C
-from hyper_parallel.core.dtensor.placement_types import Placement
 
 DTensor = _C.DTensor
 
 
 def distribute_tensor(
     tensor: torch.Tensor,
-    device_mesh: _C.DeviceMesh,
-    placements: Sequence[Placement],
+    device_mesh: Optional[_C.DeviceMesh] = None,
+    placements: Optional[Sequence] = None,
     *,
     src_data_rank: Optional[int] = 0,
 ) -> DTensor:
     """Shards a full tensor; ``src_data_rank`` is the source's coordinate on every mesh dim
     (None: every rank shards its own copy, with no communication)."""
-    return _C.distribute_tensor(tensor, device_mesh, list(placements), src_data_rank)
+    return _C.distribute_tensor(tensor, device_mesh, placements, src_data_rank)
+
+
+def _size_and_layout(name, size, device_mesh, placements):
+    """torch's ``f(*size, device_mesh=, placements=)`` or the original's ``f(size, device_mesh,
+    placements)``: the global size, the mesh and the placements."""
+    if size and isinstance(size[-1], _C.DeviceMesh):  # f(size, device_mesh)
+        size, device_mesh = size[:-1], size[-1]
+    elif len(size) >= 2 and isinstance(size[-2], _C.DeviceMesh):  # f(size, device_mesh, placements)
+        size, device_mesh, placements = size[:-2], size[-2], size[-1]
+    if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)):
+        size = tuple(size[0])
+    if not all(isinstance(s, int) for s in size):
+        raise TypeError(f"{name}: expected the global size as ints, got {size!r}")
+    mesh = device_mesh if device_mesh is not None else _C.DeviceMesh.get_current_mesh()
+    return list(size), mesh, placements
+
+
+def _factory(name, fill):
+    def make(*size, device_mesh=None, placements=None, dtype=None):
+        shape, mesh, placements = _size_and_layout(name, size, device_mesh, placements)
+        local = fill(_C.local_shape(shape, mesh, placements), dtype)
+        return DTensor.from_local(local, mesh, placements, shape=shape)
+
+    make.__name__ = name
+    make.__doc__ = (f"A DTensor of the global ``size`` laid out by ``placements`` on ``device_mesh``, "
+                    f"each rank making only its own shard, as torch.distributed.tensor.{name}.")
+    return make
+
+
+ones = _factory("ones", lambda shape, dtype: torch.ones(shape, dtype=dtype))
+zeros = _factory("zeros", lambda shape, dtype: torch.zeros(shape, dtype=dtype))
+empty = _factory("empty", lambda shape, dtype: torch.empty(shape, dtype=dtype))
+
+
+def full(*size_and_value, device_mesh=None, placements=None, dtype=None) -> DTensor:
+    """``full(size, fill_value, device_mesh=, placements=)``: ``ones`` filled with ``fill_value``."""
+    if len(size_and_value) < 2:
+        raise TypeError(f"full: expected (size, fill_value), got {size_and_value!r}")
+    size, fill_value = size_and_value[0], size_and_value[1]
+    rest = size_and_value[2:]
+    shape, mesh, placements = _size_and_layout("full", (size,) + rest, device_mesh, placements)
+    local = torch.full(_C.local_shape(shape, mesh, placements), fill_value, dtype=dtype)
+    return DTensor.from_local(local, mesh, placements, shape=shape)

@@ -87,4 +87,27 @@ TEST(LocalShape, NestedShardsFollowMeshDimOrder) {
                       "expected one placement per mesh dim (2)");
 }
 
+TEST(PlacementsFromNames, SpellsTheOriginalsLayouts) {
+  const std::vector<std::string> mesh{"dp", "tp"};
+  using Names = std::vector<std::vector<std::string>>;
+  EXPECT_EQ(placements_from_names(Names{{"dp"}, {"None"}}, mesh, 2), (Placements{Shard(0), Replicate()}));
+  EXPECT_EQ(placements_from_names(Names{{"tp"}, {"dp"}}, mesh, 2), (Placements{Shard(1), Shard(0)}));
+  EXPECT_EQ(placements_from_names(Names{{"dp", "tp"}, {}}, mesh, 2), (Placements{Shard(0), Shard(0)}));
+  EXPECT_EQ(placements_from_names(Names{{"None"}, {"None", "tp"}}, mesh, 2),
+            (Placements{Replicate(), Shard(1)}));
+  EXPECT_EQ(placements_from_names(Names{}, mesh, 0), (Placements{Replicate(), Replicate()}));
+}
+
+TEST(PlacementsFromNames, NamesWhatIsWrong) {
+  const std::vector<std::string> mesh{"dp", "tp"};
+  using Names = std::vector<std::vector<std::string>>;
+  HP_EXPECT_THROW_MSG(placements_from_names(Names{{"tp", "dp"}, {}}, mesh, 2), "in mesh-dim order");
+  HP_EXPECT_THROW_MSG(placements_from_names(Names{{"dp"}, {"dp"}}, mesh, 2), "each mesh dim named once");
+  HP_EXPECT_THROW_MSG(placements_from_names(Names{{"pp"}, {}}, mesh, 2),
+                      "expected names of mesh dims [dp, tp]");
+  HP_EXPECT_THROW_MSG(placements_from_names(Names{{"dp"}}, mesh, 2),
+                      "one layout name per tensor dim (2), got 1");
+  HP_EXPECT_THROW_MSG(placements_from_names(Names{{"dp"}}, {}, 1), "a mesh without names");
+}
+
 }  // namespace
