@@ -156,6 +156,51 @@ bool backward_gathers(const Placements& from, const Placements& to) {
   return false;
 }
 
+// from_local's run_check: every rank's local extents, gathered over the whole mesh (innermost dim
+// first, each gather carrying the table so far), so that every rank reaches the same verdict. The
+// global shape they imply must split into them as torch.chunk does (and be `requested`, if given).
+std::vector<int64_t> checked_global_shape(const at::Tensor& local, const DeviceMesh& mesh,
+                                          const Placements& pl,
+                                          const std::optional<std::vector<int64_t>>& requested) {
+  const int64_t ndim = local.dim();
+  auto table = at::tensor(local.sizes().vec(), at::kLong).reshape({1, ndim});
+  for (int64_t i = mesh.ndim() - 1; i >= 0; --i)
+    table = comm::all_gather(table.unsqueeze(0), 0, mesh.get_group(i));
+  table = table.reshape({mesh.size(), ndim});  // one row per rank, by row-major mesh coordinate
+  std::vector<int64_t> shape(ndim);
+  for (int64_t d = 0; d < ndim; ++d) {
+    int64_t copies = 1;  // how many ranks hold each element of dim d
+    for (int64_t i = 0; i < mesh.ndim(); ++i) copies *= pl[i].is_shard(d) ? 1 : mesh.size(i);
+    shape[d] = table.select(1, d).sum().item<int64_t>() / copies;
+  }
+  std::vector<int64_t> coordinate(mesh.ndim());
+  for (int64_t flat = 0; flat < mesh.size(); ++flat) {
+    for (int64_t i = mesh.ndim() - 1, rest = flat; i >= 0; rest /= mesh.size(i), --i)
+      coordinate[i] = rest % mesh.size(i);
+    const auto expected = local_shape(shape, mesh.shape(), coordinate, pl);
+    const auto row = table[flat];
+    const std::vector<int64_t> got(row.data_ptr<int64_t>(), row.data_ptr<int64_t>() + ndim);
+    TORCH_CHECK_VALUE(got == expected, "DTensor::from_local: expected local shape ",
+                      c10::IntArrayRef(expected), " on mesh coordinate ", c10::IntArrayRef(coordinate),
+                      " (torch.chunk's split of the global shape ", c10::IntArrayRef(shape),
+                      " the ranks' shards add up to, placements ", to_string(pl), "), got ",
+                      c10::IntArrayRef(got));
+  }
+  TORCH_CHECK_VALUE(!requested || *requested == shape, "DTensor::from_local: expected the shape given (",
+                    c10::IntArrayRef(requested ? *requested : shape),
+                    ") to be the one the ranks' shards make, got ", c10::IntArrayRef(shape));
+  return shape;
+}
+
+// run_check's data: each Replicate mesh dim's replicas take those of coordinate 0, as torch's.
+at::Tensor replicas_of_coordinate_0(const at::Tensor& local, const DeviceMesh& mesh, const Placements& pl) {
+  at::Tensor x = local.detach();
+  for (int64_t i = 0; i < mesh.ndim(); ++i) {
+    if (pl[i].is_replicate() && mesh.size(i) > 1) x = comm::broadcast(x.contiguous(), 0, mesh.get_group(i));
+  }
+  return x;
+}
+
 }  // namespace
 
 at::Tensor redistribute_local(const at::Tensor& local, const DeviceMesh& mesh,
@@ -178,7 +223,9 @@ DTensor DTensor::from_local(const at::Tensor& local, const DeviceMesh& mesh, con
   check_placements("DTensor::from_local", mesh, placements, ndim);
   Placements pl = normalized(placements, ndim);
   std::vector<int64_t> shape;
-  if (options.shape()) {
+  if (options.run_check()) {
+    shape = checked_global_shape(local, mesh, pl, options.shape());
+  } else if (options.shape()) {
     shape = *options.shape();
     TORCH_CHECK(static_cast<int64_t>(shape.size()) == ndim, "DTensor::from_local: expected a shape of ", ndim,
                 " dims, got ", c10::IntArrayRef(shape));
@@ -186,25 +233,6 @@ DTensor DTensor::from_local(const at::Tensor& local, const DeviceMesh& mesh, con
     TORCH_CHECK(local.sizes() == c10::IntArrayRef(expected), "DTensor::from_local: expected local shape ",
                 c10::IntArrayRef(expected), " for global shape ", c10::IntArrayRef(shape), " and placements ",
                 to_string(pl), ", got ", local.sizes());
-  } else if (options.run_check()) {
-    // Exchange every rank's local extents along each mesh dim (innermost first) to recover the
-    // global shape exactly, and check that replicated extents agree.
-    auto sizes = at::tensor(local.sizes().vec(), at::kLong);
-    shape = local.sizes().vec();
-    for (int64_t i = mesh.ndim() - 1; i >= 0; --i) {
-      auto all = comm::all_gather(sizes.unsqueeze(0), 0, mesh.get_group(i));
-      for (int64_t k = 0; k < mesh.size(i); ++k) {
-        for (int64_t d = 0; d < ndim; ++d) {
-          if (pl[i].is_shard(d)) continue;
-          TORCH_CHECK(all[k][d].item<int64_t>() == sizes[d].item<int64_t>(),
-                      "DTensor::from_local: expected equal extents along dim ", d, " over mesh dim ", i,
-                      " (not sharded there), got ", all[k][d].item<int64_t>(), " on mesh coordinate ", k,
-                      " and ", sizes[d].item<int64_t>(), " here");
-        }
-      }
-      if (pl[i].is_shard()) sizes[pl[i].dim()] = all.select(1, pl[i].dim()).sum();
-    }
-    shape = std::vector<int64_t>(sizes.data_ptr<int64_t>(), sizes.data_ptr<int64_t>() + ndim);
   } else {
     shape = local.sizes().vec();
     for (int64_t i = 0; i < mesh.ndim(); ++i) {
@@ -214,7 +242,8 @@ DTensor DTensor::from_local(const at::Tensor& local, const DeviceMesh& mesh, con
   auto slot = std::make_shared<GradSlot>();
   // The gradient comes back with the consumers' placements; bring it to ours.
   auto out = attach_producer_backward(
-      local, local.detach(), slot, for_gradient(pl),
+      local, options.run_check() ? replicas_of_coordinate_0(local, mesh, pl) : local.detach(), slot,
+      for_gradient(pl),
       [mesh, shape, pl](const at::Tensor& grad, const Placements& from) {
         return redistribute_local(grad, mesh, shape, from, for_gradient(pl));
       },

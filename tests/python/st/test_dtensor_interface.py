@@ -237,3 +237,16 @@ def test_factories_make_only_this_ranks_shard(mesh):
     torch.testing.assert_close(filled.full_tensor(), torch.full((rows, 3), 7.0))
     with mesh:
         assert zeros(4, 4).placements == (Replicate(),)
+
+
+def test_run_check_gives_replicas_coordinate_0s_data_and_checks_the_split(mesh):
+    r = dist.get_rank()
+    replicated = DTensor.from_local(torch.full((2,), float(r)), mesh, [Replicate()], run_check=True)
+    torch.testing.assert_close(replicated.to_local(), torch.zeros(2), rtol=0, atol=0)
+    torch.testing.assert_close(replicated.redistribute(mesh, [Shard(0)]).full_tensor(), torch.zeros(2))
+    uneven = DTensor.from_local(torch.ones(chunk_rows(2 * WORLD - 1), 3), mesh, [Shard(0)], run_check=True)
+    assert uneven.shape == torch.Size([2 * WORLD - 1, 3])
+    with pytest.raises(ValueError, match=r"torch.chunk's split of the global shape"):  # on every rank
+        DTensor.from_local(torch.ones(r + 1, 3), mesh, [Shard(0)], run_check=True)
+    with pytest.raises(ValueError, match=r"expected the shape given \(\[9, 3\]\) to be the one"):
+        DTensor.from_local(torch.ones(2, 3), mesh, [Shard(0)], run_check=True, shape=[9, 3])

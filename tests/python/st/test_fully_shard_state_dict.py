@@ -13,6 +13,7 @@ from torch import nn
 from hyper_parallel import ColwiseParallel, RowwiseParallel, full_tensor, fully_shard, init_device_mesh
 from hyper_parallel import parallelize_module
 from hyper_parallel.core import comm
+from hyper_parallel.core.dtensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from hyper_parallel.core.fully_shard import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from fully_shard_models import DIM, Block
@@ -131,6 +132,50 @@ def test_set_loads_whole_tensors_pieces_and_rank0s_broadcast(layout):
                                                               strict=False))
     assert torch.equal(full_tensor(net.head.weight), whole["head.weight"])
     assert torch.equal(full_tensor(net.head.bias), Net().head.bias.detach())
+
+
+def dtensors_of(whole, how):
+    """Each whole tensor as a DTensor laid out otherwise than the parameters: replicated, sharded
+    on a 2 x 2 mesh with its dims in the other order, or Partial (rank 0 holds the value)."""
+    ws = dist.get_world_size()
+    flat = init_device_mesh("cpu", (ws,), mesh_dim_names=("other",))
+    if how == "replicate":
+        return {k: distribute_tensor(v, flat, [Replicate()]) for k, v in whole.items()}
+    if how == "partial":
+        return {k: DTensor.from_local(v if dist.get_rank() == 0 else torch.zeros_like(v), flat, [Partial()])
+                for k, v in whole.items()}
+    square = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))["b", "a"]
+    return {k: distribute_tensor(v, square, [Shard(0), Replicate()] if v.dim() else [Replicate()] * 2)
+            for k, v in whole.items()}
+
+
+@pytest.mark.parametrize("how", ["replicate", "partial", "transposed mesh"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_dtensors_laid_out_otherwise_load_their_whole_values(layout, how):
+    """A DTensor's local tensor is the parameter's piece only where its mesh and placements are
+    the parameter's: otherwise its whole tensor loads (a Partial one summed)."""
+    skip_unless_fits(layout)
+    if how == "transposed mesh" and dist.get_world_size() != 4:
+        pytest.skip("a 2 x 2 mesh needs 4 ranks")
+    source = Net(seed=11)
+    params = dict(source.named_parameters())
+    values = dtensors_of({k: v.detach() for k, v in params.items()}, how)
+    net = parallel(layout)
+    assert not set_model_state_dict(net, values, options=StateDictOptions(strict=False)).unexpected_keys
+    assert_whole_as(net, source)
+    if layout != "tp":  # torch's own load_state_dict: no DTensor values without fully_shard
+        net = parallel(layout)
+        net.load_state_dict(dict(net.state_dict(), **values))
+        assert_whole_as(net, source)
+
+
+def test_a_dtensor_of_another_whole_shape_is_an_error():
+    net = parallel("fsdp")
+    flat = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("other",))
+    wrong = distribute_tensor(torch.zeros(DIM, 2), flat, [Replicate()])  # head.weight is [2, DIM]
+    with pytest.raises(ValueError, match=r"expected head.weight as a DTensor of the whole tensor's shape "
+                                         r"\[2, 12\], got one of \[12, 2\]"):
+        set_model_state_dict(net, {"head.weight": wrong}, options=StateDictOptions(strict=False))
 
 
 @pytest.mark.parametrize("change, message", [

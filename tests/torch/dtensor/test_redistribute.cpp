@@ -189,15 +189,33 @@ TEST(DistributeTensor, TwoDimMeshFromEachSourceCoordinate) {
 TEST(FromLocal, RunCheckRecoversUnevenGlobalShape) {
   const int64_t p = hp_test::world_size(), r = hp_test::rank();
   auto mesh = init_device_mesh("cpu", {p});
-  auto x = DTensor::from_local(at::ones({r + 1, 3}), mesh, {Shard(0)}, FromLocalOptions().run_check(true));
-  EXPECT_EQ(x.shape(), (std::vector<int64_t>{p * (p + 1) / 2, 3}));
+  // 2p - 1 rows: torch.chunk gives 2 to each rank but the last, which gets 1.
+  auto x = DTensor::from_local(at::ones({r == p - 1 ? 1 : 2, 3}), mesh, {Shard(0)},
+                               FromLocalOptions().run_check(true));
+  EXPECT_EQ(x.shape(), (std::vector<int64_t>{2 * p - 1, 3}));
+  if (p > 1) {  // another split: every rank names the first rank whose extents differ
+    HP_EXPECT_THROW_MSG(
+        DTensor::from_local(at::ones({r + 1, 3}), mesh, {Shard(0)}, FromLocalOptions().run_check(true)),
+        "DTensor::from_local: expected local shape [" + std::to_string((p * (p + 1) / 2 + p - 1) / p) +
+            ", 3] on mesh coordinate [0] (torch.chunk's split");
+    HP_EXPECT_THROW_MSG(
+        DTensor::from_local(at::ones({2, 3}), mesh, {Shard(0)},
+                            FromLocalOptions().run_check(true).shape(std::vector<int64_t>{2 * p + 1, 3})),
+        "expected the shape given ([" + std::to_string(2 * p + 1) + ", 3]) to be the one");
+  }
+  // Replicas take coordinate 0's data; the gradient reaches each rank's own local tensor.
+  auto mine = at::full({2}, double(r), at::kDouble).requires_grad_();
+  auto replicated = DTensor::from_local(mine, mesh, {Replicate()}, FromLocalOptions().run_check(true));
+  EXPECT_TRUE(replicated.to_local().equal(at::zeros({2}, at::kDouble)));
+  replicated.to_local().sum().backward();
+  EXPECT_TRUE(mine.grad().equal(at::ones({2}, at::kDouble)));
   auto even = DTensor::from_local(at::ones({2, 3}), mesh, {Shard(-1)});
   EXPECT_EQ(even.shape(), (std::vector<int64_t>{2, 3 * p}));
   EXPECT_EQ(even.placements(), Placements{Shard(1)});
   if (p > 1) {
     HP_EXPECT_THROW_MSG(
         DTensor::from_local(at::ones({2, r + 1}), mesh, {Shard(0)}, FromLocalOptions().run_check(true)),
-        "from_local: expected equal extents along dim 1");
+        "DTensor::from_local: expected local shape [2, ");
   }
 }
 

@@ -27,8 +27,11 @@ namespace hyper_parallel::dtensor {
 /// Usage:
 ///   DTensor::from_local(x, mesh, {Shard(0)}, FromLocalOptions().run_check(true));
 struct FromLocalOptions {
-  /// Exchange local shapes over the mesh to compute the exact global shape (uneven shards
-  /// allowed) and check that replicated dims agree. Costs one small all_gather per mesh dim.
+  /// Exchange local shapes over the mesh to compute the exact global shape (uneven shards, split
+  /// as torch.chunk splits, allowed; another split, or a shape() the shards do not make, is a
+  /// ValueError on every rank), and give each Replicate mesh dim's replicas the data of its
+  /// coordinate 0, as torch's run_check. Costs one small all_gather per mesh dim and a broadcast
+  /// per Replicate mesh dim.
   TORCH_ARG(bool, run_check) = false;
   /// The global shape, if known; otherwise local extents times mesh size (even sharding).
   TORCH_ARG(std::optional<std::vector<int64_t>>, shape) = std::nullopt;

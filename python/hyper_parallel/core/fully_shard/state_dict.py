@@ -2,11 +2,12 @@
 rules over torch's loading.
 
 ``state_dict()`` gives each sharded parameter as this rank's piece. A value to load may be that
-piece, the whole tensor (a checkpoint saved without parallelism), or a DTensor (its local
-tensor): for a whole tensor, each rank takes its own piece, laid out as the parameter
-(fully_shard's pieces, nested in a tensor-parallel style's), with no communication, so every
-rank passes the same whole tensors, as loading one file on every rank does. torch then copies the
-pieces into the shards (a later gather sees they changed)."""
+piece, the whole tensor (a checkpoint saved without parallelism), or a DTensor of the whole
+tensor's shape (its local tensor where it is laid out as the parameter, else its whole tensor,
+gathered over its mesh, Partial ones summed). For a whole tensor, each rank takes its own piece,
+laid out as the parameter (fully_shard's pieces, nested in a tensor-parallel style's), with no
+communication, so every rank passes the same whole tensors, as loading one file on every rank
+does. torch then copies the pieces into the shards (a later gather sees they changed)."""
 
 import warnings
 from typing import Any
@@ -22,11 +23,23 @@ def _shape(shape) -> str:
     return str(list(shape))
 
 
+def _whole_or_piece(key: str, value: _C.DTensor, layout, target: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor where it is laid out as the parameter, else its whole tensor
+    (gathered over its mesh: collective, every rank loads the same keys in the same order)."""
+    want = tuple(layout.global_shape) if layout is not None else tuple(target.shape)
+    if tuple(value.shape) != want:
+        raise ValueError(f"FSDPModule.load_state_dict: expected {key} as a DTensor of the whole tensor's shape "
+                         f"{_shape(want)}, got one of {_shape(value.shape)}")
+    if layout is not None and value.device_mesh == layout.mesh and value.placements == tuple(layout.placements):
+        return value.to_local()
+    return value.full_tensor()
+
+
 def local_value(key: str, value: Any, target: torch.Tensor) -> Any:
     """The value torch copies into ``target`` (a parameter or buffer of the module) for ``key``."""
-    if isinstance(value, _C.DTensor):
-        value = value.to_local()
     layout = layout_of(target)
+    if isinstance(value, _C.DTensor):
+        value = _whole_or_piece(key, value, layout, target)
     if layout is None or not isinstance(value, torch.Tensor) or tuple(value.shape) == tuple(target.shape):
         return value  # torch's own checks apply
     if tuple(value.shape) == tuple(layout.global_shape):
