@@ -13,6 +13,7 @@
 #include <c10/util/Exception.h>
 
 #include "file_io.h"
+#include "publish.h"
 #include "index.h"
 #include "layout.h"
 #include "read_region.h"
@@ -33,10 +34,13 @@ std::string resolve(const char* fn, const std::string& dir) {
   const fs::path p(dir);
   if (fs::exists(p / "COMPLETE")) return p.string();
   if (fs::exists(p / "latest")) {
-    const auto target = p / detail::read_latest(fn, dir).first;
-    TORCH_CHECK(fs::exists(target / "COMPLETE"), fn, ": expected a complete checkpoint at ", target.string(),
-                " (named by ", (p / "latest").string(), "), got no COMPLETE marker there");
-    return target.string();
+    const auto name = detail::read_latest(fn, dir).first;
+    const auto target = p / name;
+    if (fs::exists(target / "COMPLETE")) return target.string();
+    // A re-save of that step stopped between its two renames: the copy it moved aside.
+    if (auto aside = detail::replaced_copy(dir, name)) return *aside;
+    TORCH_CHECK(false, fn, ": expected a complete checkpoint at ", target.string(), " (named by ",
+                (p / "latest").string(), "), got no COMPLETE marker there");
   }
   TORCH_CHECK(fs::exists(p), fn, ": expected a checkpoint at ", dir, ", got no such directory");
   TORCH_CHECK(false, fn, ": expected a complete checkpoint at ", dir, ", got a directory without ",
@@ -102,6 +106,9 @@ std::vector<Region> check_state(const State& state, const detail::Index& index, 
 }  // namespace
 
 void load(const std::string& dir, State& state, const LoadOptions& options) {
+  // An asynchronous save still in flight is waited for first (its error raised): the load reads
+  // what it publishes, not the checkpoint before it.
+  if (save_in_flight()) finish();
   const auto step_dir = resolve(kLoad, dir);
   const auto index = detail::read_index(kLoad, step_dir);
   // Everything is checked and read into new tensors before the state changes.

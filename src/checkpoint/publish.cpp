@@ -6,6 +6,8 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <optional>
+#include <vector>
 
 #include <c10/util/Exception.h>
 
@@ -44,18 +46,42 @@ std::string rename_into_place(const char* fn, const fs::path& staging, const fs:
   return old_name.string();
 }
 
-// Removes what interrupted saves left in root (their temporary and replaced directories).
+// Removes what interrupted saves left in root (their temporary and replaced directories). A
+// replaced copy whose step directory is missing (the re-save stopped between its two renames) is
+// the only copy of a published step: it is renamed back instead.
 void remove_leftovers(const fs::path& root) {
+  std::vector<fs::path> leftovers;
   for (const auto& item : fs::directory_iterator(root)) {
     const auto name = item.path().filename().string();
     if (name.rfind(".step-", 0) == 0 &&
         (name.find(".tmp-") != std::string::npos || name.find(".old-") != std::string::npos)) {
-      fs::remove_all(item.path());
+      leftovers.push_back(item.path());
+    }
+  }
+  for (const auto& path : leftovers) {
+    const auto name = path.filename().string();
+    const auto old = name.find(".old-");
+    const fs::path step_dir = root / name.substr(1, old == std::string::npos ? 0 : old - 1);
+    if (old != std::string::npos && !fs::exists(step_dir) && fs::exists(path / "COMPLETE")) {
+      fs::rename(path, step_dir);
+    } else {
+      fs::remove_all(path);
     }
   }
 }
 
 }  // namespace
+
+std::optional<std::string> replaced_copy(const std::string& root, const std::string& step_name) {
+  std::error_code error;
+  for (const auto& item : fs::directory_iterator(root, error)) {
+    const auto name = item.path().filename().string();
+    if (name.rfind("." + step_name + ".old-", 0) == 0 && fs::exists(item.path() / "COMPLETE")) {
+      return item.path().string();
+    }
+  }
+  return std::nullopt;
+}
 
 std::string staging_dir(const std::string& root, int64_t step, const std::string& nonce) {
   const std::string name = step_name(step);

@@ -207,7 +207,9 @@ struct LoadOptions {
 
 /// Loads a checkpoint into `state`, resharding to each entry's layout. `dir` is a step-N
 /// directory, or a root whose `latest` names one. Every rank reads what it needs itself (no
-/// communication): for a sharded entry only the byte ranges overlapping its shard.
+/// communication): for a sharded entry only the byte ranges overlapping its shard. It first
+/// waits for an asynchronous save still in flight (raising its error, as finish()), so that it
+/// reads what that save publishes.
 ///
 /// Nothing is written into the state unless everything checks out: a missing COMPLETE marker,
 /// a key of the state missing from the checkpoint, a key of the checkpoint the state lacks

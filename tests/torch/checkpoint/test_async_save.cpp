@@ -103,6 +103,18 @@ TEST(AsyncSave, WritesTheSynchronousSavesBytesOfTheStateAtTheCall) {
   if (rank() == 0) expect_same_files(dir / "sync", dir / "async");
 }
 
+TEST(AsyncSave, ALoadReadsTheSaveInFlight) {
+  SharedTmpDir dir("async_then_load");
+  Trainee t;
+  t.train(1, 1);
+  ckpt::save(dir.path(), t.state, ckpt::SaveOptions().step(1).asynchronous(true));
+  Trainee fresh;
+  ckpt::load(dir.path(), fresh.state);  // before: no `latest` yet, or the checkpoint before
+  EXPECT_FALSE(ckpt::save_in_flight());
+  EXPECT_EQ(ckpt::latest_step(dir.path()), 1);
+  for (const auto& [key, e] : t.state) EXPECT_TRUE(at::equal(fresh.state.at(key).local, e.local)) << key;
+}
+
 TEST(AsyncSave, BackgroundErrorSurfacesAtTheNextSaveAndAtFinish) {
   SharedTmpDir dir("async_errors");
   const std::string root = dir / "root";

@@ -235,6 +235,33 @@ TEST(Checkpoint, SaveWritesShardsIndexMarkerAndLatest) {
       at::equal(fresh.state.at("tok_embeddings.weight").local, t.state.at("tok_embeddings.weight").local));
 }
 
+TEST(Checkpoint, ACopyAReSaveMovedAsideIsLoadedAndRestored) {
+  // Where the filesystem cannot exchange two names, a re-save of step-N renames it to
+  // .step-N.old-<id> before renaming the new one in. A crash between the two leaves only that copy.
+  SharedTmpDir dir("moved_aside");
+  Meshes meshes;
+  const int64_t p = world_size();
+  Trainee t(meshes.tp(p), 1);
+  const auto root = dir.path();
+  ckpt::save(root, t.state, ckpt::SaveOptions().step(7));
+  hp::comm::barrier(hp::comm::world());
+  if (rank() == 0) fs::rename(root + "/step-7", root + "/.step-7.old-interrupted");
+  hp::comm::barrier(hp::comm::world());
+  Trainee fresh(meshes.tp(p), 2);
+  ckpt::load(root, fresh.state);  // `latest` names step-7: its copy is read
+  for (const auto& [key, e] : t.state) EXPECT_TRUE(at::equal(fresh.state.at(key).local, e.local)) << key;
+  ckpt::save(root, fresh.state, ckpt::SaveOptions().step(8));  // puts step-7 back, then writes step-8
+  hp::comm::barrier(hp::comm::world());
+  if (rank() == 0) {
+    std::set<std::string> names;
+    for (const auto& item : fs::directory_iterator(root)) names.insert(item.path().filename().string());
+    EXPECT_EQ(names, (std::set<std::string>{"latest", "step-7", "step-8"}));
+  }
+  Trainee again(meshes.tp(p), 3);
+  ckpt::load(root + "/step-7", again.state);
+  for (const auto& [key, e] : t.state) EXPECT_TRUE(at::equal(again.state.at(key).local, e.local)) << key;
+}
+
 TEST(Checkpoint, CorruptOrMismatchedCheckpointsFailWithoutTouchingTheModel) {
   SharedTmpDir dir("errors");
   Meshes meshes;
