@@ -332,3 +332,20 @@ def test_a_released_group_is_destroyed_off_the_thread_that_adopts_the_next():
     del group, work
     future.wait()
     assert results == [WORLD]
+
+
+@multirank
+def test_a_double_backward_through_the_fused_ops_is_refused_by_name():
+    """A gradient penalty (create_graph=True) would differentiate out= matmuls: a clear error."""
+    from hyper_parallel import MC2ColwiseParallel, MC2RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 8))
+    parallelize_module(mlp, mesh, {"0": MC2ColwiseParallel(contract=MC2Contract.relaxed()),
+                                   "1": MC2RowwiseParallel(contract=MC2Contract.relaxed())})
+    x = torch.randn(2, 2, 8, requires_grad=True)
+    with pytest.raises(NotImplementedError, match="got create_graph=True"):
+        torch.autograd.grad(mlp(x).square().sum(), x, create_graph=True)
+    (g,) = torch.autograd.grad(mlp(x).square().sum(), x)  # without it, as before
+    assert g.shape == x.shape

@@ -48,6 +48,15 @@ std::pair<at::Tensor, at::Tensor> row_gather(const at::Tensor& dy, const at::Ten
                        [] { hyper_parallel::detail::WeightGradScheduler::of_this_thread().run_posted(); });
 }
 
+// A backward with create_graph=True runs with grad mode on: the fused ops compute their gradients
+// with out= matmuls and collectives autograd cannot differentiate, so it is refused by name.
+void check_not_differentiated(const char* name) {
+  TORCH_CHECK_NOT_IMPLEMENTED(!at::GradMode::is_enabled(), name,
+                              ": expected a backward without create_graph, got create_graph=True (a double "
+                              "backward through MC2's fused ops, e.g. a gradient penalty, is not supported; "
+                              "use ColwiseParallel / RowwiseParallel for such a model)");
+}
+
 // A Linear's backward, split where deferral cuts it: from dY, dX (undefined when not needed) and
 // the job computing {dW, db}.
 using SplitBackward =
@@ -61,7 +70,8 @@ at::Tensor attach_linear_backward(const at::Tensor& input, const at::Tensor& w, 
   if (!host) {
     return hyper_parallel::detail::attach_backward(
         {input, w, bias}, {y},
-        [backward = std::move(backward)](std::vector<at::Tensor> grads) {
+        [backward = std::move(backward), name](std::vector<at::Tensor> grads) {
+          check_not_differentiated(name);
           auto [dx, job] = backward(grads[0]);
           auto wb = job();
           return std::vector<at::Tensor>{dx, wb[0], wb[1]};
@@ -72,7 +82,8 @@ at::Tensor attach_linear_backward(const at::Tensor& input, const at::Tensor& w, 
   const auto token = detail::deliver_weight_grad(slot, w, bias, *host);
   return hyper_parallel::detail::attach_backward(
       {input, token}, {y},
-      [backward = std::move(backward), slot](std::vector<at::Tensor> grads) {
+      [backward = std::move(backward), slot, name](std::vector<at::Tensor> grads) {
+        check_not_differentiated(name);
         auto [dx, job] = backward(grads[0]);
         slot->post(std::move(job));
         return std::vector<at::Tensor>{dx, at::Tensor()};
@@ -152,6 +163,7 @@ std::pair<at::Tensor, at::Tensor> mc2_column_linear_gathered(const at::Tensor& x
       {x, w, bias}, {y, gathered},
       [g = SavedTensor(gathered, name, "gathered input"), w = SavedTensor(w, name, "weight"), group, options,
        needs = needs_of(x, w, bias)](std::vector<at::Tensor> grads) -> std::vector<at::Tensor> {
+        check_not_differentiated("MC2ColumnLinearBackward");
         auto r = mc2_column_backward(grads[0], grads[1], g.get(), w.get(), group, options, needs);
         return {r.input, r.weight, r.bias};
       },
