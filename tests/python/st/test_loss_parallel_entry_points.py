@@ -134,3 +134,29 @@ def test_loss_parallel_errors_name_what_was_expected():
     from hyper_parallel import _C
     with pytest.raises(ValueError, match=r"DTensor::carry_tag: expected a tensor of the tagged one's shape \[2, 3, "):
         _C.DTensor.carry_tag(head(x), torch.zeros(2))
+
+
+def test_the_originals_mesh_and_strict_options():
+    from hyper_parallel.core.tensor_parallel import is_loss_parallel_active
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+    head, reference = vocab_sharded_head(mesh)
+    x, labels = inputs()
+    expected = F.cross_entropy(reference(x).flatten(0, 1), labels.flatten())
+    assert not is_loss_parallel_active()
+    with loss_parallel(mesh=mesh, strict=False):
+        assert is_loss_parallel_active()
+        with loss_parallel():  # nested: the logits' own mesh
+            torch.testing.assert_close(F.cross_entropy(head(x).flatten(0, 1), labels.flatten()), expected)
+        torch.testing.assert_close(F.cross_entropy(head(x).flatten(0, 1), labels.flatten()), expected)
+        if dist.get_world_size() > 1:  # strict=False still refuses a wrong result
+            with pytest.raises(ValueError, match="loss_parallel: expected logits"):
+                F.cross_entropy(head(x).softmax(-1).flatten(0, 1), labels.flatten())
+    assert not is_loss_parallel_active()
+    other = init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("dp", "tp"))["dp"]
+    with loss_parallel(mesh=other):
+        with pytest.raises(ValueError, match="expected logits sharded over the mesh given"):
+            F.cross_entropy(head(x).flatten(0, 1), labels.flatten())
+    with pytest.raises(TypeError, match="expected mesh a DeviceMesh or None, got str"):
+        with loss_parallel(mesh="tp"):
+            pass

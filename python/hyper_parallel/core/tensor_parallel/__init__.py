@@ -7,7 +7,7 @@ original: importing this package does not import the mc2 modules; the first use 
 import importlib
 
 from hyper_parallel.core.tensor_parallel.grad_utils import ParameterLayout, clip_grad_norm_, full_tensor, layout_of
-from hyper_parallel.core.tensor_parallel.loss import loss_parallel
+from hyper_parallel.core.tensor_parallel.loss import is_loss_parallel_active, loss_parallel
 from hyper_parallel.core.tensor_parallel.parallelize import parallelize_module
 from hyper_parallel.core.tensor_parallel.style import (
     ColwiseParallel,
@@ -50,6 +50,7 @@ __all__ = [
     "SequenceParallel",
     "clip_grad_norm_",
     "full_tensor",
+    "is_loss_parallel_active",
     "layout_of",
     "loss_parallel",
     "parallelize_module",

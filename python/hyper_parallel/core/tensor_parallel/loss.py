@@ -28,7 +28,7 @@ import torch.jit._builtins
 
 from hyper_parallel import _C
 
-__all__ = ["loss_parallel"]
+__all__ = ["is_loss_parallel_active", "loss_parallel"]
 
 
 def _vocabulary_sharded(tagged) -> bool:
@@ -101,7 +101,7 @@ def _vocab_parallel(input, target, sharded, weight=None, reduction=0, ignore_ind
 # torch's own, also when this module is imported again (importlib.reload) over the wrapper.
 _torch_cross_entropy_loss = getattr(torch._C._nn.cross_entropy_loss, "_torch_own", torch._C._nn.cross_entropy_loss)
 _OPTIONS = ("weight", "reduction", "ignore_index", "label_smoothing")  # its arguments after the target
-_open_contexts = 0
+_open_meshes = []  # the mesh of each open loss_parallel() (None: the logits' own), innermost last
 
 
 def _cross_entropy_loss(input, target, *args, **kwargs):
@@ -109,9 +109,10 @@ def _cross_entropy_loss(input, target, *args, **kwargs):
     were imported. Inside loss_parallel(), vocabulary-sharded logits take the vocabulary-parallel
     loss; outside, they are an error (torch's loss of this rank's shard would be a loss of its
     own); any other tensor is torch's, given the arguments as they came."""
-    if _open_contexts:
+    if _open_meshes:
         sharded = _sharded_logits(input)
         if sharded is not None:
+            _check_mesh(sharded.device_mesh)
             return _vocab_parallel(input, target, sharded, **dict(zip(_OPTIONS, args)), **kwargs)
     elif _tagged_vocabulary_shard(input) is not None:
         raise ValueError(f"cross_entropy: expected logits sharded over the vocabulary (a style's "
@@ -126,13 +127,31 @@ torch._C._nn.cross_entropy_loss = _cross_entropy_loss
 torch.jit._builtins._register_builtin(_cross_entropy_loss, "aten::cross_entropy_loss")  # scripted code calls aten's
 
 
+def _check_mesh(logits_mesh):
+    mesh = _open_meshes[-1]
+    if mesh is not None and mesh != logits_mesh:
+        raise ValueError(f"loss_parallel: expected logits sharded over the mesh given, {mesh}, got logits sharded "
+                         f"over {logits_mesh}")
+
+
 @contextlib.contextmanager
-def loss_parallel():
+def loss_parallel(*, mesh=None, strict: bool = True):
     """Inside, a cross-entropy of the vocabulary-sharded logits (F.cross_entropy, nn.CrossEntropyLoss)
-    is computed in parallel over the vocabulary (see the module's doc)."""
-    global _open_contexts
-    _open_contexts += 1
+    is computed in parallel over the vocabulary (see the module's doc). As the original's:
+    ``mesh``, if given, is the mesh the logits must be sharded over (a ValueError otherwise;
+    None takes the logits' own); contexts nest. ``strict=False`` is accepted, and changes nothing:
+    each check here guards a result that would be wrong, so it raises whatever ``strict`` is."""
+    if mesh is not None and not isinstance(mesh, _C.DeviceMesh):
+        raise TypeError(f"loss_parallel: expected mesh a DeviceMesh or None, got {type(mesh).__name__}")
+    if not isinstance(strict, bool):
+        raise TypeError(f"loss_parallel: expected strict a bool, got {type(strict).__name__}")
+    _open_meshes.append(mesh)
     try:
         yield
     finally:
-        _open_contexts -= 1
+        _open_meshes.pop()
+
+
+def is_loss_parallel_active() -> bool:
+    """Whether a loss_parallel() context is open (the original's)."""
+    return bool(_open_meshes)
