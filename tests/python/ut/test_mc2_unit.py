@@ -2,6 +2,8 @@
 validation, the sequence-dim layout, and every fail-closed case with its Python exception type
 and message (each raised by the C++ core)."""
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -65,10 +67,18 @@ def test_configure_mc2_rejects_a_bad_mode_and_sets_the_attributes(mesh):
     assert linear.mc2_group.size() == 1
 
 
-def test_unconfigured_forward_is_an_error():
-    linear = MC2Linear.from_linear(nn.Linear(512, 512).to(torch.bfloat16))
-    with pytest.raises(RuntimeError, match="MC2Linear::forward: used before configure_mc2"):
-        linear(torch.ones(2, 4, 512, dtype=torch.bfloat16))
+def test_unconfigured_forward_is_a_plain_linear_as_the_originals():
+    """A model written with MC2Linear layers runs without parallelism, any dtype, gradients too."""
+    torch.manual_seed(0)
+    plain = nn.Linear(16, 8)
+    linear = MC2Linear.from_linear(copy.deepcopy(plain))
+    x = torch.randn(2, 3, 16, requires_grad=True)
+    y = linear(x)
+    torch.testing.assert_close(y, plain(x), rtol=0, atol=0)
+    y.sum().backward()
+    plain(x).sum().backward()
+    torch.testing.assert_close(linear.weight.grad, plain.weight.grad, rtol=0, atol=0)
+    assert MC2Linear(4, 2)(torch.ones(3, 4)).shape == (3, 2)
 
 
 def test_styles_validate_their_layouts():

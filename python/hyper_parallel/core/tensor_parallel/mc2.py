@@ -170,7 +170,7 @@ class MC2Linear(nn.Linear):
         if self._mc2 is None:
             label = getattr(self, "_hp_fqn", "")
             if self._mc2_config is None:
-                self._mc2 = _C.MC2LinearState()  # its forward says it is not configured
+                self._mc2 = _C.MC2LinearState()  # not configured: its forward is a plain Linear
                 return self._mc2
             try:
                 self._mc2 = _configured_state(self._mc2_config, label)

@@ -17,11 +17,11 @@ namespace hyper_parallel::tensor_parallel {
 class MC2LinearKernel final : public nn::ForwardKernel {
  public:
   at::Tensor forward(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias) override {
+    // Not configured (no style applied, no configure_mc2): a plain Linear, as the original's
+    // MC2Linear on a tensor that is not sharded (a model run without parallelism).
+    if (!configured) return at::linear(x, w, bias);
     const auto where =
         label.empty() ? std::string("MC2Linear::forward") : "MC2Linear(" + label + ")::forward";
-    TORCH_CHECK(configured, where,
-                ": used before configure_mc2(mode, group, "
-                "sequence_dim); apply MC2ColwiseParallel / MC2RowwiseParallel or configure it");
     contract.check_dtype(where.c_str(), x.scalar_type());
     TORCH_CHECK(x.dim() >= 2, where, ": expected an activation [..., S, ..., H], got ", x.sizes());
     const int64_t seq = normalize_sequence_dim(sequence_dim, x.dim() - 1);
