@@ -16,7 +16,7 @@ Usage (under ``hp-run --nproc-per-node 2 -- /usr/bin/python3 train.py``)::
 
 from hyper_parallel.core import tensor_parallel as _tensor_parallel
 from hyper_parallel.core.data_parallel import data_parallel, no_sync
-from hyper_parallel.core.dtensor import DeviceMesh, init_device_mesh
+from hyper_parallel.core.dtensor import DeviceMesh, DTensor, get_current_mesh, init_device_mesh
 from hyper_parallel.core.fully_shard import (
     CPUOffloadPolicy,
     FSDPModule,
@@ -61,6 +61,7 @@ def __dir__():
 __all__ = [
     "CPUOffloadPolicy",
     "ColwiseParallel",
+    "DTensor",
     "DeviceMesh",
     "FSDPModule",
     "HSDPModule",
@@ -79,6 +80,7 @@ __all__ = [
     "data_parallel",
     "full_tensor",
     "fully_shard",
+    "get_current_mesh",
     "init_device_mesh",
     "layout_of",
     "loss_parallel",

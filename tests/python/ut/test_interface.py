@@ -202,3 +202,11 @@ def test_plan_matching_warns_through_the_core(mesh):
         parallelize_module(model, mesh, {})
     with pytest.raises(ValueError, match="expected plan key tokens separated by single dots, got 'a..b'"):
         parallelize_module(model, mesh, {"a..b": ColwiseParallel()})
+
+
+def test_the_originals_top_level_dtensor_names():
+    from hyper_parallel import DeviceMesh, DTensor, get_current_mesh, init_device_mesh  # noqa: F401
+    from hyper_parallel.core.dtensor import DTensor as inner, get_current_mesh as inner_current
+
+    assert DTensor is inner and get_current_mesh is inner_current
+    assert {"DTensor", "DeviceMesh", "get_current_mesh", "init_device_mesh"} <= set(hyper_parallel.__all__)
