@@ -387,8 +387,29 @@ def test_mixed_precision_output_dtype_casts_each_sharded_modules_outputs():
     assert wrapper._fsdp_group is None and wrapper(batch(0, 1)).dtype == torch.float64
 
 
+def test_an_int_reshard_after_forward_is_fsdp2s():
+    """1: the gathered parameters stay (False); the shard group's size: they are freed (True)."""
+    ws, r = dist.get_world_size(), dist.get_rank()
+
+    def gathers(value):
+        net = shard(Net(), mesh=dp_mesh(), reshard_after_forward=value)
+        comm.reset_collective_counts()
+        net(batch(0, ws)[r * ROWS_PER_RANK:][:ROWS_PER_RANK]).pow(2).mean().backward()
+        return comm.collective_count("all_gather")
+
+    assert gathers(1) == gathers(False)
+    assert gathers(ws) == gathers(ws > 1)
+    if ws > 1:
+        assert gathers(True) > gathers(False)
+    if ws == 4:
+        with pytest.raises(NotImplementedError, match=r"expected 1 \(False\), 4 \(True\) or a bool, got 2"):
+            fully_shard(Net(), mesh=dp_mesh(), reshard_after_forward=2)
+    with pytest.raises(ValueError, match="divides the shard group's size"):
+        fully_shard(Net(), mesh=dp_mesh(), reshard_after_forward=ws + 1)
+
+
 @pytest.mark.parametrize("kwargs, error, message", [
-    (dict(reshard_after_forward=2), NotImplementedError, "an int reshard_after_forward"),
+    (dict(reshard_after_forward=0), ValueError, "an int reshard_after_forward that divides"),
     (dict(reshard_after_forward="yes"), ValueError, "reshard_after_forward: expected a bool"),
     (dict(mp_policy=MixedPrecisionPolicy(output_dtype=torch.int64)), ValueError,
      "expected MixedPrecisionPolicy output_dtype None or a floating dtype, got torch.int64"),

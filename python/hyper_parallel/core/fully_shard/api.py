@@ -80,12 +80,30 @@ def _roots(module) -> list:
     return roots
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _reshard_after_forward(value, mesh) -> bool:
+    """FSDP2's int reshard_after_forward, the size of the group holding the parameters between
+    forward and backward: 1 keeps them gathered (False), the shard group's size frees them (True);
+    a size between (a smaller group) is a NotImplementedError, another a ValueError."""
+    if value is None or not _is_int(value):
+        return True if value is None else value
+    shard_size = _core_mesh(mesh).size(-1)
+    if value < 1 or shard_size % value:
+        raise ValueError(f"fully_shard: expected an int reshard_after_forward that divides the shard group's size "
+                         f"({shard_size}), got {value}")
+    if value in (1, shard_size):
+        return value != 1
+    raise NotImplementedError(f"fully_shard: an int reshard_after_forward between 1 and the shard group's size "
+                              f"({shard_size}), resharding to a smaller group after the forward, is not supported; "
+                              f"expected 1 (False), {shard_size} (True) or a bool, got {value}")
+
+
 def _check_options(reshard_after_forward, shard_placement_fn, mp_policy, offload_policy, replicate_params,
                    comm_fusion):
-    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
-        raise NotImplementedError("fully_shard: an int reshard_after_forward (resharding to a smaller group after the "
-                                  f"forward) is not supported; expected True or False, got {reshard_after_forward}")
-    if reshard_after_forward is not None:
+    if reshard_after_forward is not None and not _is_int(reshard_after_forward):
         _bool(reshard_after_forward, "fully_shard reshard_after_forward")
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise ValueError(f"fully_shard: expected a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
@@ -160,7 +178,8 @@ def fully_shard(module: Union[nn.Module, List[nn.Module]], *, mesh=None,
     """Shards ``module``'s parameters that no earlier call took on dim 0 over ``mesh`` (1-d, or
     2-d (replicate, shard) for HSDP; default: 1-d over the world) and returns it, now an
     FSDPModule. ``reshard_after_forward`` True frees the gathered parameters after the forward
-    (gathered again for the backward), False keeps them to the end of the backward.
+    (gathered again for the backward), False keeps them to the end of the backward; as an int
+    (FSDP2's), 1 is False and the shard group's size True.
     ``comm_fusion``: False (the default) reduce-scatters the gradients in buckets as autograd
     produces them (most of them travel during the group's own backward); True in one message per
     group, when its backward is over. Either way the group gathers in one message and the
@@ -194,6 +213,7 @@ def fully_shard(module: Union[nn.Module, List[nn.Module]], *, mesh=None,
 
         from hyper_parallel.core.dtensor import init_device_mesh  # pylint: disable=import-outside-toplevel
         mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
+    reshard_after_forward = _reshard_after_forward(reshard_after_forward, mesh)
     ignored = {id(p) for p in (ignored_params or ())}
     for root in roots:
         _check_earlier_calls(root, ignored)
@@ -249,7 +269,7 @@ def _new_group(callers, owned, names, mesh, reshard_after_forward, mp_policy, of
     order = list(params)
     group = _C.FullyShardParamGroup(
         [params[k] for k in order], [names[k] for k in order], _core_mesh(mesh),
-        True if reshard_after_forward is None else reshard_after_forward, mp_policy.param_dtype,
+        reshard_after_forward, mp_policy.param_dtype,
         mp_policy.reduce_dtype, isinstance(offload_policy, CPUOffloadPolicy),
         getattr(offload_policy, "pin_memory", False), reduce_bucket_cap_bytes=0 if comm_fusion else None)
     holders = {sub for sub, _, _, _ in owned}
