@@ -1,4 +1,4 @@
-"""Sharded, resharding, atomic checkpoints of a torch.nn.Module and its torch.optim.AdamW, in the
+"""Sharded, resharding, atomic checkpoints of a torch.nn.Module and its torch.optim.AdamW (or Adam), in the
 C++ library's files: the same index, keys (``<fqn>``, ``optim.<fqn>.{exp_avg,exp_avg_sq,step}``),
 atomic publish and errors, written and read by the C++ core. A checkpoint of the C++ trainer loads
 here and the reverse, at any TP degree.
@@ -29,9 +29,11 @@ from hyper_parallel import _C
 __all__ = ["save", "async_save", "finish", "load", "latest_step", "step_dir", "export_full"]
 
 
-def _adamw_state(optimizer: torch.optim.AdamW, param: torch.Tensor) -> Dict[str, torch.Tensor]:
-    if not isinstance(optimizer, torch.optim.AdamW):
-        raise TypeError(f"hyper_parallel.checkpoint: expected a torch.optim.AdamW, got {type(optimizer).__name__}")
+def _adamw_state(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> Dict[str, torch.Tensor]:
+    """AdamW's (or Adam's: the same moments and step) state of ``param``, made if empty."""
+    if not isinstance(optimizer, (torch.optim.AdamW, torch.optim.Adam)):
+        raise TypeError(f"hyper_parallel.checkpoint: expected a torch.optim.AdamW or torch.optim.Adam, got "
+                        f"{type(optimizer).__name__}")
     state = optimizer.state[param]
     if not state:
         amsgrad = next(g["amsgrad"] for g in optimizer.param_groups if any(p is param for p in g["params"]))

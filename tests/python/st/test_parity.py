@@ -308,6 +308,26 @@ def test_a_corrupt_checkpoint_is_refused_and_the_model_is_untouched(mesh, shared
 
 
 @multirank
+def test_adams_state_saves_and_loads_as_adamws(mesh, shared_dir):
+    root = shared_dir("adam")
+    model, _ = llama_and_empty_roots(mesh, 12, root)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, amsgrad=True)
+    ids = torch.randint(llama.ModelArgs.debug().vocab_size, (2, 8))
+    model(ids).float().pow(2).mean().backward()
+    optimizer.step()
+    checkpoint.save(root, 1, model, optimizer)
+    restored, _ = llama_and_empty_roots(mesh, 13)
+    again = torch.optim.Adam(restored.parameters(), lr=1e-3, amsgrad=True)
+    checkpoint.load(root, restored, again)
+    for (n, p), q in zip(model.named_parameters(), restored.parameters()):
+        assert torch.equal(p, q), n
+        for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step"):
+            assert torch.equal(optimizer.state[p][key], again.state[q][key]), (n, key)
+    with pytest.raises(TypeError, match="expected a torch.optim.AdamW or torch.optim.Adam, got SGD"):
+        checkpoint.save(root, 2, model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+@multirank
 def test_async_save_writes_the_same_bytes_and_its_error_surfaces_in_python(mesh, shared_dir):
     root = shared_dir("async")
     model, optimizer = llama_and_empty_roots(mesh, 12, root, root + "-sync")
