@@ -32,6 +32,24 @@ std::vector<int64_t> strides_of(const std::vector<int64_t>& shape) {
   return strides;
 }
 
+// Every line along every mesh dim in ascending rank order, checked by every rank before any group
+// is made: torch.distributed orders a group's ranks, and a coordinate must be the rank in its group.
+void check_lines_ascend(const std::vector<int64_t>& shape, const std::vector<int64_t>& ranks) {
+  const auto strides = strides_of(shape);
+  for (size_t d = 0; d < shape.size(); ++d) {
+    for (size_t start = 0; start < ranks.size(); ++start) {
+      if ((static_cast<int64_t>(start) / strides[d]) % shape[d] != 0) continue;  // not the first of its line
+      std::vector<int64_t> line;
+      for (int64_t k = 0; k < shape[d]; ++k) line.push_back(ranks[start + k * strides[d]]);
+      TORCH_CHECK_VALUE(std::is_sorted(line.begin(), line.end()),
+                        "DeviceMesh: expected each line of ranks along ",
+                        "a mesh dim in ascending order (torch.distributed orders a group's ranks, and a "
+                        "coordinate must be the rank in its group), got the line ",
+                        c10::IntArrayRef(line), " along mesh dim ", d);
+    }
+  }
+}
+
 // The constructor's arguments, checked before any group is made (user errors: ValueError).
 void check_mesh_arguments(const std::string& device_type, const std::vector<int64_t>& shape,
                           const std::vector<int64_t>& ranks, const std::vector<std::string>& dim_names) {
@@ -53,6 +71,7 @@ void check_mesh_arguments(const std::string& device_type, const std::vector<int6
                         dim_names[i], "' twice");
     }
   }
+  check_lines_ascend(shape, ranks);
   const int64_t world = comm::world_size();  // throws if not initialised
   std::vector<bool> seen(world, false);
   for (int64_t r : ranks) {

@@ -308,7 +308,8 @@ DTensor DTensor::redistribute(const Placements& placements) const {
 DTensor DTensor::redistribute(const DeviceMesh& mesh, const Placements& placements) const {
   TORCH_CHECK_NOT_IMPLEMENTED(mesh == mesh_, "DTensor::redistribute: expected this DTensor's mesh ",
                               mesh_.str(), ", got ", mesh.str(),
-                              " (moving to another mesh is not supported)");
+                              " (moving to another mesh is not supported; a mesh made apart is another, "
+                              "even over the same ranks)");
   return redistribute(placements);
 }
 
@@ -330,20 +331,18 @@ DTensor DTensor::with_local(const at::Tensor& local) const {
 const DTensor& DTensor::copy_(const DTensor& src) const {
   TORCH_CHECK_VALUE(src.mesh_ == mesh_, "DTensor::copy_: expected a source on this DTensor's mesh ",
                     mesh_.str(), ", got ", src.mesh_.str());
-  const bool one_element = src.local_.numel() == 1;
-  TORCH_CHECK_VALUE(src.placements_ == placements_ || one_element,
-                    "DTensor::copy_: expected a source with placements ", to_string(placements_),
-                    " or a single local element, got ", to_string(src.placements_), " with ",
-                    src.local_.numel(), " local elements");
-  const auto from = src.local_.sizes();
-  const auto to = local_.sizes();
-  bool broadcasts = from.size() <= to.size();
-  for (size_t i = 1; broadcasts && i <= from.size(); ++i) {
-    broadcasts = from[from.size() - i] == 1 || from[from.size() - i] == to[to.size() - i];
+  const bool scalar = src.numel() == 1 && src.placements_ == Placements(mesh_.ndim(), Replicate());
+  TORCH_CHECK_VALUE(src.shape_ == shape_ || scalar, "DTensor::copy_: expected a source of global shape ",
+                    c10::IntArrayRef(shape_), " or one replicated element, got one of global shape ",
+                    c10::IntArrayRef(src.shape_), " and placements ", to_string(src.placements_));
+  // Laid out otherwise (a Partial sum, other shards): moved to this DTensor's placements first.
+  at::Tensor values = src.local_;
+  if (scalar) {
+    values = values.reshape({});
+  } else if (src.placements_ != placements_) {
+    values = src.redistribute(placements_).local_;
   }
-  TORCH_CHECK_VALUE(broadcasts || one_element,
-                    "DTensor::copy_: expected a source whose local shape broadcasts to ", to, ", got ", from);
-  local_.copy_(src.local_);
+  local_.copy_(values);
   return *this;
 }
 

@@ -146,9 +146,15 @@ def test_a_transposed_mesh_lays_shards_out_by_its_coordinates():
     torch.testing.assert_close(d.full_tensor(), x, rtol=0, atol=0)
 
 
-def test_a_mesh_torch_would_reorder_is_refused():
-    with pytest.raises(ValueError, match="lay each line out in ascending order"):
-        DeviceMesh("cpu", list(reversed(range(WORLD))))
+@pytest.mark.parametrize("grid", ["reversed", "second row", "first row"])
+def test_a_mesh_torch_would_reorder_is_refused_on_every_rank(grid):
+    if grid != "reversed" and WORLD != 4:
+        pytest.skip("a 2 x 2 mesh needs 4 ranks")
+    ranks = {"reversed": list(reversed(range(WORLD))), "second row": [[0, 1], [3, 2]],
+             "first row": [[1, 0], [2, 3]]}[grid]
+    with pytest.raises(ValueError, match="expected each line of ranks along a mesh dim in ascending order"):
+        DeviceMesh("cpu", ranks)
+    dist.barrier()  # every rank got here: none waits in a group the others never made
 
 
 def test_wrong_meshes_are_named():
@@ -212,8 +218,19 @@ def test_in_place_fills_and_copies(mesh):
     torch.testing.assert_close(target.full_tensor(), x)
     torch.testing.assert_close(target.fill_(2.5).full_tensor(), torch.full_like(x, 2.5))
     torch.testing.assert_close(target.zero_().full_tensor(), torch.zeros_like(x))
-    with pytest.raises(ValueError, match="expected a source with placements"):
-        target.copy_(distribute_tensor(x, mesh, [Replicate()]))
+    # Laid out otherwise: moved to the target's placements (a Partial one summed).
+    target.copy_(distribute_tensor(x, mesh, [Replicate()]))
+    torch.testing.assert_close(target.full_tensor(), x)
+    addend = x if dist.get_rank() == 0 else torch.zeros_like(x)
+    replicated = zeros(2 * WORLD, 3, device_mesh=mesh, dtype=torch.float64)
+    replicated.copy_(DTensor.from_local(addend, mesh, [Partial()]))
+    torch.testing.assert_close(replicated.to_local(), x)
+    replicated.copy_(distribute_tensor(torch.tensor([7.0], dtype=torch.float64), mesh, [Replicate()]))
+    torch.testing.assert_close(replicated.to_local(), torch.full_like(x, 7.0))
+    for wrong in (distribute_tensor(whole(WORLD, 3), mesh, [Shard(0)]),  # rows broadcast locally: not a copy
+                  distribute_tensor(torch.arange(float(WORLD), dtype=torch.float64), mesh, [Shard(0)])):
+        with pytest.raises(ValueError, match="expected a source of global shape"):
+            target.copy_(wrong)
 
 
 def test_reduce_partial_sums_the_partial_dims(mesh):
@@ -237,6 +254,8 @@ def test_factories_make_only_this_ranks_shard(mesh):
     torch.testing.assert_close(filled.full_tensor(), torch.full((rows, 3), 7.0))
     with mesh:
         assert zeros(4, 4).placements == (Replicate(),)
+        with pytest.raises(NotImplementedError, match="expected requires_grad False"):
+            ones(4, requires_grad=True)
 
 
 def test_run_check_gives_replicas_coordinate_0s_data_and_checks_the_split(mesh):

@@ -90,9 +90,9 @@ class DTensor {
   /// This DTensor's layout over `local`, another tensor of this rank's local shape (a cast or a
   /// copy of to_local()): differentiable, as from_local.
   DTensor with_local(const at::Tensor& local) const;
-  /// Copies `src`'s local shard into this one's, with no communication (the original's copy_):
-  /// `src` is on the same mesh, with the same placements or a single local element, and its
-  /// local shape broadcasts to this one's. Returns *this.
+  /// Copies `src`'s values into this DTensor's local shard: `src` is on the same mesh, of the
+  /// same global shape (redistributed to these placements first if laid out otherwise: then
+  /// collective) or one replicated element (broadcast). Returns *this.
   const DTensor& copy_(const DTensor& src) const;
 
   /// The global tensor on every rank (redistribute to Replicate, then to_local).

@@ -42,8 +42,19 @@ def _size_and_layout(name, size, device_mesh, placements):
     return list(size), mesh, placements
 
 
+def _check_plain(name, layout, requires_grad):
+    """torch's factory keywords this DTensor can honour: a strided layout, no leaf to train (a
+    DTensor here has no .grad: make the local tensor require grad and wrap it with from_local)."""
+    if layout != torch.strided:
+        raise NotImplementedError(f"{name}: expected layout torch.strided, got {layout}")
+    if requires_grad:
+        raise NotImplementedError(f"{name}: expected requires_grad False, got True (a DTensor has no .grad here: "
+                                  "make the local tensor require grad and pass it to DTensor.from_local)")
+
+
 def _factory(name, fill):
-    def make(*size, device_mesh=None, placements=None, dtype=None):
+    def make(*size, device_mesh=None, placements=None, dtype=None, layout=torch.strided, requires_grad=False):
+        _check_plain(name, layout, requires_grad)
         shape, mesh, placements = _size_and_layout(name, size, device_mesh, placements)
         local = fill(_C.local_shape(shape, mesh, placements), dtype)
         return DTensor.from_local(local, mesh, placements, shape=shape)
@@ -59,8 +70,10 @@ zeros = _factory("zeros", lambda shape, dtype: torch.zeros(shape, dtype=dtype))
 empty = _factory("empty", lambda shape, dtype: torch.empty(shape, dtype=dtype))
 
 
-def full(*size_and_value, device_mesh=None, placements=None, dtype=None) -> DTensor:
+def full(*size_and_value, device_mesh=None, placements=None, dtype=None, layout=torch.strided,
+         requires_grad=False) -> DTensor:
     """``full(size, fill_value, device_mesh=, placements=)``: ``ones`` filled with ``fill_value``."""
+    _check_plain("full", layout, requires_grad)
     if len(size_and_value) < 2:
         raise TypeError(f"full: expected (size, fill_value), got {size_and_value!r}")
     size, fill_value = size_and_value[0], size_and_value[1]
