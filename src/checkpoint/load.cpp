@@ -33,8 +33,10 @@ constexpr const char* kLoad = "checkpoint::load";
 std::string resolve(const char* fn, const std::string& dir) {
   const fs::path p(dir);
   if (fs::exists(p / "COMPLETE")) return p.string();
-  if (!fs::exists(p) && p.has_parent_path()) {  // a step a re-save moved aside, named directly
-    if (auto aside = detail::replaced_copy(p.parent_path().string(), p.filename().string())) return *aside;
+  const fs::path named = p.has_filename() ? p : p.parent_path();  // "root/step-7/" names step-7
+  if (!fs::exists(named) && named.has_parent_path()) {  // a step a re-save moved aside, named directly
+    if (auto aside = detail::replaced_copy(named.parent_path().string(), named.filename().string()))
+      return *aside;
   }
   if (fs::exists(p / "latest")) {
     const auto name = detail::read_latest(fn, dir).first;

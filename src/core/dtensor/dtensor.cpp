@@ -335,14 +335,14 @@ const DTensor& DTensor::copy_(const DTensor& src) const {
   TORCH_CHECK_VALUE(src.shape_ == shape_ || scalar, "DTensor::copy_: expected a source of global shape ",
                     c10::IntArrayRef(shape_), " or one replicated element, got one of global shape ",
                     c10::IntArrayRef(src.shape_), " and placements ", to_string(src.placements_));
-  // Laid out otherwise (a Partial sum, other shards): moved to this DTensor's placements first.
-  at::Tensor values = src.local_;
-  if (scalar) {
-    values = values.reshape({});
-  } else if (src.placements_ != placements_) {
-    values = src.redistribute(placements_).local_;
+  // Laid out otherwise (a Partial sum, other shards): moved to this DTensor's placements first
+  // (a Partial target: one rank keeps the value).
+  DTensor source = src;
+  if (src.shape_ != shape_) {  // one replicated element: broadcast (a view) to this global shape
+    source = from_local(src.local_.reshape({}).expand(shape_), mesh_, src.placements_,
+                        FromLocalOptions().shape(shape_));
   }
-  local_.copy_(values);
+  local_.copy_(source.placements_ == placements_ ? source.local_ : source.redistribute(placements_).local_);
   return *this;
 }
 

@@ -225,8 +225,13 @@ def test_in_place_fills_and_copies(mesh):
     replicated = zeros(2 * WORLD, 3, device_mesh=mesh, dtype=torch.float64)
     replicated.copy_(DTensor.from_local(addend, mesh, [Partial()]))
     torch.testing.assert_close(replicated.to_local(), x)
-    replicated.copy_(distribute_tensor(torch.tensor([7.0], dtype=torch.float64), mesh, [Replicate()]))
+    seven = distribute_tensor(torch.tensor([7.0], dtype=torch.float64), mesh, [Replicate()])
+    replicated.copy_(seven)
     torch.testing.assert_close(replicated.to_local(), torch.full_like(x, 7.0))
+    for partial in (DTensor.from_local(torch.zeros_like(x), mesh, [Partial()]),  # one rank keeps the value
+                    DTensor.from_local(torch.zeros(1, dtype=torch.float64), mesh, [Partial()])):
+        partial.copy_(seven)
+        torch.testing.assert_close(partial.full_tensor(), torch.full(tuple(partial.shape), 7.0, dtype=torch.float64))
     for wrong in (distribute_tensor(whole(WORLD, 3), mesh, [Shard(0)]),  # rows broadcast locally: not a copy
                   distribute_tensor(torch.arange(float(WORLD), dtype=torch.float64), mesh, [Shard(0)])):
         with pytest.raises(ValueError, match="expected a source of global shape"):

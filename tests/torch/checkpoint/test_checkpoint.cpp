@@ -251,7 +251,7 @@ TEST(Checkpoint, ACopyAReSaveMovedAsideIsLoadedAndRestored) {
   ckpt::load(root, fresh.state);  // `latest` names step-7: its copy is read
   for (const auto& [key, e] : t.state) EXPECT_TRUE(at::equal(fresh.state.at(key).local, e.local)) << key;
   Trainee named(meshes.tp(p), 4);
-  ckpt::load(ckpt::step_dir(root, 7), named.state);  // so is it when the step is named
+  ckpt::load(ckpt::step_dir(root, 7) + "/", named.state);  // so is it when the step is named
   for (const auto& [key, e] : t.state) EXPECT_TRUE(at::equal(named.state.at(key).local, e.local)) << key;
   ckpt::save(root, fresh.state, ckpt::SaveOptions().step(8));  // puts step-7 back, then writes step-8
   hp::comm::barrier(hp::comm::world());

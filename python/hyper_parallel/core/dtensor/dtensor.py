@@ -45,7 +45,7 @@ def _size_and_layout(name, size, device_mesh, placements):
 def _check_plain(name, layout, requires_grad):
     """torch's factory keywords this DTensor can honour: a strided layout, no leaf to train (a
     DTensor here has no .grad: make the local tensor require grad and wrap it with from_local)."""
-    if layout != torch.strided:
+    if layout not in (None, torch.strided):
         raise NotImplementedError(f"{name}: expected layout torch.strided, got {layout}")
     if requires_grad:
         raise NotImplementedError(f"{name}: expected requires_grad False, got True (a DTensor has no .grad here: "
