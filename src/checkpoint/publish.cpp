@@ -61,12 +61,14 @@ void remove_leftovers(const fs::path& root) {
   for (const auto& path : leftovers) {
     const auto name = path.filename().string();
     const auto old = name.find(".old-");
-    const fs::path step_dir = root / name.substr(1, old == std::string::npos ? 0 : old - 1);
-    if (old != std::string::npos && !fs::exists(step_dir) && fs::exists(path / "COMPLETE")) {
-      fs::rename(path, step_dir);
-    } else {
-      fs::remove_all(path);
+    if (old != std::string::npos && fs::exists(path / "COMPLETE")) {
+      const fs::path step_dir = root / name.substr(1, old - 1);  // ".step-N.old-<id>" -> "step-N"
+      if (!fs::exists(step_dir)) {
+        fs::rename(path, step_dir);
+        continue;
+      }
     }
+    fs::remove_all(path);
   }
 }
 

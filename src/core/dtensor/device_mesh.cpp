@@ -32,15 +32,26 @@ std::vector<int64_t> strides_of(const std::vector<int64_t>& shape) {
   return strides;
 }
 
+// The lines of `ranks` (row-major, shape `shape`) along mesh dim `d`: the ranks that differ only
+// in coordinate d, in that coordinate's order; the lines in row-major order of their first ranks.
+std::vector<std::vector<int64_t>> lines_along(const std::vector<int64_t>& shape,
+                                              const std::vector<int64_t>& ranks, size_t d) {
+  const auto strides = strides_of(shape);
+  std::vector<std::vector<int64_t>> lines;
+  for (size_t start = 0; start < ranks.size(); ++start) {
+    if ((static_cast<int64_t>(start) / strides[d]) % shape[d] != 0) continue;  // not the first of its line
+    std::vector<int64_t> line;
+    for (int64_t k = 0; k < shape[d]; ++k) line.push_back(ranks[start + k * strides[d]]);
+    lines.push_back(std::move(line));
+  }
+  return lines;
+}
+
 // Every line along every mesh dim in ascending rank order, checked by every rank before any group
 // is made: torch.distributed orders a group's ranks, and a coordinate must be the rank in its group.
 void check_lines_ascend(const std::vector<int64_t>& shape, const std::vector<int64_t>& ranks) {
-  const auto strides = strides_of(shape);
   for (size_t d = 0; d < shape.size(); ++d) {
-    for (size_t start = 0; start < ranks.size(); ++start) {
-      if ((static_cast<int64_t>(start) / strides[d]) % shape[d] != 0) continue;  // not the first of its line
-      std::vector<int64_t> line;
-      for (int64_t k = 0; k < shape[d]; ++k) line.push_back(ranks[start + k * strides[d]]);
+    for (const auto& line : lines_along(shape, ranks, d)) {
       TORCH_CHECK_VALUE(std::is_sorted(line.begin(), line.end()),
                         "DeviceMesh: expected each line of ranks along ",
                         "a mesh dim in ascending order (torch.distributed orders a group's ranks, and a "
@@ -87,7 +98,6 @@ DeviceMesh::DeviceMesh(std::string device_type, std::vector<int64_t> shape, std:
                        std::vector<std::string> dim_names, const GroupFactory& make_group) {
   check_mesh_arguments(device_type, shape, ranks, dim_names);
   const int64_t world = comm::world_size();
-  const int64_t numel = static_cast<int64_t>(ranks.size());
   auto impl = std::make_shared<Impl>();
   impl->device_type = std::move(device_type);
   impl->shape = std::move(shape);
@@ -107,13 +117,10 @@ DeviceMesh::DeviceMesh(std::string device_type, std::vector<int64_t> shape, std:
   impl->groups.resize(ndim);
   // One group per line along each mesh dim, created by every rank in the same order (the
   // new_group contract). The whole world in order reuses the world group.
+  std::vector<int64_t> everyone(world);
+  std::iota(everyone.begin(), everyone.end(), 0);
   for (int64_t d = 0; d < ndim; ++d) {
-    for (int64_t start = 0; start < numel; ++start) {
-      if ((start / strides[d]) % impl->shape[d] != 0) continue;  // not the first of its line
-      std::vector<int64_t> line;
-      for (int64_t k = 0; k < impl->shape[d]; ++k) line.push_back(impl->ranks[start + k * strides[d]]);
-      std::vector<int64_t> everyone(world);
-      std::iota(everyone.begin(), everyone.end(), 0);
+    for (const auto& line : lines_along(impl->shape, impl->ranks, d)) {
       comm::Group g = line == everyone ? comm::world()
                       : make_group     ? make_group(line)
                                        : comm::new_group(line);
