@@ -52,12 +52,17 @@ def _check_plain(name, layout, requires_grad):
                                   "make the local tensor require grad and pass it to DTensor.from_local)")
 
 
+def _sharded(name, size, device_mesh, placements, layout, requires_grad, fill) -> DTensor:
+    """A factory's DTensor: this rank's shard of the global size, made by ``fill(local_shape)``."""
+    _check_plain(name, layout, requires_grad)
+    shape, mesh, placements = _size_and_layout(name, size, device_mesh, placements)
+    return DTensor.from_local(fill(_C.local_shape(shape, mesh, placements)), mesh, placements, shape=shape)
+
+
 def _factory(name, fill):
     def make(*size, device_mesh=None, placements=None, dtype=None, layout=torch.strided, requires_grad=False):
-        _check_plain(name, layout, requires_grad)
-        shape, mesh, placements = _size_and_layout(name, size, device_mesh, placements)
-        local = fill(_C.local_shape(shape, mesh, placements), dtype)
-        return DTensor.from_local(local, mesh, placements, shape=shape)
+        return _sharded(name, size, device_mesh, placements, layout, requires_grad,
+                        lambda local_shape: fill(local_shape, dtype=dtype))
 
     make.__name__ = name
     make.__doc__ = (f"A DTensor of the global ``size`` laid out by ``placements`` on ``device_mesh``, "
@@ -65,19 +70,16 @@ def _factory(name, fill):
     return make
 
 
-ones = _factory("ones", lambda shape, dtype: torch.ones(shape, dtype=dtype))
-zeros = _factory("zeros", lambda shape, dtype: torch.zeros(shape, dtype=dtype))
-empty = _factory("empty", lambda shape, dtype: torch.empty(shape, dtype=dtype))
+ones = _factory("ones", torch.ones)
+zeros = _factory("zeros", torch.zeros)
+empty = _factory("empty", torch.empty)
 
 
 def full(*size_and_value, device_mesh=None, placements=None, dtype=None, layout=torch.strided,
          requires_grad=False) -> DTensor:
     """``full(size, fill_value, device_mesh=, placements=)``: ``ones`` filled with ``fill_value``."""
-    _check_plain("full", layout, requires_grad)
     if len(size_and_value) < 2:
         raise TypeError(f"full: expected (size, fill_value), got {size_and_value!r}")
-    size, fill_value = size_and_value[0], size_and_value[1]
-    rest = size_and_value[2:]
-    shape, mesh, placements = _size_and_layout("full", (size,) + rest, device_mesh, placements)
-    local = torch.full(_C.local_shape(shape, mesh, placements), fill_value, dtype=dtype)
-    return DTensor.from_local(local, mesh, placements, shape=shape)
+    size, fill_value, rest = size_and_value[0], size_and_value[1], size_and_value[2:]
+    return _sharded("full", (size,) + rest, device_mesh, placements, layout, requires_grad,
+                    lambda local_shape: torch.full(local_shape, fill_value, dtype=dtype))

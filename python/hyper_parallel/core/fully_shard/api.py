@@ -88,8 +88,10 @@ def _reshard_after_forward(value, mesh) -> bool:
     """FSDP2's int reshard_after_forward, the size of the group holding the parameters between
     forward and backward: 1 keeps them gathered (False), the shard group's size frees them (True);
     a size between (a smaller group) is a NotImplementedError, another a ValueError."""
-    if value is None or not _is_int(value):
-        return True if value is None else value
+    if value is None:
+        return True
+    if not _is_int(value):
+        return value
     shard_size = _core_mesh(mesh).size(-1)
     if value < 1 or shard_size % value:
         raise ValueError(f"fully_shard: expected an int reshard_after_forward that divides the shard group's size "
