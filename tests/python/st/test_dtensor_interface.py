@@ -274,3 +274,20 @@ def test_run_check_gives_replicas_coordinate_0s_data_and_checks_the_split(mesh):
         DTensor.from_local(torch.ones(r + 1, 3), mesh, [Shard(0)], run_check=True)
     with pytest.raises(ValueError, match=r"expected the shape given \(\[9, 3\]\) to be the one"):
         DTensor.from_local(torch.ones(2, 3), mesh, [Shard(0)], run_check=True, shape=[9, 3])
+
+
+def test_the_remaining_user_errors_are_named(mesh, mesh2d):
+    with mesh:
+        with pytest.raises(ValueError, match="DeviceMesh::exit: expected the innermost mesh this thread entered"):
+            mesh2d.__exit__(None, None, None)
+    with pytest.raises(ValueError, match="with none entered"):
+        mesh.__exit__(None, None, None)
+    d = distribute_tensor(whole(4, 4), mesh, [Replicate()])
+    with pytest.raises(ValueError, match="DTensor::copy_: expected a source on this DTensor's mesh"):
+        d.copy_(distribute_tensor(whole(4, 4), mesh2d, [Replicate(), Replicate()]))
+    with pytest.raises(TypeError, match=r"ones: expected the global size as ints, got \(2.5,\)"):
+        ones(2.5, device_mesh=mesh)
+    with pytest.raises(TypeError, match="full: expected \\(size, fill_value\\)"):
+        full((2, 2), device_mesh=mesh)
+    with pytest.raises(NotImplementedError, match="zeros: expected layout torch.strided"):
+        zeros(2, device_mesh=mesh, layout=torch.sparse_coo)

@@ -160,3 +160,9 @@ def test_the_originals_mesh_and_strict_options():
     with pytest.raises(TypeError, match="expected mesh a DeviceMesh or None, got str"):
         with loss_parallel(mesh="tp"):
             pass
+
+
+def test_strict_must_be_a_bool():
+    with pytest.raises(TypeError, match="loss_parallel: expected strict a bool, got str"):
+        with loss_parallel(strict="no"):
+            pass
