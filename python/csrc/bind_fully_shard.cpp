@@ -68,29 +68,51 @@ void bind_forward_calls(GroupClass& cls) {
            "The module's backward is over: frees the buffers if the group's backward is over too.");
 }
 
+// Main gradients live where Python users read them: the parameter's main_grad attribute.
+void keep_main_grads_on_parameters() {
+  fs::set_main_grad_store({[](const at::Tensor& param) {
+                             py::gil_scoped_acquire gil;
+                             const auto held = py::getattr(py::cast(param), "main_grad", py::none());
+                             if (held.is_none()) return at::Tensor();
+                             TORCH_CHECK_TYPE(THPVariable_Check(held.ptr()),
+                                              "fully_shard: expected a parameter's main_grad None or a "
+                                              "tensor, got ",
+                                              py::str(py::type::of(held)).cast<std::string>());
+                             return held.cast<at::Tensor>();
+                           },
+                           [](const at::Tensor& param, at::Tensor grad) {
+                             py::gil_scoped_acquire gil;
+                             py::setattr(py::cast(param), "main_grad",
+                                         grad.defined() ? py::cast(std::move(grad)) : py::none());
+                           }});
+}
+
 }  // namespace
 
 void bind_fully_shard(py::module& m) {
+  keep_main_grads_on_parameters();
   GroupClass cls(m, "FullyShardParamGroup");
-  cls.def(py::init([](std::vector<at::Tensor> params, std::vector<std::string> names,
-                      const dtensor::DeviceMesh& mesh, bool reshard_after_forward,
-                      const py::object& param_dtype, const py::object& reduce_dtype, bool offload_to_cpu,
-                      bool pin_memory, std::optional<int64_t> reduce_bucket_cap_bytes) {
-            const auto options =
-                fs::FullyShardOptions()
-                    .mesh(mesh)
-                    .reshard_after_forward(reshard_after_forward)
-                    .mp_policy(fs::MixedPrecisionPolicy()
-                                   .param_dtype(optional_dtype(param_dtype))
-                                   .reduce_dtype(optional_dtype(reduce_dtype)))
-                    .offload_policy(fs::OffloadPolicy().offload_to_cpu(offload_to_cpu).pin_memory(pin_memory))
-                    .reduce_bucket_cap_bytes(
-                        reduce_bucket_cap_bytes.value_or(fs::FullyShardOptions().reduce_bucket_cap_bytes()));
-            return std::make_shared<fs::ParamGroup>(std::move(params), std::move(names), options);
-          }),
-          py::arg("params"), py::arg("names"), py::arg("mesh"), py::arg("reshard_after_forward"),
-          py::arg("param_dtype"), py::arg("reduce_dtype"), py::arg("offload_to_cpu"), py::arg("pin_memory"),
-          py::arg("reduce_bucket_cap_bytes") = py::none());
+  cls.def(
+      py::init([](std::vector<at::Tensor> params, std::vector<std::string> names,
+                  const dtensor::DeviceMesh& mesh, bool reshard_after_forward, const py::object& param_dtype,
+                  const py::object& reduce_dtype, bool offload_to_cpu, bool pin_memory,
+                  std::optional<int64_t> reduce_bucket_cap_bytes, bool apply_grad_on_fp32_main_grad) {
+        const auto options =
+            fs::FullyShardOptions()
+                .mesh(mesh)
+                .reshard_after_forward(reshard_after_forward)
+                .mp_policy(fs::MixedPrecisionPolicy()
+                               .param_dtype(optional_dtype(param_dtype))
+                               .reduce_dtype(optional_dtype(reduce_dtype))
+                               .apply_grad_on_fp32_main_grad(apply_grad_on_fp32_main_grad))
+                .offload_policy(fs::OffloadPolicy().offload_to_cpu(offload_to_cpu).pin_memory(pin_memory))
+                .reduce_bucket_cap_bytes(
+                    reduce_bucket_cap_bytes.value_or(fs::FullyShardOptions().reduce_bucket_cap_bytes()));
+        return std::make_shared<fs::ParamGroup>(std::move(params), std::move(names), options);
+      }),
+      py::arg("params"), py::arg("names"), py::arg("mesh"), py::arg("reshard_after_forward"),
+      py::arg("param_dtype"), py::arg("reduce_dtype"), py::arg("offload_to_cpu"), py::arg("pin_memory"),
+      py::arg("reduce_bucket_cap_bytes") = py::none(), py::arg("apply_grad_on_fp32_main_grad") = false);
   bind_forward_calls(cls);
   cls.def("unshard", &fs::ParamGroup::unshard, py::arg("async_op") = false)
       .def("wait_for_unshard", &fs::ParamGroup::wait_for_unshard)

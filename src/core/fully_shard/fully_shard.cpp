@@ -11,6 +11,7 @@
 #include <torch/nn/module.h>
 
 #include <hyper_parallel/core/dtensor/dtensor.h>
+#include <hyper_parallel/core/fully_shard/main_grad.h>
 #include <hyper_parallel/core/nn/embedding.h>
 #include <hyper_parallel/core/nn/hookable_module.h>
 
@@ -353,7 +354,10 @@ void FSDPModule::set_modules_to_backward_prefetch(const std::vector<FSDPModule>&
 void FSDPModule::zero_grad() const {
   for_each_state(state_, true, [](State& s) {
     if (!s.group) return;
-    for (const auto& p : s.group->parameters()) p.mutable_grad() = at::Tensor();
+    for (const auto& p : s.group->parameters()) {
+      p.mutable_grad() = at::Tensor();
+      if (main_grad(p).defined()) set_main_grad(p, {});
+    }
   });
 }
 

@@ -90,6 +90,7 @@ ParamGroup::ParamGroup(std::vector<at::Tensor> params, std::vector<std::string> 
   if (mesh.ndim() == 2) s.replicate_group = mesh.get_group(0);
   s.reshard_after_forward = options.reshard_after_forward();
   s.reduce_dtype = options.mp_policy().reduce_dtype();
+  s.to_main_grad = options.mp_policy().apply_grad_on_fp32_main_grad();
   s.bucket_cap_bytes = options.reduce_bucket_cap_bytes();
   // Everything is checked before any parameter changes.
   std::vector<std::vector<int64_t>> shapes;

@@ -57,6 +57,7 @@ struct ParamGroup::Impl : std::enable_shared_from_this<ParamGroup::Impl> {
   // (adopt_parameter): a graph made before reads tensors no longer gathered.
   int64_t generation = 1;
   std::optional<at::ScalarType> reduce_dtype;
+  bool to_main_grad = false;  // MixedPrecisionPolicy apply_grad_on_fp32_main_grad
   bool reshard_after_forward = true, sync = true, unsharded = false;
   bool all_reduce = true;              // false: HSDP's reductions stop after the reduce-scatter (partial)
   bool reshard_after_backward = true;  // false: the next forward finds the group gathered
@@ -250,15 +251,21 @@ struct ParamGroup::Impl : std::enable_shared_from_this<ParamGroup::Impl> {
   std::shared_ptr<detail::ReduceInFlight> start_reduce(const std::vector<size_t>& indices,
                                                        std::vector<at::Tensor>& grads,
                                                        comm::Agreement agreement);
-  // Parameter i's shard gradient goes to .grad when `reduced` (its bucket, from element
-  // `offset`) is waited for (nn/pending_gradient.h); with run_hooks, its hooks first see it, as
-  // in its AccumulateGrad (for a parameter autograd does not reach).
+  // Parameter i's shard gradient goes to .grad (to_main_grad: is added to its main gradient)
+  // when `reduced` (its bucket, from element `offset`) is waited for (nn/pending_gradient.h);
+  // with run_hooks, its hooks first see it, as in its AccumulateGrad (for a parameter autograd
+  // does not reach).
   void defer_to_grad(const std::shared_ptr<detail::ReduceInFlight>& reduced, size_t i, int64_t offset,
                      size_t slot, bool run_hooks);
-  // Parameter i's reduced shard gradient from `reduce`, which reduced it at element `offset`.
-  // Undefined if no rank had a gradient for it (`slot`: its place in the reduction).
+  // Parameter i's reduced shard gradient from `reduce`, which reduced it at element `offset`, in
+  // the shard's dtype (keep_reduce_dtype: the reduction's). Undefined if no rank had a gradient
+  // for it (`slot`: its place in the reduction).
   static at::Tensor shard_gradient(const std::shared_ptr<detail::ReduceInFlight>& reduce,
-                                   const at::Tensor& param, int64_t offset, int64_t elements, size_t slot);
+                                   const at::Tensor& param, int64_t offset, int64_t elements, size_t slot,
+                                   bool keep_reduce_dtype = false);
+  // With to_main_grad, the gradients go to main_grad, not through autograd's hooks: a group
+  // whose parameters have hooks is refused (c10::NotImplementedError).
+  void check_no_hooks_for_main_grad() const;
 };
 
 namespace detail {

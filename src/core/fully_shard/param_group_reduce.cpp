@@ -71,6 +71,7 @@ std::vector<at::Tensor> ParamGroup::Impl::attach_reduction(const std::shared_ptr
   auto& s = *group;
   if (s.pending.size() != s.params.size()) s.pending.assign(s.params.size(), at::Tensor());
   if (!torch::autograd::GradMode::is_enabled()) return views;
+  s.check_no_hooks_for_main_grad();
   s.end_queued = false;
   if (!s.reduces_in_buckets()) {
     return hyper_parallel::detail::attach_backward(
@@ -305,33 +306,6 @@ void ParamGroup::Impl::end_backward() {
   }
 }
 
-void ParamGroup::Impl::defer_to_grad(const std::shared_ptr<detail::ReduceInFlight>& reduced, size_t i,
-                                     int64_t offset, size_t slot, bool run_hooks) {
-  std::weak_ptr<Impl> weak = shared_from_this();
-  auto dropped = [weak, reduced, i] {
-    if (auto self = weak.lock()) self->put_back(*reduced, i);
-  };
-  if (reduced->held) {
-    // Held for the all-reduce, at the end of the backward: .grad stays as it is until then.
-    const auto padded = layout.padded_elements(static_cast<int64_t>(i));
-    nn::defer_completion(
-        params[i], [reduced, offset, padded] { return reduced->wait().narrow(0, offset, padded); },
-        [weak, reduced, i, slot](const at::Tensor& block) {
-          if (auto self = weak.lock())
-            self->hold_partial(i, block, reduced->flags == 0 || reduced->reached_anywhere[slot]);
-        },
-        dropped);
-    return;
-  }
-  const auto elements = layout.local_elements(static_cast<int64_t>(i));
-  nn::defer_gradient(
-      params[i],
-      [reduced, param = params[i], offset, elements, slot] {
-        return shard_gradient(reduced, param, offset, elements, slot);
-      },
-      run_hooks, dropped);
-}
-
 // Every rank's blocks of parameters `indices`' gradients (plus the sums kept while sync was off),
 // in the reduce dtype, one parameter after the other, then a flag per parameter: the
 // reduce-scatter's input. Reduced, a flag says whether any rank had a gradient for it; if none
@@ -390,15 +364,6 @@ std::shared_ptr<detail::ReduceInFlight> ParamGroup::Impl::start_reduce(const std
   return in_flight;
 }
 
-at::Tensor ParamGroup::Impl::shard_gradient(const std::shared_ptr<detail::ReduceInFlight>& reduce,
-                                            const at::Tensor& param, int64_t offset, int64_t elements,
-                                            size_t slot) {
-  const auto& reduced = reduce->wait();
-  // No rank had a gradient for it (a layer every rank skipped): none, as in one process.
-  if (reduce->flags > 0 && !reduce->reached_anywhere[slot]) return {};
-  return reduced.narrow(0, offset, elements).view(param.sizes()).to(param.scalar_type()).clone();
-}
-
 // The whole group's gradients in one reduce-scatter; each shard's gradient is handed to
 // nn::defer_gradient (the backward goes on while it travels), or, in a group with gradient
 // hooks, waited for here and returned to autograd.
@@ -423,6 +388,7 @@ std::vector<at::Tensor> ParamGroup::Impl::reduce(std::vector<at::Tensor> grads) 
   for (size_t i = 0; i < params.size(); ++i) {
     if (kept[i].defined()) pending[i] = std::move(kept[i]);
   }
+  check_no_hooks_for_main_grad();  // registered since the forward
   const bool hooked = !reduced->held && std::any_of(params.begin(), params.end(), has_hooks);
   int64_t offset = 0;
   for (size_t i = 0; i < params.size(); ++i) {

@@ -9,6 +9,7 @@
 // error a user can cause.
 #include <gtest/gtest.h>
 
+#include <map>
 #include <new>
 #include <optional>
 #include <string>
@@ -679,6 +680,46 @@ TEST(FullyShard, GradientAccumulationWithoutSync) {
   ASSERT_EQ(grads.size(), ref.size());
   for (size_t i = 0; i < ref.size(); ++i)
     hp_test::expect_close(grads[i].second, ref[i].grad(), grads[i].first);
+}
+
+// apply_grad_on_fp32_main_grad: bf16 shards reduced in fp32 get their gradient in main_grad, in
+// fp32 and summed over two backwards (the reference's two backwards, each rank's rows computed in
+// bf16 as the group does), .grad untouched; zero_grad clears it.
+TEST(FullyShard, MainGradKeepsTheReducedDtypeAndSumsTheBackwards) {
+  const int64_t p = hp_test::world_size(), r = hp_test::rank();
+  Net reference, net;
+  reference.to(at::kBFloat16);
+  net.to(at::kBFloat16);
+  auto root = fs::fully_shard(
+      net, fs::FullyShardOptions().mesh(dp_mesh()).mp_policy(
+               fs::MixedPrecisionPolicy().reduce_dtype(at::kFloat).apply_grad_on_fp32_main_grad(true)));
+  std::map<std::string, at::Tensor> expected;
+  for (int64_t m = 0; m < 2; ++m) {
+    for (int64_t k = 0; k < p; ++k) {  // rank k's rows, averaged over the ranks in fp32
+      reference.zero_grad();
+      loss_of(reference.forward(batch(m, p).narrow(0, k * kRowsPerRank, kRowsPerRank).to(at::kBFloat16)))
+          .backward();
+      for (const auto& item : reference.named_parameters()) {
+        const auto part = item.value().grad().to(at::kFloat) / static_cast<double>(p);
+        auto& sum = expected[item.key()];
+        sum = sum.defined() ? sum + part : part;
+      }
+    }
+    loss_of(net.forward(batch(m, p).narrow(0, r * kRowsPerRank, kRowsPerRank).to(at::kBFloat16))).backward();
+  }
+  bool finer_than_bf16 = false;
+  for (const auto& item : net.named_parameters()) {
+    const auto main = fs::main_grad(item.value());
+    ASSERT_TRUE(main.defined()) << item.key();
+    EXPECT_EQ(main.scalar_type(), at::kFloat) << item.key();
+    EXPECT_FALSE(item.value().grad().defined()) << item.key();
+    hp_test::expect_close(hp::tensor_parallel::full_tensor(item.value(), main), expected[item.key()],
+                          item.key() + " main_grad");
+    finer_than_bf16 = finer_than_bf16 || !at::equal(main, main.to(at::kBFloat16).to(at::kFloat));
+  }
+  EXPECT_TRUE(finer_than_bf16 || p == 1);
+  root.zero_grad();
+  for (const auto& param : net.parameters()) EXPECT_FALSE(fs::main_grad(param).defined());
 }
 
 // set_reshard_after_backward(false) beside set_requires_gradient_sync(false), reshard_after_forward

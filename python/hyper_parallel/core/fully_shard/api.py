@@ -113,6 +113,7 @@ def _check_options(reshard_after_forward, shard_placement_fn, mp_policy, offload
                                                    mp_policy.output_dtype.is_floating_point):
         raise ValueError(f"fully_shard: expected MixedPrecisionPolicy output_dtype None or a floating dtype, got "
                          f"{mp_policy.output_dtype!r}")
+    _bool(mp_policy.apply_grad_on_fp32_main_grad, "MixedPrecisionPolicy apply_grad_on_fp32_main_grad")
     if not isinstance(offload_policy, OffloadPolicy):
         raise ValueError(f"fully_shard: expected an OffloadPolicy, got {type(offload_policy).__name__}")
     if replicate_params:
@@ -273,7 +274,8 @@ def _new_group(callers, owned, names, mesh, reshard_after_forward, mp_policy, of
         [params[k] for k in order], [names[k] for k in order], _core_mesh(mesh),
         reshard_after_forward, mp_policy.param_dtype,
         mp_policy.reduce_dtype, isinstance(offload_policy, CPUOffloadPolicy),
-        getattr(offload_policy, "pin_memory", False), reduce_bucket_cap_bytes=0 if comm_fusion else None)
+        getattr(offload_policy, "pin_memory", False), reduce_bucket_cap_bytes=0 if comm_fusion else None,
+        apply_grad_on_fp32_main_grad=mp_policy.apply_grad_on_fp32_main_grad)
     holders = {sub for sub, _, _, _ in owned}
     first = next(iter(callers))
     # One module's forward is a pass by itself, and the owners called on their own (outside it)

@@ -196,9 +196,15 @@ class FSDPModule:
         self._fsdp_backward_prefetch = self._prefetch_groups(modules, "FSDPModule.set_modules_to_backward_prefetch")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drops the .grad of every parameter of this module and those below it, or with
-        set_to_none=False zeroes it in place (torch.nn.Module.zero_grad's meaning)."""
+        """Drops the .grad (and ``main_grad``, MixedPrecisionPolicy apply_grad_on_fp32_main_grad's)
+        of every parameter of this module and those below it, or with set_to_none=False zeroes
+        them in place (torch.nn.Module.zero_grad's meaning)."""
         for p in self.parameters():
+            if getattr(p, "main_grad", None) is not None:
+                if set_to_none:
+                    p.main_grad = None
+                else:
+                    p.main_grad.zero_()
             if set_to_none or p.grad is None:
                 p.grad = None
                 continue
