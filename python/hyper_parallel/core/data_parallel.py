@@ -43,6 +43,14 @@ def data_parallel(module: torch.nn.Module, device_mesh, *, bucket_cap_mb: float 
         raise TypeError(f"data_parallel: expected a torch.nn.Module, got {type(module).__name__}")
     if hasattr(module, _REDUCER):
         raise ValueError("data_parallel: expected a module data_parallel has not been applied to, got one it has")
+    for name, sub in module.named_modules():
+        if isinstance(sub, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and sub.max_norm is not None and \
+                sub.weight.requires_grad:
+            raise NotImplementedError(f"data_parallel: expected trainable embeddings without max_norm, got "
+                                      f"{type(sub).__name__}(max_norm={sub.max_norm}) at {name or 'the module'}: "
+                                      "its forward renormalizes in place the rows this rank looks up, so the "
+                                      "replicas diverge (renormalize the looked-up rows out of place, or freeze "
+                                      "the weight)")
     embeddings = {id(m.weight): m.weight for m in module.modules()
                   if row_sparse_embeddings and isinstance(m, torch.nn.Embedding) and m.weight.requires_grad}
     reducer = _C.data_parallel(list(module.parameters()), device_mesh, int(bucket_cap_mb * (1 << 20)), overlap,

@@ -143,6 +143,9 @@ def test_errors_name_what_was_expected(capsys):
     with pytest.raises(ValueError, match="expected a module made data-parallel by data_parallel"):
         with no_sync(reference()):
             pass
+    with pytest.raises(NotImplementedError, match=r"data_parallel: expected trainable embeddings without max_norm, "
+                                                  r"got Embedding\(max_norm=2.0\) at 0: .* the replicas diverge"):
+        data_parallel(nn.Sequential(nn.Embedding(8, DIM, max_norm=2.0)), dp_mesh())
     model = data_parallel(reference(), dp_mesh())
     with pytest.raises(ValueError, match="data_parallel: expected a module data_parallel has not been applied to"):
         data_parallel(model, dp_mesh())

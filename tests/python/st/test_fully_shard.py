@@ -781,6 +781,19 @@ def test_an_embedding_with_sparse_gradients_is_a_clear_error_before_anything_cha
     assert not isinstance(net, FSDPModule) and net[0].weight.shape == (10, DIM)
 
 
+@pytest.mark.parametrize("kind", [nn.Embedding, nn.EmbeddingBag])
+def test_a_trainable_embedding_with_max_norm_is_a_clear_error(kind):
+    """Its forward renormalizes the looked-up rows of the gathered weight in place: the shards
+    would never be; a frozen one is fine (every forward renormalizes the rows it reads again)."""
+    net = nn.Sequential(kind(10, DIM, max_norm=1.0), nn.Linear(DIM, 2))
+    with pytest.raises(NotImplementedError, match=rf"expected trainable embeddings without max_norm, got "
+                                                  rf"{kind.__name__}\(max_norm=1.0\) owning 0.weight"):
+        fully_shard(net, mesh=dp_mesh())
+    assert not isinstance(net, FSDPModule)
+    net[0].weight.requires_grad_(False)
+    fully_shard(net, mesh=dp_mesh())
+
+
 def test_module_zero_grad_without_set_to_none_zeroes_as_torch_does():
     """net.zero_grad(set_to_none=False) (torch 1.13's default for nn.Module) keeps each .grad as a
     zero tensor: a layer skipped in the next step still gets AdamW's decay and momentum, as in one

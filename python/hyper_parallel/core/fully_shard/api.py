@@ -227,6 +227,12 @@ def fully_shard(module: Union[nn.Module, List[nn.Module]], *, mesh=None,
                                       f"{type(sub).__name__}(sparse=True) owning {names[id(param)]}: its sparse "
                                       f"gradient is not reduce-scattered; drop sparse=True (an nn.Embedding in a "
                                       f"fully_shard call of its own sends only the rows its ids touch)")
+        if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.max_norm is not None and param.requires_grad:
+            raise NotImplementedError(f"fully_shard: expected trainable embeddings without max_norm, got "
+                                      f"{type(sub).__name__}(max_norm={sub.max_norm}) owning {names[id(param)]}: "
+                                      "its forward renormalizes the rows it looks up in place, in the gathered "
+                                      "weight, which the shards the optimizer steps on never see (renormalize "
+                                      "the looked-up rows out of place, or freeze the weight)")
     # The group first: what it refuses (the mesh, mixed dtypes) leaves the modules as they were.
     callers = _callers(roots)
     group = _new_group(callers, owned, names, mesh, reshard_after_forward, mp_policy, offload_policy, comm_fusion,
