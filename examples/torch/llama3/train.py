@@ -32,21 +32,37 @@ from hyper_parallel.core.tensor_parallel.mc2 import MC2Contract  # noqa: E402
 DEFAULTS = json.loads((Path(__file__).resolve().parent / "train_defaults.json").read_text())
 
 
+def _number(kind, least):
+    """An argparse type: a ``kind`` number of at least ``least`` (the C++ trainer's checks)."""
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not value >= least:
+            raise argparse.ArgumentTypeError(f"expected a number {'> 0' if least > 0 else '>= 0'}, got {text}")
+        return value
+    return parse
+
+
+POSITIVE, NON_NEGATIVE, POSITIVE_FLOAT = _number(int, 1), _number(int, 0), _number(float, 1e-300)
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split(". Run")[0].replace("\n", " ") + ".")
     d = DEFAULTS
     p.add_argument("--preset", default=d["preset"], choices=["debug", "tiny", "small", "bench"], help="model size")
-    p.add_argument("--steps", type=int, default=d["steps"], help="training steps")
-    p.add_argument("--batch-size", type=int, default=d["batch_size"],
+    p.add_argument("--steps", type=POSITIVE, default=d["steps"], help="training steps")
+    p.add_argument("--batch-size", type=POSITIVE, default=d["batch_size"],
                    help="sequences per step (the global batch, split over --dp)")
-    p.add_argument("--dp", type=int, default=d["dp"], help="data-parallel replicas (TP = world size / dp)")
-    p.add_argument("--fsdp", type=int, default=0,
+    p.add_argument("--dp", type=POSITIVE, default=d["dp"], help="data-parallel replicas (TP = world size / dp)")
+    p.add_argument("--fsdp", type=POSITIVE, default=0,
                    help="shard parameters, gradients and AdamW state over N data-parallel ranks (fully_shard)")
-    p.add_argument("--hsdp", type=int, default=1, help="HSDP: R replicas of the --fsdp shards")
+    p.add_argument("--hsdp", type=POSITIVE, default=1, help="HSDP: R replicas of the --fsdp shards")
     p.add_argument("--no-reshard-after-forward", action="store_true",
                    help="keep each block's gathered parameters from its forward to its backward")
     p.add_argument("--dtype", default=d["dtype"], choices=["fp32", "bf16"])
-    p.add_argument("--lr", type=float, default=d["lr"], help="AdamW learning rate")
+    p.add_argument("--lr", type=POSITIVE_FLOAT, default=d["lr"], help="AdamW learning rate")
     p.add_argument("--seed", type=int, default=d["seed"], help="weights and data")
     p.add_argument("--no-sequence-parallel", action="store_true", help="replicate activations between blocks")
     p.add_argument("--loss-parallel", action="store_true", help="keep logits sharded over the vocabulary")
@@ -54,7 +70,7 @@ def parse_args(argv=None):
     p.add_argument("--mc2-scope", default=d["mc2_scope"], choices=["ffn", "all"], help="layers MC2 fuses")
     p.add_argument("--relaxed-mc2-contract", action="store_true", help="allow fp32 and any size under MC2")
     p.add_argument("--checkpoint-dir", help="checkpoint root: step-N/ directories and 'latest'")
-    p.add_argument("--checkpoint-every", type=int, default=d["checkpoint_every"],
+    p.add_argument("--checkpoint-every", type=NON_NEGATIVE, default=d["checkpoint_every"],
                    help="save every N steps and at the last (0: never)")
     p.add_argument("--resume", action="store_true",
                    help="require a checkpoint in --checkpoint-dir (training continues from its latest one whenever "
@@ -64,15 +80,15 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if (args.checkpoint_every or args.resume or args.async_checkpoint) and not args.checkpoint_dir:
         p.error("--checkpoint-every, --resume and --async-checkpoint need --checkpoint-dir")
-    if args.mc2_scope != "ffn" and not args.enable_mc2:
-        p.error("--mc2-scope needs --enable-mc2")
+    if (args.mc2_scope != "ffn" or args.relaxed_mc2_contract) and not args.enable_mc2:
+        p.error("--mc2-scope and --relaxed-mc2-contract need --enable-mc2")
     if args.fsdp:
         if args.dp != d["dp"]:
             p.error("--dp replicates and --fsdp shards the data-parallel dim: pass one of them")
         args.dp = args.fsdp * args.hsdp
     elif args.hsdp != 1 or args.no_reshard_after_forward:
         p.error("--hsdp and --no-reshard-after-forward need --fsdp")
-    if args.dp < 1 or args.batch_size % args.dp:
+    if args.batch_size % args.dp:
         p.error(f"--batch-size ({args.batch_size}) must be divisible by --dp ({args.dp})")
     return args
 

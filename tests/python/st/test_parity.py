@@ -368,3 +368,21 @@ def test_train_py_checkpoint_flags_need_a_checkpoint_dir(capsys):
             trainer.parse_args(flag)
         assert exit_info.value.code == 2
         assert "--checkpoint-every, --resume and --async-checkpoint need --checkpoint-dir" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--steps", "0"], "argument --steps: expected a number > 0, got 0"),
+    (["--batch-size", "0"], "argument --batch-size: expected a number > 0, got 0"),
+    (["--fsdp", "-1"], "argument --fsdp: expected a number > 0, got -1"),
+    (["--fsdp", "2", "--hsdp", "0"], "argument --hsdp: expected a number > 0, got 0"),
+    (["--lr", "0"], "argument --lr: expected a number > 0, got 0"),
+    (["--checkpoint-dir", "/tmp/x", "--checkpoint-every", "-1"],
+     "argument --checkpoint-every: expected a number >= 0, got -1"),
+    (["--steps", "two"], "argument --steps: expected a number, got 'two'"),
+    (["--relaxed-mc2-contract"], "--mc2-scope and --relaxed-mc2-contract need --enable-mc2"),
+])
+def test_train_py_rejects_the_values_llama3_train_rejects(capsys, flags, message):
+    with pytest.raises(SystemExit) as exit_info:
+        trainer.parse_args(flags)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
