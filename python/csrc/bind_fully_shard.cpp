@@ -70,21 +70,21 @@ void bind_forward_calls(GroupClass& cls) {
 
 // Main gradients live where Python users read them: the parameter's main_grad attribute.
 void keep_main_grads_on_parameters() {
-  fs::set_main_grad_store({[](const at::Tensor& param) {
-                             py::gil_scoped_acquire gil;
-                             const auto held = py::getattr(py::cast(param), "main_grad", py::none());
-                             if (held.is_none()) return at::Tensor();
-                             TORCH_CHECK_TYPE(THPVariable_Check(held.ptr()),
-                                              "fully_shard: expected a parameter's main_grad None or a "
-                                              "tensor, got ",
-                                              py::str(py::type::of(held)).cast<std::string>());
-                             return held.cast<at::Tensor>();
-                           },
-                           [](const at::Tensor& param, at::Tensor grad) {
-                             py::gil_scoped_acquire gil;
-                             py::setattr(py::cast(param), "main_grad",
-                                         grad.defined() ? py::cast(std::move(grad)) : py::none());
-                           }});
+  hpnn::set_main_grad_store({[](const at::Tensor& param) {
+                               py::gil_scoped_acquire gil;
+                               const auto held = py::getattr(py::cast(param), "main_grad", py::none());
+                               if (held.is_none()) return at::Tensor();
+                               TORCH_CHECK_TYPE(THPVariable_Check(held.ptr()),
+                                                "fully_shard: expected a parameter's main_grad None or a "
+                                                "tensor, got ",
+                                                py::str(py::type::of(held)).cast<std::string>());
+                               return held.cast<at::Tensor>();
+                             },
+                             [](const at::Tensor& param, at::Tensor grad) {
+                               py::gil_scoped_acquire gil;
+                               py::setattr(py::cast(param), "main_grad",
+                                           grad.defined() ? py::cast(std::move(grad)) : py::none());
+                             }});
 }
 
 }  // namespace

@@ -11,9 +11,9 @@
 #include <torch/nn/module.h>
 
 #include <hyper_parallel/core/dtensor/dtensor.h>
-#include <hyper_parallel/core/fully_shard/main_grad.h>
 #include <hyper_parallel/core/nn/embedding.h>
 #include <hyper_parallel/core/nn/hookable_module.h>
+#include <hyper_parallel/core/nn/main_grad.h>
 
 namespace hyper_parallel::fully_shard {
 
@@ -356,7 +356,7 @@ void FSDPModule::zero_grad() const {
     if (!s.group) return;
     for (const auto& p : s.group->parameters()) {
       p.mutable_grad() = at::Tensor();
-      if (main_grad(p).defined()) set_main_grad(p, {});
+      if (nn::main_grad(p).defined()) nn::set_main_grad(p, {});
     }
   });
 }

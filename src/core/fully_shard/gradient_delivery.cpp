@@ -1,5 +1,5 @@
 // Where a fully_shard group's reduced gradients go: each shard's .grad, or (MixedPrecisionPolicy
-// apply_grad_on_fp32_main_grad) its main gradient in the reduce dtype (main_grad.h), once the
+// apply_grad_on_fp32_main_grad) its main gradient in the reduce dtype (nn/main_grad.h), once the
 // reduction carrying it is waited for (nn/pending_gradient.h).
 
 #include <string>
@@ -8,7 +8,7 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/variable.h>
 
-#include <hyper_parallel/core/fully_shard/main_grad.h>
+#include <hyper_parallel/core/nn/main_grad.h>
 #include <hyper_parallel/core/nn/pending_gradient.h>
 
 #include "param_group_impl.h"
@@ -19,11 +19,12 @@ namespace {
 // A contribution of a synced backward to a main gradient (none: no rank had one, left as it is).
 void add_to_main_grad(const at::Tensor& param, const std::string& name, const at::Tensor& grad) {
   if (!grad.defined() || !param.defined()) return;
-  const auto held = main_grad(param);
-  if (!held.defined()) return set_main_grad(param, grad);
+  auto held = nn::main_grad(param);
+  if (!held.defined()) return nn::set_main_grad(param, grad);
   TORCH_CHECK_VALUE(held.sizes() == grad.sizes(), "fully_shard: expected the main_grad of ", name,
                     " of this rank's shard shape ", grad.sizes(), ", got ", held.sizes());
-  set_main_grad(param, held + grad);
+  at::NoGradGuard no_grad;
+  held.add_(grad);  // in place, in its dtype: whoever holds it (an optimizer, a flat buffer) sees it
 }
 
 }  // namespace

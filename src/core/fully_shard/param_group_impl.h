@@ -190,7 +190,7 @@ struct ParamGroup::Impl : std::enable_shared_from_this<ParamGroup::Impl> {
   // Bytes of parameter i's gradient in the reduce-scatter's input, and of those arrived.
   int64_t reduce_bytes(size_t i) const;
   int64_t arrived_bytes() const;
-  // Adds parameter i's gradient to those kept while sync is off.
+  // Adds parameter i's gradient to those kept while sync is off, once the backward completes.
   void accumulate(size_t i, const at::Tensor& grad);
   // Parameter i's gradient through a backward view (ParamGroup::backward_views): it arrives, or
   // is reduced alone. Returns what arrive returns (for autograd), or an undefined one.

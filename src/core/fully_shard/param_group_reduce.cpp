@@ -32,6 +32,7 @@
 #include <hyper_parallel/core/nn/pending_gradient.h>
 
 #include "../autograd/attach_backward.h"
+#include "held_sums.h"
 #include "param_group_impl.h"
 #include "reduce_in_flight.h"
 
@@ -158,9 +159,18 @@ std::vector<at::Tensor> ParamGroup::Impl::arrive_each(const std::shared_ptr<Impl
   return out;
 }
 
+// Added to the kept sum when the backward completes (nn/pending_gradient.h): a backward that
+// fails part-way adds nothing, so its retry finds the sums as they were.
 void ParamGroup::Impl::accumulate(size_t i, const at::Tensor& grad) {
-  const auto g = grad.to(reduce_dtype.value_or(grad.scalar_type()));
-  pending[i] = pending[i].defined() ? pending[i] + g : g;
+  std::weak_ptr<Impl> weak = shared_from_this();
+  nn::defer_completion(
+      params[i], [g = grad.to(reduce_dtype.value_or(grad.scalar_type()))] { return g; },
+      [weak, i](const at::Tensor& g) {
+        auto self = weak.lock();
+        if (self == nullptr) return;
+        self->pending[i] = self->pending[i].defined() ? self->pending[i] + g : g;
+        detail::note_held_sums(self);  // also if this backward's end let the group go first
+      });
 }
 
 at::Tensor ParamGroup::Impl::arrive(size_t i, at::Tensor grad) {

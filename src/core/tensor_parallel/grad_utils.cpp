@@ -7,6 +7,7 @@
 
 #include <hyper_parallel/core/comm/collectives.h>
 #include <hyper_parallel/core/dtensor/dtensor.h>
+#include <hyper_parallel/core/nn/main_grad.h>
 #include <hyper_parallel/core/nn/parameter_layout.h>
 
 namespace hyper_parallel::tensor_parallel {
@@ -71,6 +72,13 @@ struct ShardedSums {
   }
 };
 
+// The gradient clipping reads: the main gradient where the parameter has one (fully_shard's
+// apply_grad_on_fp32_main_grad leaves .grad undefined), else .grad.
+at::Tensor gradient_of(const at::Tensor& param) {
+  auto main = nn::main_grad(param);
+  return main.defined() ? main : param.grad();
+}
+
 // The global L2 norm of the parameters' gradients, and the gradients themselves.
 std::pair<double, std::vector<at::Tensor>> global_norm(const std::vector<Entry>& params) {
   // Squared norms summed as tensors; one .item() at the end, not one per parameter.
@@ -78,7 +86,7 @@ std::pair<double, std::vector<at::Tensor>> global_norm(const std::vector<Entry>&
   ShardedSums sharded;
   std::vector<at::Tensor> grads;
   for (const auto& e : params) {
-    const auto& g = e.param.grad();
+    const auto g = gradient_of(e.param);
     if (!g.defined()) continue;
     grads.push_back(g);
     const auto sq = g.to(at::kDouble).pow(2).sum();

@@ -183,6 +183,11 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& local_logits, const at
                                         int64_t vocab_size, const dtensor::DeviceMesh& mesh,
                                         const CrossEntropyOptions& options) {
   check_tp_mesh("vocab_parallel_cross_entropy", mesh);
+  TORCH_CHECK_NOT_IMPLEMENTED(
+      !at::isFloatingType(targets.scalar_type()),
+      "vocab_parallel_cross_entropy: expected class indices as targets (an integer tensor), "
+      "got ",
+      targets.scalar_type(), " targets (class probabilities are not supported under loss_parallel)");
   const auto ignored = targets == options.ignore_index();
   const auto ids = targets.masked_fill(ignored, 0);  // an ignored row reads class 0, and counts zero
   const auto shard = detail::vocab_shard(ids, vocab_size, mesh);

@@ -621,7 +621,8 @@ class FailsOnce(Net):
 
 
 @pytest.mark.parametrize("comm_fusion", [False, True])
-@pytest.mark.parametrize("held, fails", [("all-reduce", 1), ("all-reduce", 2), ("sync", 2)])
+@pytest.mark.parametrize("held, fails", [("all-reduce", 1), ("all-reduce", 2), ("sync", 0), ("sync", 1),
+                                         ("sync", 2)])
 def test_a_failed_backward_leaves_the_held_sums_as_they_were_for_its_retry(comm_fusion, held, fails):
     """Micro-batches 0 and 1 hold sums (reduce-scattered without the all-reduce, or kept without
     sync), 2 reduces them; micro-batch `fails` raises part-way once and is run again: the

@@ -85,6 +85,39 @@ def test_main_grad_sums_the_backwards_and_zero_grad_clears_it(comm_fusion):
     assert_main_grads(net, reference, dist.get_world_size())
 
 
+def test_main_grad_is_added_to_in_place():
+    """A buffer the caller made (Megatron's), and one zero_grad(set_to_none=False) zeroed, gets
+    the gradient: what an optimizer holding it reads."""
+    reference, net = Net(), shard(Net())
+    buffers = []
+    for p in net.parameters():
+        p.main_grad = torch.zeros(p.shape)
+        buffers.append(p.main_grad)
+    loss(reference, batch(0)).backward()
+    loss(net, rows_of(batch(0), dist.get_rank())).backward()
+    assert all(p.main_grad is b for p, b in zip(net.parameters(), buffers))
+    assert_main_grads(net, reference, dist.get_world_size())
+    net.zero_grad(set_to_none=False)
+    reference.zero_grad()
+    loss(reference, batch(1)).backward()
+    loss(net, rows_of(batch(1), dist.get_rank())).backward()
+    assert all(p.main_grad is b for p, b in zip(net.parameters(), buffers))
+    assert_main_grads(net, reference, dist.get_world_size())
+
+
+def test_clipping_clips_main_grad():
+    """torch.nn.utils.clip_grad_norm_ (and hyper_parallel's) read main_grad where .grad is left
+    undefined: the reference's norm, and its clipped gradients."""
+    reference, net = Net(), shard(Net())
+    loss(reference, batch(0)).backward()
+    loss(net, rows_of(batch(0), dist.get_rank())).backward()
+    expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)  # torch's own: no layouts
+    norm = torch.nn.utils.clip_grad_norm_(net.parameters(), 0.05)
+    assert norm > 0.05
+    torch.testing.assert_close(norm.to(expected.dtype), expected, rtol=1e-5, atol=0)
+    assert_main_grads(net, reference, dist.get_world_size())
+
+
 def test_unsynced_micro_batches_reach_main_grad_at_the_synced_one():
     reference, net = Net(), shard(Net())
     x = batch(0)

@@ -131,6 +131,9 @@ def test_loss_parallel_errors_name_what_was_expected():
                                              r"in \[-5, 12\]"):
             F.cross_entropy(logits, labels.index_fill(0, torch.tensor([0, 1, 2]), -100)
                             .index_fill(0, torch.tensor([3]), -5).index_fill(0, torch.tensor([4]), 12))
+        with pytest.raises(NotImplementedError, match=r"expected class indices as targets \(an integer tensor\), "
+                                                      r"got Float targets \(class probabilities are not supported"):
+            F.cross_entropy(logits, torch.softmax(torch.randn(logits.shape[0], VOCAB), -1))
     from hyper_parallel import _C
     with pytest.raises(ValueError, match=r"DTensor::carry_tag: expected a tensor of the tagged one's shape \[2, 3, "):
         _C.DTensor.carry_tag(head(x), torch.zeros(2))

@@ -709,7 +709,7 @@ TEST(FullyShard, MainGradKeepsTheReducedDtypeAndSumsTheBackwards) {
   }
   bool finer_than_bf16 = false;
   for (const auto& item : net.named_parameters()) {
-    const auto main = fs::main_grad(item.value());
+    const auto main = hp::nn::main_grad(item.value());
     ASSERT_TRUE(main.defined()) << item.key();
     EXPECT_EQ(main.scalar_type(), at::kFloat) << item.key();
     EXPECT_FALSE(item.value().grad().defined()) << item.key();
@@ -719,7 +719,7 @@ TEST(FullyShard, MainGradKeepsTheReducedDtypeAndSumsTheBackwards) {
   }
   EXPECT_TRUE(finer_than_bf16 || p == 1);
   root.zero_grad();
-  for (const auto& param : net.parameters()) EXPECT_FALSE(fs::main_grad(param).defined());
+  for (const auto& param : net.parameters()) EXPECT_FALSE(hp::nn::main_grad(param).defined());
 }
 
 // set_reshard_after_backward(false) beside set_requires_gradient_sync(false), reshard_after_forward

@@ -70,7 +70,7 @@ class FSDPModule {
   /// the last pass ran them.
   void set_modules_to_forward_prefetch(const std::vector<FSDPModule>& modules) const;
   void set_modules_to_backward_prefetch(const std::vector<FSDPModule>& modules) const;
-  /// Drops the .grad and main gradient (main_grad.h) of every parameter this module (and those
+  /// Drops the .grad and main gradient (nn/main_grad.h) of every parameter this module (and those
   /// below it) manages.
   void zero_grad() const;
   /// This module's own group; nullptr when nested calls took all its parameters.

@@ -24,7 +24,7 @@ struct MixedPrecisionPolicy {
   TORCH_ARG(std::optional<at::ScalarType>, reduce_dtype) = std::nullopt;
   /// Floating inputs of a managed module are cast to param_dtype (when it is set).
   TORCH_ARG(bool, cast_forward_inputs) = true;
-  /// Each shard's reduced gradient goes to its main gradient (fully_shard/main_grad.h), in the
+  /// Each shard's reduced gradient goes to its main gradient (nn/main_grad.h), in the
   /// reduce dtype, instead of .grad (cast to the shard's dtype).
   TORCH_ARG(bool, apply_grad_on_fp32_main_grad) = false;
 };

@@ -13,7 +13,8 @@ class Module;
 
 namespace hyper_parallel::tensor_parallel {
 
-/// Clips gradients by their global L2 norm: sharded parameters' squared norms are summed over
+/// Clips gradients (a parameter's main gradient where it has one, nn/main_grad.h, else its .grad)
+/// by their global L2 norm: sharded parameters' squared norms are summed over
 /// their mesh, replicated ones counted once. Returns the norm before clipping. All ranks call it.
 /// As torch's, the gradients are multiplied by min(1, max_norm / (norm + 1e-6)) (a nan norm
 /// makes them nan); max_norm >= 0 (0 zeroes them), else c10::ValueError.

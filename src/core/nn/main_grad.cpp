@@ -1,4 +1,4 @@
-#include <hyper_parallel/core/fully_shard/main_grad.h>
+#include <hyper_parallel/core/nn/main_grad.h>
 
 #include <mutex>
 #include <utility>
@@ -7,7 +7,7 @@
 
 #include "../util/weak_tensor_map.h"
 
-namespace hyper_parallel::fully_shard {
+namespace hyper_parallel::nn {
 namespace {
 
 detail::WeakTensorMap<at::Tensor>& side_table() {
@@ -40,4 +40,4 @@ void set_main_grad_store(MainGradStore replacement) {
   store() = std::move(replacement);
 }
 
-}  // namespace hyper_parallel::fully_shard
+}  // namespace hyper_parallel::nn
