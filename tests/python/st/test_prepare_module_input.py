@@ -1,7 +1,8 @@
 """PrepareModuleInput with torch's whole signature: keyword inputs converted by
 input_kwarg_layouts / desired_input_kwarg_layouts (torch 1.13's pre-hooks do not see them), beside
 the positional ones or alone; no layouts at all is a style that changes nothing; the errors name
-what was expected. Against the single-process module at 2 and 4 ranks."""
+what was expected. PrepareModuleInputOutput, both on one module. Against the single-process
+module at 2 and 4 ranks."""
 
 import copy
 
@@ -10,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hyper_parallel import PrepareModuleInput, init_device_mesh, parallelize_module
+from hyper_parallel import PrepareModuleInput, PrepareModuleInputOutput, init_device_mesh, parallelize_module
 from hyper_parallel.core.dtensor.placement_types import Replicate, Shard
 
 ROWS, DIM = 3, 4
@@ -86,3 +87,28 @@ def test_errors_name_what_was_expected(mesh):
                                                                   desired_input_kwarg_layouts={"mask": Replicate()}))
     with pytest.raises(TypeError, match="expected a tensor as keyword input 'mask' .* got float"):
         model(torch.ones(ROWS, DIM), mask=2.0)
+
+
+@pytest.mark.parametrize("use_local_input", [False, True])
+def test_prepare_module_input_output_converts_both_sides(mesh, use_local_input):
+    """Each rank's rows in, gathered for the module (which needs them all), its rows of the output
+    out: the reference's values and gradients."""
+    x = rows_of_every_rank(DIM)
+    reference = Masked()
+    model = parallelize_module(copy.deepcopy(reference), mesh, PrepareModuleInputOutput(
+        input_layouts=Shard(0), desired_input_layouts=Replicate(), input_kwarg_layouts={"mask": Shard(0)},
+        desired_input_kwarg_layouts={"mask": Replicate()}, use_local_input=use_local_input,
+        output_layouts=Replicate(), desired_output_layouts=Shard(0)))
+    mask = rows_of_every_rank(DIM).sigmoid()
+    expected = reference(x, mask=mask)
+    expected.pow(2).sum().backward()
+    mine_x = mine(x).requires_grad_()
+    got = model(mine_x, mask=mine(mask))
+    torch.testing.assert_close(got, mine(expected))
+    got.pow(2).sum().backward()
+    torch.testing.assert_close(mine_x.grad, mine(torch.autograd.grad(reference(x.requires_grad_(), mask=mask)
+                                                                     .pow(2).sum(), x)[0]))
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+    with pytest.raises(TypeError, match="output_layouts"):
+        PrepareModuleInputOutput(input_layouts=Shard(0), desired_input_layouts=Replicate())

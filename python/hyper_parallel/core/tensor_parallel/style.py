@@ -319,3 +319,25 @@ class PrepareModuleOutput(ParallelStyle):
 
         module.register_forward_hook(hook)
         return module
+
+
+class PrepareModuleInputOutput(ParallelStyle):
+    """PrepareModuleInput and PrepareModuleOutput on one module, with torch's signature: the
+    inputs are converted before it runs (``use_local_input``: the converted inputs as this rank's
+    local tensors), its outputs after."""
+
+    def __init__(self, *, input_layouts: Layouts = None, desired_input_layouts: Layouts = None,
+                 input_kwarg_layouts: Optional[Dict[str, Placement]] = None,
+                 desired_input_kwarg_layouts: Optional[Dict[str, Placement]] = None, use_local_input: bool = False,
+                 output_layouts: Layouts, desired_output_layouts: Layouts, use_local_output: bool = True):
+        self.prepare_module_input = PrepareModuleInput(
+            input_layouts=input_layouts, desired_input_layouts=desired_input_layouts,
+            input_kwarg_layouts=input_kwarg_layouts, desired_input_kwarg_layouts=desired_input_kwarg_layouts,
+            use_local_output=use_local_input)
+        self.prepare_module_output = PrepareModuleOutput(output_layouts=output_layouts,
+                                                         desired_output_layouts=desired_output_layouts,
+                                                         use_local_output=use_local_output)
+
+    def apply(self, module, device_mesh):
+        self.prepare_module_input.apply(module, device_mesh)
+        return self.prepare_module_output.apply(module, device_mesh)
