@@ -16,7 +16,8 @@ Usage (under ``hp-run --nproc-per-node 2 -- /usr/bin/python3 train.py``)::
 
 from hyper_parallel.core import tensor_parallel as _tensor_parallel
 from hyper_parallel.core.data_parallel import data_parallel, no_sync
-from hyper_parallel.core.dtensor import DeviceMesh, DTensor, get_current_mesh, init_device_mesh
+from hyper_parallel.core.dtensor import (DeviceMesh, DTensor, get_current_mesh, init_device_mesh, init_empty_weights,
+                                         init_on_device)
 from hyper_parallel.core.fully_shard import (
     CPUOffloadPolicy,
     FSDPModule,
@@ -84,6 +85,8 @@ __all__ = [
     "fully_shard",
     "get_current_mesh",
     "init_device_mesh",
+    "init_empty_weights",
+    "init_on_device",
     "layout_of",
     "loss_parallel",
     "no_sync",

@@ -3,9 +3,10 @@
 cast the same way, with reshard_after_forward on and off and beside a MixedPrecisionPolicy; a cast
 between a forward and its backward, or of part of a group, and a parameter's .data replaced by a
 tensor of another size are clear errors; .data replaced while a gather is in flight is gathered
-again. Deferred initialization: fully_shard on meta parameters, then to_empty and an
-initialization, trains like the reference (a group made partly on meta, a tied weight, tensor
-parallelism on a 2 x 2 mesh); a forward before to_empty is a clear error."""
+again. Deferred initialization: fully_shard on meta parameters (or a model built under
+init_empty_weights), then to_empty and an initialization, trains like the reference (a group made
+partly on meta, a tied weight, tensor parallelism on a 2 x 2 mesh); a forward before to_empty is a
+clear error."""
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from hyper_parallel import (ColwiseParallel, MixedPrecisionPolicy, RowwiseParallel, full_tensor, fully_shard,
-                            init_device_mesh, parallelize_module)
+                            init_device_mesh, init_empty_weights, init_on_device, parallelize_module)
 
 ROWS_PER_RANK, DIM, HIDDEN = 3, 8, 12
 
@@ -384,3 +385,32 @@ def test_the_inputs_are_cast_after_the_pre_hooks_registered_before_fully_shard()
     shard(net, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float64))
     net(batch(0, dist.get_world_size(), torch.float32, True))
     assert seen == [(torch.float32, torch.Size([3, DIM])), torch.float64]
+
+
+def test_init_empty_weights_builds_on_meta_for_fully_shard():
+    """The original's init_empty_weights: parameters on meta (buffers too with include_buffers),
+    then fully_shard, to_empty and this rank's pieces train like the reference; init_on_device
+    keeps each parameter's class, requires_grad and attributes."""
+    reference = Net()
+    with init_empty_weights():
+        net = Net()
+        norm = nn.BatchNorm1d(DIM)
+    assert all(p.is_meta and isinstance(p, nn.Parameter) for p in net.parameters())
+    assert not norm.running_mean.is_meta and norm.weight.is_meta
+    with init_empty_weights(include_buffers=True):
+        assert nn.BatchNorm1d(DIM).running_mean.is_meta
+    assert not nn.Linear(2, 2).weight.is_meta  # restored on exit
+    frozen = nn.Parameter(torch.ones(2), requires_grad=False)
+    frozen.tag = "kept"
+    with init_on_device("meta"):
+        holder = nn.Module()
+        holder.frozen = frozen
+    assert holder.frozen.is_meta and not holder.frozen.requires_grad and holder.frozen.tag == "kept"
+    shard(net)
+    net.to_empty(device="cpu")
+    load_pieces(net, reference)
+    ref_opt, opt = torch.optim.AdamW(reference.parameters(), lr=1e-2), torch.optim.AdamW(net.parameters(), lr=1e-2)
+    for s in range(2):
+        step(reference, s, torch.float32, False, ref_opt)
+        step(net, s, torch.float32, True, opt)
+        assert_params_match(net, reference, TOLERANCE[torch.float32])
