@@ -207,6 +207,10 @@ struct ParamGroup::Impl : std::enable_shared_from_this<ParamGroup::Impl> {
   // When hooked parameter `current`'s planned bucket is held back: the parameters this backward
   // does not reach reduce zeros now.
   void arrive_unreached(size_t current);
+  // A backward that captures (torch.autograd.grad) or leaves out (inputs=) the gradient of one
+  // of these parameters, which a reduction would add to .grad or the kept sums instead: a
+  // c10::NotImplementedError, on every rank that runs it.
+  void check_accumulating_backward(const std::vector<size_t>& indices) const;
   // Parameter i, which this backward does not reach, arrives without a gradient (its bucket
   // carries zeros and a flag saying it has none).
   void arrive_without_gradient(size_t i);

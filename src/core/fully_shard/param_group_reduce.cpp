@@ -79,6 +79,7 @@ std::vector<at::Tensor> ParamGroup::Impl::attach_reduction(const std::shared_ptr
         s.params, std::move(views),
         [weak](std::vector<at::Tensor> grads) {
           auto self = detail::alive(weak);
+          self->check_accumulating_backward(self->all_params());
           // Part of the pass ran in a reentrant checkpoint: this graph brings only the rest.
           if (self->reduces_in_buckets()) return self->arrive_each(self, std::move(grads));
           queue_end_of_backward(self);
@@ -102,6 +103,7 @@ std::vector<at::Tensor> ParamGroup::Impl::attach_per_parameter(const std::shared
         {s.params[i]}, {std::move(views[i])},
         [weak, i](std::vector<at::Tensor> grads) {
           auto self = detail::alive(weak);
+          self->check_accumulating_backward({i});
           if (self->arrivals == 0) queue_end_of_backward(self);
           return std::vector<at::Tensor>{self->arrive(i, std::move(grads[0]))};
         },

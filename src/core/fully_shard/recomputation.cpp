@@ -95,8 +95,9 @@ std::vector<at::Tensor> ParamGroup::backward_views() {
     views[i] = hyper_parallel::detail::attach_backward(
         {s.params[i]}, {std::move(views[i])},
         [weak, i](std::vector<at::Tensor> grads) {
-          return std::vector<at::Tensor>{
-              detail::alive(weak)->reduce_read_in_backward(i, std::move(grads[0]))};
+          auto self = detail::alive(weak);
+          self->check_accumulating_backward({i});
+          return std::vector<at::Tensor>{self->reduce_read_in_backward(i, std::move(grads[0]))};
         },
         "FullyShardReadInBackward")[0];
   }

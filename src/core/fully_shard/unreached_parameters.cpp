@@ -11,6 +11,7 @@
 // any rank had one) when its .grad is completed.
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/graph_task.h>
+#include <torch/csrc/autograd/variable.h>
 
 #include "held_sums.h"
 #include "param_group_impl.h"
@@ -68,6 +69,25 @@ void ParamGroup::Impl::queue_end_of_backward(const std::shared_ptr<Impl>& group)
     });
   }
   note_or_queue_held_sums(group);
+}
+
+void ParamGroup::Impl::check_accumulating_backward(const std::vector<size_t>& indices) const {
+  const auto* exec_info = torch::autograd::get_current_graph_task_exec_info();
+  if (exec_info == nullptr || exec_info->empty()) return;  // backward(): every leaf accumulates
+  for (const auto i : indices) {
+    if (!params[i].requires_grad()) continue;
+    const auto accumulator = torch::autograd::impl::try_get_grad_accumulator(params[i]);
+    const auto it = accumulator == nullptr ? exec_info->end() : exec_info->find(accumulator.get());
+    const bool captured = it != exec_info->end() && it->second.captures_ != nullptr;
+    TORCH_CHECK_NOT_IMPLEMENTED(it != exec_info->end() && it->second.needed_ && !captured,
+                                "fully_shard: expected a backward that ",
+                                "accumulates the gradient of every managed parameter it reaches "
+                                "(loss.backward(), or inputs= naming all of "
+                                "them), got one that ",
+                                captured ? "returns the gradient of " : "leaves out ", names[i],
+                                captured ? " (torch.autograd.grad)" : " (inputs=)",
+                                ": its reduced gradient goes to .grad; call backward() and read .grad");
+  }
 }
 
 void ParamGroup::Impl::arrive_missing() {

@@ -1089,3 +1089,42 @@ def test_a_hooked_bucket_waiting_for_a_reentrant_region_is_an_error_that_says_so
     net(x, True).pow(2).mean().backward()
     with pytest.raises(RuntimeError, match="a reentrant checkpoint's region.*use_reentrant=False"):
         net(x, False).pow(2).mean().backward()
+
+
+@pytest.mark.parametrize("comm_fusion", [False, True], ids=["buckets", "one_reduce_scatter"])
+def test_autograd_grad_of_managed_parameters_is_a_clear_error_that_adds_nothing(comm_fusion):
+    """torch.autograd.grad(loss, params) would have the reduction add the gradients to .grad, or
+    to the sums kept without sync, and return none: a NotImplementedError before anything is
+    added. backward(inputs=) naming some of a group's parameters: in buckets, theirs alone are
+    reduced (as torch accumulates them alone); one reduce-scatter for the group would reduce
+    them all, so it refuses. Of the inputs, autograd.grad is torch's."""
+    ws, r = dist.get_world_size(), dist.get_rank()
+    reference, net = Net(), fully_shard(Net(), mesh=dp_mesh(), comm_fusion=comm_fusion)
+    x = batch(0, ws)[r * ROWS_PER_RANK:][:ROWS_PER_RANK]
+    for sync in (True, False):
+        net.set_requires_gradient_sync(sync)
+        with pytest.raises(NotImplementedError, match=r"expected a backward that accumulates the gradient of every "
+                                                      r"managed parameter .* got one that returns the gradient of "):
+            torch.autograd.grad(net(x).pow(2).mean(), list(net.parameters()))
+        assert all(p.grad is None for p in net.parameters())
+    net.set_requires_gradient_sync(True)
+    first = next(net.parameters())
+    reference(batch(0, ws)).pow(2).mean().backward()
+    if comm_fusion:
+        with pytest.raises(NotImplementedError, match=r"got one that leaves out .* \(inputs=\)"):
+            torch.autograd.backward(net(x).pow(2).mean(), inputs=[first])
+        assert all(p.grad is None for p in net.parameters())
+    else:
+        torch.autograd.backward(net(x).pow(2).mean(), inputs=[first])
+        torch.testing.assert_close(full_tensor(first, first.grad), next(reference.parameters()).grad, rtol=1e-5,
+                                   atol=1e-6)
+        assert all(p.grad is None for p in list(net.parameters())[1:])
+        net.zero_grad()
+    xs = x.clone().requires_grad_()
+    (got,) = torch.autograd.grad(net(xs).pow(2).mean(), xs)  # of an input: no reduction runs
+    xr = batch(0, ws).requires_grad_()
+    (expected,) = torch.autograd.grad(reference(xr).pow(2).mean() * ws, xr)
+    torch.testing.assert_close(got, expected[r * ROWS_PER_RANK:][:ROWS_PER_RANK], rtol=1e-5, atol=1e-6)
+    net(x).pow(2).mean().backward()  # nothing was kept from the refused ones
+    for p, q in zip(net.parameters(), reference.parameters()):
+        torch.testing.assert_close(full_tensor(p, p.grad), q.grad, rtol=1e-5, atol=1e-6)

@@ -24,23 +24,36 @@ from torch import nn
 __all__ = ["init_empty_weights", "init_on_device"]
 
 
+# torch's own: an inner context registers through them, not through the outer one's moves.
+_REGISTER_PARAMETER, _REGISTER_BUFFER = nn.Module.register_parameter, nn.Module.register_buffer
+
+
+def _on(tensor: torch.Tensor, device: torch.device) -> bool:
+    return tensor.device.type == device.type and (device.index is None or tensor.device.index == device.index)
+
+
 @contextmanager
 def init_on_device(device, include_buffers: bool = False):
-    """Inside, every parameter a module registers (``include_buffers``: every buffer too) is
-    moved to ``device`` as it is registered; it keeps its class and ``requires_grad``."""
+    """Inside, every parameter a module registers (``include_buffers``: every buffer passed to
+    ``register_buffer``; one assigned later to a name registered as None is not) is moved to
+    ``device`` as it is registered. A parameter keeps its class, ``requires_grad`` and attributes,
+    and one parameter registered on several modules stays one (a tie). Lazy modules' uninitialized
+    parameters are left to materialize where their first input is. Nested, the innermost wins."""
     device = torch.device(device)
-    register_parameter, register_buffer = nn.Module.register_parameter, nn.Module.register_buffer
+    outer = nn.Module.register_parameter, nn.Module.register_buffer
+    moved = {}  # id(parameter as made) -> (it, its moved replacement): a tie stays one parameter
 
     def on_device_parameter(module, name, param):
-        register_parameter(module, name, param)
-        if param is not None and param.device != device:
-            kept = module._parameters[name]  # pylint: disable=protected-access
-            moved = type(kept)(kept.to(device), requires_grad=kept.requires_grad)
-            moved.__dict__.update(kept.__dict__)  # attributes set on the parameter
-            module._parameters[name] = moved  # pylint: disable=protected-access
+        if param is None or isinstance(param, nn.parameter.UninitializedParameter) or _on(param, device):
+            return _REGISTER_PARAMETER(module, name, param)
+        if id(param) not in moved:
+            replacement = torch.Tensor._make_subclass(type(param), param.detach().to(device), param.requires_grad)
+            replacement.__dict__.update(param.__dict__)  # attributes set on the parameter
+            moved[id(param)] = (param, replacement)
+        return _REGISTER_PARAMETER(module, name, moved[id(param)][1])
 
     def on_device_buffer(module, name, tensor, persistent=True):
-        register_buffer(module, name, tensor if tensor is None else tensor.to(device), persistent=persistent)
+        _REGISTER_BUFFER(module, name, tensor if tensor is None else tensor.to(device), persistent=persistent)
 
     nn.Module.register_parameter = on_device_parameter
     if include_buffers:
@@ -48,7 +61,7 @@ def init_on_device(device, include_buffers: bool = False):
     try:
         yield
     finally:
-        nn.Module.register_parameter, nn.Module.register_buffer = register_parameter, register_buffer
+        nn.Module.register_parameter, nn.Module.register_buffer = outer
 
 
 @contextmanager
