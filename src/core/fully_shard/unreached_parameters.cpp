@@ -79,14 +79,17 @@ void ParamGroup::Impl::check_accumulating_backward(const std::vector<size_t>& in
     const auto accumulator = torch::autograd::impl::try_get_grad_accumulator(params[i]);
     const auto it = accumulator == nullptr ? exec_info->end() : exec_info->find(accumulator.get());
     const bool captured = it != exec_info->end() && it->second.captures_ != nullptr;
-    TORCH_CHECK_NOT_IMPLEMENTED(it != exec_info->end() && it->second.needed_ && !captured,
-                                "fully_shard: expected a backward that ",
-                                "accumulates the gradient of every managed parameter it reaches "
-                                "(loss.backward(), or inputs= naming all of "
-                                "them), got one that ",
-                                captured ? "returns the gradient of " : "leaves out ", names[i],
-                                captured ? " (torch.autograd.grad)" : " (inputs=)",
-                                ": its reduced gradient goes to .grad; call backward() and read .grad");
+    TORCH_CHECK_NOT_IMPLEMENTED(
+        it != exec_info->end() && it->second.needed_ && !captured,
+        "fully_shard: expected a backward that accumulates the gradients of the group's "
+        "parameters, got one that ",
+        captured ? c10::str("returns the gradient of ", names[i],
+                            " (torch.autograd.grad): its reduced gradient goes to .grad; "
+                            "call backward() and read .grad")
+                 : c10::str("leaves out ", names[i],
+                            " (inputs=): a group that reduces in one reduce-scatter "
+                            "(comm_fusion=True) reduces all its parameters; name them all "
+                            "in inputs=, or reduce in buckets (comm_fusion=False)"));
   }
 }
 

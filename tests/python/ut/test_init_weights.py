@@ -1,6 +1,8 @@
 """init_empty_weights / init_on_device (the original's): where a module's parameters and buffers
 are made, what a parameter keeps when moved, ties, nesting, and lazy modules. One process."""
 
+import weakref
+
 import pytest
 import torch
 from torch import nn
@@ -57,3 +59,14 @@ def test_a_lazy_module_materializes_where_its_input_is():
     with init_empty_weights():
         lazy = nn.LazyLinear(3)
     assert lazy(torch.ones(2, 5)).shape == (2, 3) and not lazy.weight.is_meta
+
+
+def test_a_moved_parameter_s_original_is_freed_inside_the_context():
+    """The peak is one parameter, not the model: nothing keeps what a module made."""
+    with init_empty_weights():
+        holder = nn.Module()
+        made = nn.Parameter(torch.ones(1024))
+        original = weakref.ref(made)
+        holder.weight = made
+        del made
+        assert original() is None and holder.weight.is_meta

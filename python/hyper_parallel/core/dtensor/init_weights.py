@@ -16,6 +16,7 @@ torch 1.13 has no default-device context, so each parameter is made where its mo
 constructor makes it, then moved as it is registered: the peak is one parameter, not the model.
 """
 
+import weakref
 from contextlib import contextmanager
 
 import torch
@@ -35,22 +36,25 @@ def _on(tensor: torch.Tensor, device: torch.device) -> bool:
 @contextmanager
 def init_on_device(device, include_buffers: bool = False):
     """Inside, every parameter a module registers (``include_buffers``: every buffer passed to
-    ``register_buffer``; one assigned later to a name registered as None is not) is moved to
+    ``register_buffer``; one assigned later by attribute to a registered name is not) is moved to
     ``device`` as it is registered. A parameter keeps its class, ``requires_grad`` and attributes,
     and one parameter registered on several modules stays one (a tie). Lazy modules' uninitialized
     parameters are left to materialize where their first input is. Nested, the innermost wins."""
     device = torch.device(device)
     outer = nn.Module.register_parameter, nn.Module.register_buffer
-    moved = {}  # id(parameter as made) -> (it, its moved replacement): a tie stays one parameter
+    # id(parameter as made) -> (a weak reference to it, its moved replacement): a tie stays one
+    # parameter, and the one made is freed as soon as its module is done with it.
+    moved = {}
 
     def on_device_parameter(module, name, param):
         if param is None or isinstance(param, nn.parameter.UninitializedParameter) or _on(param, device):
             return _REGISTER_PARAMETER(module, name, param)
-        if id(param) not in moved:
+        made, replacement = moved.get(id(param), (None, None))
+        if made is None or made() is not param:  # not moved yet (or an earlier one's reused id)
             replacement = torch.Tensor._make_subclass(type(param), param.detach().to(device), param.requires_grad)
             replacement.__dict__.update(param.__dict__)  # attributes set on the parameter
-            moved[id(param)] = (param, replacement)
-        return _REGISTER_PARAMETER(module, name, moved[id(param)][1])
+            moved[id(param)] = (weakref.ref(param), replacement)
+        return _REGISTER_PARAMETER(module, name, replacement)
 
     def on_device_buffer(module, name, tensor, persistent=True):
         _REGISTER_BUFFER(module, name, tensor if tensor is None else tensor.to(device), persistent=persistent)
