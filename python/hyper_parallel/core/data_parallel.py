@@ -45,7 +45,7 @@ def data_parallel(module: torch.nn.Module, device_mesh, *, bucket_cap_mb: float 
         raise ValueError("data_parallel: expected a module data_parallel has not been applied to, got one it has")
     for name, sub in module.named_modules():
         if isinstance(sub, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and sub.max_norm is not None and \
-                sub.weight.requires_grad:
+                sub.weight.requires_grad and getattr(device_mesh, "size", lambda: 2)() > 1:
             raise NotImplementedError(f"data_parallel: expected trainable embeddings without max_norm, got "
                                       f"{type(sub).__name__}(max_norm={sub.max_norm}) at {name or 'the module'}: "
                                       "its forward renormalizes in place the rows this rank looks up, so the "

@@ -791,6 +791,8 @@ def test_a_trainable_embedding_with_max_norm_is_a_clear_error(kind):
                                                   rf"{kind.__name__}\(max_norm=1.0\) owning 0.weight"):
         fully_shard(net, mesh=dp_mesh())
     assert not isinstance(net, FSDPModule)
+    alone = init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("dp", "alone"))["alone"]
+    fully_shard(nn.Sequential(kind(10, DIM, max_norm=1.0)), mesh=alone)  # one rank: nothing to diverge from
     net[0].weight.requires_grad_(False)
     fully_shard(net, mesh=dp_mesh())
 

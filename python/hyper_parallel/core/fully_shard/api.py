@@ -227,7 +227,8 @@ def fully_shard(module: Union[nn.Module, List[nn.Module]], *, mesh=None,
                                       f"{type(sub).__name__}(sparse=True) owning {names[id(param)]}: its sparse "
                                       f"gradient is not reduce-scattered; drop sparse=True (an nn.Embedding in a "
                                       f"fully_shard call of its own sends only the rows its ids touch)")
-        if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.max_norm is not None and param.requires_grad:
+        if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.max_norm is not None and param.requires_grad \
+                and mesh.size() > 1:
             raise NotImplementedError(f"fully_shard: expected trainable embeddings without max_norm, got "
                                       f"{type(sub).__name__}(max_norm={sub.max_norm}) owning {names[id(param)]}: "
                                       "its forward renormalizes the rows it looks up in place, in the gathered "
