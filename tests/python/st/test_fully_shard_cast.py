@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from hyper_parallel import (ColwiseParallel, MixedPrecisionPolicy, RowwiseParallel, full_tensor, fully_shard,
-                            init_device_mesh, init_empty_weights, init_on_device, parallelize_module)
+                            init_device_mesh, init_empty_weights, parallelize_module)
 
 ROWS_PER_RANK, DIM, HIDDEN = 3, 8, 12
 
@@ -258,11 +258,16 @@ def load_pieces(net, reference):
 def test_fully_shard_on_meta_then_to_empty_and_an_initialization_trains_like_the_reference(reshard):
     reference, net = Net(), shard(Net().to("meta"), reshard_after_forward=reshard)
     assert all(p.is_meta for p in net.parameters())
+    materialize_and_train_alike(net, reference, steps=3)
+
+
+def materialize_and_train_alike(net, reference, steps):
+    """to_empty, each rank's pieces of the reference's values, then AdamW steps alike."""
     net.to_empty(device="cpu")
     assert all(p.device.type == "cpu" for p in net.parameters())
     load_pieces(net, reference)
     ref_opt, opt = torch.optim.AdamW(reference.parameters(), lr=1e-2), torch.optim.AdamW(net.parameters(), lr=1e-2)
-    for s in range(3):
+    for s in range(steps):
         step(reference, s, torch.float32, False, ref_opt)
         step(net, s, torch.float32, True, opt)
         assert_params_match(net, reference, TOLERANCE[torch.float32])
@@ -388,29 +393,11 @@ def test_the_inputs_are_cast_after_the_pre_hooks_registered_before_fully_shard()
 
 
 def test_init_empty_weights_builds_on_meta_for_fully_shard():
-    """The original's init_empty_weights: parameters on meta (buffers too with include_buffers),
-    then fully_shard, to_empty and this rank's pieces train like the reference; init_on_device
-    keeps each parameter's class, requires_grad and attributes."""
+    """The original's init_empty_weights: parameters on meta, then fully_shard, to_empty and this
+    rank's pieces train like the reference (tests/python/ut/test_init_weights.py: the rest)."""
     reference = Net()
     with init_empty_weights():
         net = Net()
-        norm = nn.BatchNorm1d(DIM)
     assert all(p.is_meta and isinstance(p, nn.Parameter) for p in net.parameters())
-    assert not norm.running_mean.is_meta and norm.weight.is_meta
-    with init_empty_weights(include_buffers=True):
-        assert nn.BatchNorm1d(DIM).running_mean.is_meta
-    assert not nn.Linear(2, 2).weight.is_meta  # restored on exit
-    frozen = nn.Parameter(torch.ones(2), requires_grad=False)
-    frozen.tag = "kept"
-    with init_on_device("meta"):
-        holder = nn.Module()
-        holder.frozen = frozen
-    assert holder.frozen.is_meta and not holder.frozen.requires_grad and holder.frozen.tag == "kept"
     shard(net)
-    net.to_empty(device="cpu")
-    load_pieces(net, reference)
-    ref_opt, opt = torch.optim.AdamW(reference.parameters(), lr=1e-2), torch.optim.AdamW(net.parameters(), lr=1e-2)
-    for s in range(2):
-        step(reference, s, torch.float32, False, ref_opt)
-        step(net, s, torch.float32, True, opt)
-        assert_params_match(net, reference, TOLERANCE[torch.float32])
+    materialize_and_train_alike(net, reference, steps=2)
