@@ -170,8 +170,11 @@ void ParamGroup::Impl::accumulate(size_t i, const at::Tensor& grad) {
       [weak, i](const at::Tensor& g) {
         auto self = weak.lock();
         if (self == nullptr) return;
+        // A group holding sums is on the list; one that held none may have left it at this
+        // backward's end, before this completion ran.
+        const bool was_holding = self->holds_sums();
         self->pending[i] = self->pending[i].defined() ? self->pending[i] + g : g;
-        detail::note_held_sums(self);  // also if this backward's end let the group go first
+        if (!was_holding) detail::note_held_sums(self);
       });
 }
 
