@@ -226,6 +226,27 @@ TEST(HpRun, ConcurrentLaunchesPickDifferentPorts) {
   EXPECT_NE(pa[0], pb[0]);
 }
 
+// The picked port stays bound by hp-run while the ranks run: a plain bind (as the kernel's choice
+// of an ephemeral port for another program's listener would need) fails, while rank 0's store,
+// which binds with SO_REUSEADDR, still listens there.
+TEST(HpRun, APickedPortStaysHeldForTheStoreOnly) {
+  const std::string probe =
+      "import os, socket\n"
+      "port = int(os.environ['MASTER_PORT'])\n"
+      "plain = socket.socket()\n"
+      "try:\n"
+      "    plain.bind(('127.0.0.1', port)); plain.close(); print('plain bind: free')\n"
+      "except OSError as e:\n"
+      "    print('plain bind: held' if e.errno == 98 else 'plain bind: ' + str(e))\n"
+      "store = socket.socket(); store.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+      "store.bind(('', port)); store.listen(1); print('store bind: listening')\n";
+  const Result r = run_hp_run(
+      {"--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--", "/usr/bin/python3", "-c", probe});
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+  EXPECT_TRUE(has_line(r.out, "[rank 0] plain bind: held")) << describe(r);
+  EXPECT_TRUE(has_line(r.out, "[rank 0] store bind: listening")) << describe(r);
+}
+
 // --- command line -----------------------------------------------------------
 
 TEST(HpRun, HelpPrintsUsage) {

@@ -74,7 +74,10 @@ int run_job(hp_run::Options opts, bool pick_port) {
   if (opts.timeout_s > 0) deadline = Launcher::Clock::now() + std::chrono::seconds(opts.timeout_s);
   const int base_port = opts.master_port;
   for (int attempt = 0;; ++attempt) {
-    opts.master_port = pick_port ? hp_run::pick_free_port(opts.master_addr) : base_port + attempt;
+    // A picked port stays held until the attempt ends (ports.h).
+    std::optional<hp_run::PortReservation> reserved;
+    if (pick_port) reserved.emplace(opts.master_addr);
+    opts.master_port = pick_port ? reserved->port() : base_port + attempt;
     const std::string count = std::to_string(attempt);
     Launcher launcher(opts, signals, deadline,
                       {{"TORCHELASTIC_RESTART_COUNT", count}, {"HP_RESTART_COUNT", count}});

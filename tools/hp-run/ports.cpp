@@ -14,7 +14,7 @@
 
 namespace hp_run {
 
-int pick_free_port(const std::string& address) {
+PortReservation::PortReservation(const std::string& address) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
@@ -35,18 +35,25 @@ int pick_free_port(const std::string& address) {
     }
     sockaddr_storage bound{};
     socklen_t length = sizeof bound;
-    if (::bind(fd, ai->ai_addr, ai->ai_addrlen) == 0 &&
+    const int reuse = 1;
+    if (::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &reuse, sizeof reuse) == 0 &&
+        ::bind(fd, ai->ai_addr, ai->ai_addrlen) == 0 &&
         ::getsockname(fd, reinterpret_cast<sockaddr*>(&bound), &length) == 0) {
-      ::close(fd);
       const in_port_t port = bound.ss_family == AF_INET6
                                  ? reinterpret_cast<const sockaddr_in6*>(&bound)->sin6_port
                                  : reinterpret_cast<const sockaddr_in*>(&bound)->sin_port;
-      return ntohs(port);
+      fd_ = fd;
+      port_ = ntohs(port);
+      return;
     }
     last_error = errno_text(errno);
     ::close(fd);
   }
   throw std::runtime_error("cannot pick a free port on '" + address + "': " + last_error);
+}
+
+PortReservation::~PortReservation() {
+  if (fd_ >= 0) ::close(fd_);
 }
 
 }  // namespace hp_run

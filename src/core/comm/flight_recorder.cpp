@@ -8,7 +8,10 @@
 #include <cstdlib>
 #include <exception>
 #include <sstream>
+#include <system_error>
 #include <thread>
+
+#include <c10/util/Exception.h>
 
 #include <hyper_parallel/core/comm/trace.h>
 
@@ -151,20 +154,38 @@ namespace {
 int g_stop_pipe[2] = {-1, -1};
 int64_t g_report_rank = 0;
 std::terminate_handler g_previous_terminate = nullptr;
+std::mutex g_joining_mutex;
+std::string g_joining;  // JoiningStoreNote's `where`, while one lives
 
 // The transport's own threads terminate the process when a peer closes its connections while
-// this rank waits for nothing (e.g. it is busy in its own code when the others fail). Nothing
-// can catch that; report what this rank was doing, then terminate as before.
-[[noreturn]] void report_then_terminate() {
+// this rank waits for nothing (e.g. it is busy in its own code when the others fail), with the
+// socket's std::system_error. Nothing can catch that; report what this rank was doing, then
+// terminate as before.
+std::string terminate_reason() {
   std::string reason = "terminated";
-  if (auto error = std::current_exception()) {
-    try {
-      std::rethrow_exception(error);
-    } catch (const std::exception& e) {
-      reason += " by an uncaught exception on a transport thread: " + std::string(e.what());
-    } catch (...) {
+  auto error = std::current_exception();
+  if (!error) return reason;
+  try {
+    std::rethrow_exception(error);
+  } catch (const std::system_error& e) {
+    reason += " by an uncaught exception on a transport thread: " + std::string(e.what());
+    const std::unique_lock<std::mutex> lock(g_joining_mutex, std::try_to_lock);  // never wait here
+    if (lock.owns_lock() && !g_joining.empty()) {
+      reason += "; this rank was joining the store at " + g_joining +
+                ": expected rank 0's store listening there, got a connection reset, which another "
+                "program listening on that port does (pick a free MASTER_PORT, or let hp-run pick one)";
     }
+  } catch (const c10::Error& e) {
+    reason += " by an uncaught exception: " + std::string(e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    reason += " by an uncaught exception: " + std::string(e.what());
+  } catch (...) {
   }
+  return reason;
+}
+
+[[noreturn]] void report_then_terminate() {
+  const std::string reason = terminate_reason();
   FlightRecorder::get().report(g_report_rank, reason);
   if (g_previous_terminate) g_previous_terminate();
   std::abort();
@@ -201,6 +222,16 @@ void install_stop_report(int64_t rank) {
   action.sa_handler = on_stop_signal;
   sigemptyset(&action.sa_mask);
   ::sigaction(SIGTERM, &action, nullptr);
+}
+
+JoiningStoreNote::JoiningStoreNote(std::string where) {
+  const std::lock_guard<std::mutex> lock(g_joining_mutex);
+  g_joining = std::move(where);
+}
+
+JoiningStoreNote::~JoiningStoreNote() {
+  const std::lock_guard<std::mutex> lock(g_joining_mutex);
+  g_joining.clear();
 }
 
 }  // namespace hyper_parallel::comm::detail

@@ -108,6 +108,31 @@ void wait_until_listening(const std::string& host, int64_t port, std::chrono::mi
   freeaddrinfo(res);
 }
 
+// Rank 0 serves the world's store; the others join it once it listens. A failure names the
+// store: torch's own message ("Connection reset by peer", when another program listens on the
+// port) does not.
+c10::intrusive_ptr<c10d::TCPStore> world_store(const std::string& addr, uint16_t port, int64_t rank,
+                                               int64_t size, std::chrono::milliseconds timeout) {
+  if (rank != 0) wait_until_listening(addr, port, timeout);
+  c10d::TCPStoreOptions store_options;
+  store_options.port = port;
+  store_options.isServer = rank == 0;
+  store_options.numWorkers = static_cast<size_t>(size);
+  store_options.timeout = timeout;
+  std::string failure;
+  try {
+    return c10::make_intrusive<c10d::TCPStore>(addr, store_options);
+  } catch (const c10::Error& e) {
+    failure = e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    failure = e.what();
+  }
+  TORCH_CHECK(false, "hyper_parallel::comm::init_process_group: expected rank ", rank,
+              rank == 0 ? " to serve the store at " : " to join rank 0's store at ", addr, ":", port,
+              ", got a failure: ", failure,
+              rank == 0 ? "" : " (a reset there means another program listens on that port)");
+}
+
 std::optional<std::chrono::milliseconds> timeout_set(const InitOptions& options, const char* fn) {
   if (options.timeout()) {
     TORCH_CHECK_VALUE(options.timeout()->count() > 0, "hyper_parallel::comm::", fn,
@@ -241,13 +266,11 @@ void init_process_group(const InitOptions& options) {
               "hyper_parallel::comm::init_process_group: expected MASTER_PORT in [1, 65535], got ", *port);
   auto timeout = timeout_set(options, "init_process_group").value_or(kDefaultTimeout);
 
-  if (*rank != 0) wait_until_listening(*addr, *port, timeout);
-  c10d::TCPStoreOptions store_options;
-  store_options.port = static_cast<uint16_t>(*port);
-  store_options.isServer = *rank == 0;
-  store_options.numWorkers = static_cast<size_t>(*size);
-  store_options.timeout = timeout;
-  w.store = c10::make_intrusive<c10d::TCPStore>(*addr, store_options);
+  // Before the store: its client's thread terminates the process if its listener resets it.
+  detail::install_stop_report(*rank);
+  // Until the world's backend is made, which needs rank 0's keys: the store is rank 0's.
+  const detail::JoiningStoreNote joining(*addr + ":" + std::to_string(*port));
+  w.store = world_store(*addr, static_cast<uint16_t>(*port), *rank, *size, timeout);
 
   auto iface = options.interface() ? options.interface() : env("HP_SOCKET_IFNAME");
   w.device = iface ? c10d::ProcessGroupGloo::createDeviceForInterface(*iface)
@@ -270,7 +293,6 @@ void init_process_group(const InitOptions& options) {
   w.init_thread = std::this_thread::get_id();
   w.groups_created = 0;
   trace::detail::start(*rank);
-  detail::install_stop_report(*rank);
   detail::install_preemption_handler();
 }
 

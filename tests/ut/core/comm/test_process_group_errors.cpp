@@ -1,6 +1,13 @@
 // Errors a user can cause around process groups, in one process (no launcher), and what a world of
 // one decides for the groups it adopts.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <cstdlib>
+#include <string>
+#include <thread>
 
 #include <gtest/gtest.h>
 
@@ -98,6 +105,71 @@ TEST(ProcessGroupErrors, SingleProcessWorldFromOptions) {
                       "init_device_mesh: expected mesh_shape [2] to hold the world size 1, got 2");
   HP_EXPECT_THROW_MSG(hp::dtensor::init_device_mesh("cuda", {1}), "device_type 'cuda' is not supported");
   hp::comm::destroy_process_group();
+  EXPECT_FALSE(hp::comm::is_initialized());
+}
+
+// A listening socket of another program on 127.0.0.1: it accepts connections, and resets the first
+// one that sends it something (what a foreign listener does with a store client's request).
+class ForeignListener {
+ public:
+  ForeignListener() {
+    fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof addr;
+    EXPECT_EQ(::bind(fd_, reinterpret_cast<sockaddr*>(&addr), len), 0);
+    EXPECT_EQ(::listen(fd_, 8), 0);
+    EXPECT_EQ(::getsockname(fd_, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+    port_ = ntohs(addr.sin_port);
+  }
+  ~ForeignListener() { ::close(fd_); }
+  int port() const { return port_; }
+  // Accepts until a connection sends a byte, then resets that one.
+  std::thread reset_the_first_talker() const {
+    return std::thread([fd = fd_] {
+      for (;;) {
+        const int conn = ::accept(fd, nullptr, nullptr);
+        if (conn < 0) return;
+        char byte;
+        if (::recv(conn, &byte, 1, 0) == 1) {
+          const linger reset{1, 0};
+          ::setsockopt(conn, SOL_SOCKET, SO_LINGER, &reset, sizeof reset);
+          ::close(conn);
+          return;
+        }
+        ::close(conn);  // wait_until_listening's probe, which sends nothing
+      }
+    });
+  }
+
+ private:
+  int fd_ = -1;
+  int port_ = 0;
+};
+
+TEST(ProcessGroupErrors, AStoreThatIsNotThereIsNamed) {
+  const ForeignListener foreign;
+  const auto options = [&](int64_t rank) {
+    return hp::comm::InitOptions()
+        .rank(rank)
+        .world_size(2)
+        .master_addr("127.0.0.1")
+        .master_port(foreign.port())
+        .timeout(std::chrono::seconds(20));
+  };
+  // Rank 0 cannot serve where another program listens.
+  HP_EXPECT_THROW_MSG(hp::comm::init_process_group(options(0)),
+                      "init_process_group: expected rank 0 to serve the store at 127.0.0.1:" +
+                          std::to_string(foreign.port()) + ", got a failure: ");
+  // Another rank that joins it is reset, and told why (torch says "Connection reset by peer" only).
+  std::thread resetter = foreign.reset_the_first_talker();
+  HP_EXPECT_THROW_MSG(hp::comm::init_process_group(options(1)),
+                      "init_process_group: expected rank 1 to join rank 0's store at 127.0.0.1:" +
+                          std::to_string(foreign.port()) +
+                          ", got a failure: Connection reset by peer (a reset there means another program "
+                          "listens on that port)");
+  resetter.join();
   EXPECT_FALSE(hp::comm::is_initialized());
 }
 
