@@ -1,8 +1,11 @@
 // Tests for the hp-run launcher. They run the real binary (HP_RUN_PATH) with
 // small /bin/sh programs as ranks and check its output and exit status.
 
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -245,6 +248,39 @@ TEST(HpRun, APickedPortStaysHeldForTheStoreOnly) {
   ASSERT_EQ(r.exit_code, 0) << describe(r);
   EXPECT_TRUE(has_line(r.out, "[rank 0] plain bind: held")) << describe(r);
   EXPECT_TRUE(has_line(r.out, "[rank 0] store bind: listening")) << describe(r);
+}
+
+// A given port is held too, and one that another program listens on is refused before any rank
+// starts: rank 0's store could not listen there, and the other ranks would join that program.
+TEST(HpRun, AGivenPortIsHeldAndOneInUseIsRefused) {
+  const int listener = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof addr;
+  ASSERT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&addr), len), 0);
+  ASSERT_EQ(::listen(listener, 1), 0);
+  ASSERT_EQ(::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  const std::string port = std::to_string(ntohs(addr.sin_port));
+  const Result refused =
+      run_hp_run(sh_job(2, "echo started", {"--master-addr", "127.0.0.1", "--master-port", port}));
+  EXPECT_NE(refused.exit_code, 0) << describe(refused);
+  EXPECT_NE(refused.err.find("--master-port " + port + " on '127.0.0.1' is in use"), std::string::npos)
+      << describe(refused);
+  EXPECT_EQ(refused.out.find("started"), std::string::npos) << describe(refused);
+  ::close(listener);
+
+  const std::string probe =
+      "import os, socket\n"
+      "plain = socket.socket()\n"
+      "try:\n"
+      "    plain.bind(('127.0.0.1', int(os.environ['MASTER_PORT']))); print('plain bind: free')\n"
+      "except OSError as e:\n"
+      "    print('plain bind: held' if e.errno == 98 else 'plain bind: ' + str(e))\n";
+  const Result held = run_hp_run({"--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port",
+                                  port, "--", "/usr/bin/python3", "-c", probe});
+  ASSERT_EQ(held.exit_code, 0) << describe(held);
+  EXPECT_TRUE(has_line(held.out, "[rank 0] plain bind: held")) << describe(held);
 }
 
 // --- command line -----------------------------------------------------------

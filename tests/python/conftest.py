@@ -10,18 +10,25 @@ import torch
 import torch.distributed as dist
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _held_port() -> socket.socket:
+    """A free port, kept bound (with SO_REUSEADDR, not listening) until the store listens on it
+    beside this socket: released at once, another program could take it meanwhile."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("127.0.0.1", 0))
+    return s
 
 
 @pytest.fixture(scope="session", autouse=True)
 def process_group():
     """torch.distributed's world over Gloo: hp-run's, or a single rank of our own."""
     if "WORLD_SIZE" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    dist.init_process_group("gloo")
+        with _held_port() as held:
+            os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                              MASTER_PORT=str(held.getsockname()[1]))
+            dist.init_process_group("gloo")
+    else:
+        dist.init_process_group("gloo")
     torch.manual_seed(0)
     yield
     import hyper_parallel._C as C

@@ -74,10 +74,10 @@ int run_job(hp_run::Options opts, bool pick_port) {
   if (opts.timeout_s > 0) deadline = Launcher::Clock::now() + std::chrono::seconds(opts.timeout_s);
   const int base_port = opts.master_port;
   for (int attempt = 0;; ++attempt) {
-    // A picked port stays held until the attempt ends (ports.h).
+    // The port stays held until the attempt ends (ports.h), on the node of rank 0's store.
     std::optional<hp_run::PortReservation> reserved;
-    if (pick_port) reserved.emplace(opts.master_addr);
-    opts.master_port = pick_port ? reserved->port() : base_port + attempt;
+    if (opts.node_rank == 0) reserved.emplace(opts.master_addr, pick_port ? 0 : base_port + attempt);
+    opts.master_port = reserved ? reserved->port() : base_port + attempt;
     const std::string count = std::to_string(attempt);
     Launcher launcher(opts, signals, deadline,
                       {{"TORCHELASTIC_RESTART_COUNT", count}, {"HP_RESTART_COUNT", count}});

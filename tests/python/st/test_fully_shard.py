@@ -879,6 +879,7 @@ def test_module_methods_and_their_errors():
     net.reshard()
     net.set_modules_to_forward_prefetch([net.blocks[1]])
     net.blocks[0].set_modules_to_backward_prefetch([net.blocks[1]])
+    net.set_gradient_scaling_factor()  # the original's default: None, no scaling
     net.set_gradient_scaling_factor(0.5)
     train(net, 1, sharded=True)
     net.zero_grad()

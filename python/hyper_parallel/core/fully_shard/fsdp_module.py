@@ -135,7 +135,7 @@ class FSDPModule:
             if m._fsdp_group is not None:
                 m._fsdp_group.set_reshard_after_backward(reshard_after_backward)
 
-    def set_gradient_scaling_factor(self, factor) -> None:
+    def set_gradient_scaling_factor(self, factor=None) -> None:
         """Multiplies this module's reduced gradients (after the average over the dp ranks):
         None (1), a float, an int or a one-element tensor; a bool is a ValueError."""
         if isinstance(factor, bool) or not (factor is None or isinstance(factor, (int, float)) or
