@@ -250,13 +250,13 @@ TEST(HpRun, APickedPortStaysHeldForTheStoreOnly) {
   EXPECT_TRUE(has_line(r.out, "[rank 0] store bind: listening")) << describe(r);
 }
 
-// A given port is held too, and one that another program listens on is refused before any rank
-// starts: rank 0's store could not listen there, and the other ranks would join that program.
+// A given port is held too, and one that another program listens on, on any local address, is
+// refused before any rank starts: rank 0's store binds every address, and could not listen there.
 TEST(HpRun, AGivenPortIsHeldAndOneInUseIsRefused) {
   const int listener = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK + 1);  // 127.0.0.2: not the --master-addr
   socklen_t len = sizeof addr;
   ASSERT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&addr), len), 0);
   ASSERT_EQ(::listen(listener, 1), 0);
@@ -265,22 +265,26 @@ TEST(HpRun, AGivenPortIsHeldAndOneInUseIsRefused) {
   const Result refused =
       run_hp_run(sh_job(2, "echo started", {"--master-addr", "127.0.0.1", "--master-port", port}));
   EXPECT_NE(refused.exit_code, 0) << describe(refused);
-  EXPECT_NE(refused.err.find("--master-port " + port + " on '127.0.0.1' is in use"), std::string::npos)
+  EXPECT_NE(refused.err.find("hp-run: expected port " + port +
+                             " free on this node for rank 0's store, got it held by another socket"),
+            std::string::npos)
       << describe(refused);
   EXPECT_EQ(refused.out.find("started"), std::string::npos) << describe(refused);
   ::close(listener);
 
   const std::string probe =
       "import os, socket\n"
-      "plain = socket.socket()\n"
-      "try:\n"
-      "    plain.bind(('127.0.0.1', int(os.environ['MASTER_PORT']))); print('plain bind: free')\n"
-      "except OSError as e:\n"
-      "    print('plain bind: held' if e.errno == 98 else 'plain bind: ' + str(e))\n";
+      "for host in ('127.0.0.1', '127.0.0.2'):\n"
+      "    plain = socket.socket()\n"
+      "    try:\n"
+      "        plain.bind((host, int(os.environ['MASTER_PORT']))); print(host, 'free')\n"
+      "    except OSError as e:\n"
+      "        print(host, 'held' if e.errno == 98 else str(e))\n";
   const Result held = run_hp_run({"--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port",
                                   port, "--", "/usr/bin/python3", "-c", probe});
   ASSERT_EQ(held.exit_code, 0) << describe(held);
-  EXPECT_TRUE(has_line(held.out, "[rank 0] plain bind: held")) << describe(held);
+  EXPECT_TRUE(has_line(held.out, "[rank 0] 127.0.0.1 held")) << describe(held);
+  EXPECT_TRUE(has_line(held.out, "[rank 0] 127.0.0.2 held")) << describe(held);
 }
 
 // --- command line -----------------------------------------------------------

@@ -3,8 +3,11 @@
 // /bin/sh programs that play a trainer's part: they fail on the first attempt, or trap SIGUSR1
 // and print the line a trainer prints after its preemption checkpoint.
 
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <string>
@@ -22,8 +25,10 @@ std::size_t count_of(const std::string& text, const std::string& needle) {
   return count;
 }
 
-// A port for the tests that need a fixed one: the environment is all that is checked, nothing binds it.
-std::string fixed_port() { return std::to_string(20000 + ::getpid() % 20000); }
+// A port for the tests that need a fixed one: the environment is all that is checked, nothing
+// but hp-run's hold binds it. Below the kernel's ephemeral ports (32768 on), which concurrent
+// tests' connections use.
+std::string fixed_port() { return std::to_string(20000 + ::getpid() % 12000); }
 
 // --- restarts ---------------------------------------------------------------
 
@@ -44,6 +49,37 @@ TEST(HpRunRestart, RestartsEveryRankWithTheCountAndTheNextPort) {
   EXPECT_EQ(count_of(r.out, "count=2/2"), 0u) << "a third attempt ran\n" << describe(r);
   EXPECT_TRUE(has_line(r.err, "hp-run: restart 1/2 after rank 1 exited with code 3")) << describe(r);
   EXPECT_EQ(count_of(r.err, "hp-run: restart"), 1u) << describe(r);
+}
+
+// An attempt whose port another program holds fails before its ranks start; the next one goes on
+// with its own port.
+TEST(HpRunRestart, AnAttemptWhosePortIsHeldElsewhereFailsAndTheNextGoesOn) {
+  const int listener = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof addr;
+  ASSERT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&addr), len), 0);
+  ASSERT_EQ(::listen(listener, 1), 0);
+  ASSERT_EQ(::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  const int held = ntohs(addr.sin_port), base = held - 1;
+  const Result r = run_hp_run(sh_job(2,
+                                     "echo count=$HP_RESTART_COUNT port=$MASTER_PORT; "
+                                     "if [ $HP_RESTART_COUNT = 0 ] && [ $RANK = 1 ]; then exit 3; fi",
+                                     {"--max-restarts", "2", "--restart-backoff-s", "0", "--master-addr",
+                                      "127.0.0.1", "--master-port", std::to_string(base)}));
+  ::close(listener);
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+  EXPECT_EQ(count_of(r.out, "count=1 "), 0u) << "attempt 1 started its ranks\n" << describe(r);
+  for (const std::string rank : {"0", "1"}) {
+    EXPECT_TRUE(has_line(r.out, "[rank " + rank + "] count=2 port=" + std::to_string(base + 2)))
+        << describe(r);
+  }
+  EXPECT_TRUE(has_line(r.err, "hp-run: restart 2/2 after attempt 1 (--master-port " + std::to_string(base) +
+                                  " + 1): expected port " + std::to_string(held) +
+                                  " free on this node for rank 0's store, got it held by another socket "
+                                  "(Address already in use; another program listens there?)"))
+      << describe(r);
 }
 
 TEST(HpRunRestart, PickedPortIsPickedAgainForEachAttempt) {

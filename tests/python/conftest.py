@@ -11,11 +11,17 @@ import torch.distributed as dist
 
 
 def _held_port() -> socket.socket:
-    """A free port, kept bound (with SO_REUSEADDR, not listening) until the store listens on it
-    beside this socket: released at once, another program could take it meanwhile."""
-    s = socket.socket()
+    """A free port, kept bound on every local address (as the store binds it; with SO_REUSEADDR,
+    not listening) until the store listens on it beside this socket: released at once, another
+    program could take it meanwhile."""
+    try:
+        s = socket.socket(socket.AF_INET6)
+        s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        host = "::"
+    except OSError:  # no IPv6 on this machine
+        s, host = socket.socket(), ""
     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    s.bind(("127.0.0.1", 0))
+    s.bind((host, 0))
     return s
 
 

@@ -65,6 +65,22 @@ std::optional<int> after_attempt(const hp_run::Options& opts, const hp_run::Atte
   return std::nullopt;
 }
 
+// An attempt whose port this node cannot hold: it fails before any rank starts. The job's exit
+// status, or nullopt to go on with the next attempt (and its port) at once.
+std::optional<int> attempt_without_port(const hp_run::Options& opts, const std::string& why, int attempt) {
+  const std::string failure = attempt == 0 ? why
+                                           : "attempt " + std::to_string(attempt) + " (--master-port " +
+                                                 std::to_string(opts.master_port - attempt) + " + " +
+                                                 std::to_string(attempt) + "): " + why;
+  if (attempt >= opts.max_restarts) {
+    hp_run::log_message(failure + "; pick another --master-port");
+    return kRuntimeErrorExitCode;
+  }
+  hp_run::log_message("restart " + std::to_string(attempt + 1) + "/" + std::to_string(opts.max_restarts) +
+                      " after " + failure);
+  return std::nullopt;
+}
+
 // Runs attempts until one succeeds, is stopped, or the restarts are spent. Attempt k rendezvouses
 // on the base port + k (a fresh free port on a single node that picked one).
 int run_job(hp_run::Options opts, bool pick_port) {
@@ -74,14 +90,23 @@ int run_job(hp_run::Options opts, bool pick_port) {
   if (opts.timeout_s > 0) deadline = Launcher::Clock::now() + std::chrono::seconds(opts.timeout_s);
   const int base_port = opts.master_port;
   for (int attempt = 0;; ++attempt) {
-    // The port stays held until the attempt ends (ports.h), on the node of rank 0's store.
+    // The port stays held until the attempt ends (ports.h), on the node of rank 0's store. One
+    // that cannot be held fails the attempt, as rank 0's store failing to listen there would.
     std::optional<hp_run::PortReservation> reserved;
-    if (opts.node_rank == 0) reserved.emplace(opts.master_addr, pick_port ? 0 : base_port + attempt);
-    opts.master_port = reserved ? reserved->port() : base_port + attempt;
+    opts.master_port = pick_port ? 0 : base_port + attempt;
+    std::optional<int> status;
+    try {
+      if (opts.node_rank == 0) reserved.emplace(opts.master_port);
+    } catch (const hp_run::PortUnavailable& e) {
+      status = attempt_without_port(opts, e.what(), attempt);
+      if (!status) continue;
+    }
+    if (status) return *status;
+    if (reserved) opts.master_port = reserved->port();
     const std::string count = std::to_string(attempt);
     Launcher launcher(opts, signals, deadline,
                       {{"TORCHELASTIC_RESTART_COUNT", count}, {"HP_RESTART_COUNT", count}});
-    const auto status = after_attempt(opts, launcher.run(), attempt);
+    status = after_attempt(opts, launcher.run(), attempt);
     if (status) return *status;
     if (const int sig = backoff(signals, opts.restart_backoff_s)) {
       hp_run::log_message("received " + hp_run::describe_signal(sig) + " before the restart; stopping");

@@ -20,6 +20,10 @@ constexpr const char* kFooter =
 MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RESTART_COUNT and HP_RESTART_COUNT in its
 environment.
 
+The rendezvous port: on the node of rank 0 (--node-rank 0), hp-run holds it bound,
+beside rank 0's store, while each attempt runs, so that no other program can take
+it; a port another program holds there fails the attempt before any rank starts.
+
 Restarts: with --max-restarts N, a failed attempt (a rank's non-zero exit or signal;
 a stuck rank makes the others time out and fail) stops every rank, and all of them
 are started again, up to N times. Attempt k rendezvouses on --master-port + k, on

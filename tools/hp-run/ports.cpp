@@ -1,21 +1,56 @@
 #include "ports.h"
 
 #include <arpa/inet.h>
-#include <netdb.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <cerrno>
-#include <memory>
 #include <stdexcept>
 #include <string>
 
 #include "io.h"
 
 namespace hp_run {
-
 namespace {
+
+// A socket bound to `port` on every local address with SO_REUSEADDR, or -1 with errno set: [::]
+// dual-stack first (torch's store binds there), else 0.0.0.0 (no IPv6 on this node).
+int bind_everywhere(int port) {
+  const int reuse = 1, v6_only = 0;
+  int fd = ::socket(AF_INET6, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd >= 0) {
+    sockaddr_in6 any{};
+    any.sin6_family = AF_INET6;
+    any.sin6_addr = in6addr_any;
+    any.sin6_port = htons(static_cast<uint16_t>(port));
+    if (::setsockopt(fd, IPPROTO_IPV6, IPV6_V6ONLY, &v6_only, sizeof v6_only) == 0 &&
+        ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &reuse, sizeof reuse) == 0 &&
+        ::bind(fd, reinterpret_cast<const sockaddr*>(&any), sizeof any) == 0) {
+      return fd;
+    }
+    const int error = errno;
+    ::close(fd);
+    if (error != EAFNOSUPPORT && error != EADDRNOTAVAIL) {
+      errno = error;
+      return -1;
+    }
+  }
+  fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return -1;
+  sockaddr_in any{};
+  any.sin_family = AF_INET;
+  any.sin_addr.s_addr = htonl(INADDR_ANY);
+  any.sin_port = htons(static_cast<uint16_t>(port));
+  if (::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &reuse, sizeof reuse) == 0 &&
+      ::bind(fd, reinterpret_cast<const sockaddr*>(&any), sizeof any) == 0) {
+    return fd;
+  }
+  const int error = errno;
+  ::close(fd);
+  errno = error;
+  return -1;
+}
 
 // The port a bound socket has.
 int bound_port(int fd) {
@@ -30,46 +65,19 @@ int bound_port(int fd) {
 
 }  // namespace
 
-PortReservation::PortReservation(const std::string& address, int port) {
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
-  addrinfo* found = nullptr;
-  const int rc = ::getaddrinfo(address.c_str(), std::to_string(port).c_str(), &hints, &found);
-  if (rc != 0) {
-    throw std::runtime_error("cannot resolve --master-addr '" + address + "': " + ::gai_strerror(rc));
+PortReservation::PortReservation(int port) {
+  fd_ = bind_everywhere(port);
+  if (fd_ < 0 && port != 0) {
+    throw PortUnavailable("expected port " + std::to_string(port) +
+                          " free on this node for rank 0's store, got it held by another socket (" +
+                          errno_text(errno) + "; another program listens there?)");
   }
-  const std::unique_ptr<addrinfo, decltype(&::freeaddrinfo)> guard(found, &::freeaddrinfo);
-
-  std::string last_error = "no usable address";
-  for (const addrinfo* ai = found; ai != nullptr; ai = ai->ai_next) {
-    const int fd = ::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
-    if (fd < 0) {
-      last_error = errno_text(errno);
-      continue;
-    }
-    const int reuse = 1;
-    if (::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &reuse, sizeof reuse) == 0 &&
-        ::bind(fd, ai->ai_addr, ai->ai_addrlen) == 0 && (port_ = bound_port(fd)) > 0) {
-      fd_ = fd;
-      return;
-    }
-    const int error = errno;
-    ::close(fd);
-    if (port != 0 && error == EADDRINUSE) {
-      throw std::runtime_error(
-          "--master-port " + std::to_string(port) + " on '" + address +
-          "' is in use by another socket of this node (another program listens there?): "
-          "rank 0's store could not listen on it; pick another port, or 0 for a free one");
-    }
-    last_error = errno_text(error);
+  if (fd_ < 0) throw std::runtime_error("cannot pick a free port on this node: " + errno_text(errno));
+  port_ = port != 0 ? port : bound_port(fd_);
+  if (port_ <= 0) {
+    ::close(fd_);
+    throw std::runtime_error("cannot pick a free port on this node: " + errno_text(errno));
   }
-  if (port != 0) {  // not this node's address (or no socket for it): the port is not held here
-    port_ = port;
-    return;
-  }
-  throw std::runtime_error("cannot pick a free port on '" + address + "': " + last_error);
 }
 
 PortReservation::~PortReservation() {

@@ -170,7 +170,7 @@ std::string terminate_reason() {
   } catch (const std::system_error& e) {
     reason += " by an uncaught exception on a transport thread: " + std::string(e.what());
     const std::unique_lock<std::mutex> lock(g_joining_mutex, std::try_to_lock);  // never wait here
-    if (lock.owns_lock() && !g_joining.empty()) {
+    if (e.code() == std::errc::connection_reset && lock.owns_lock() && !g_joining.empty()) {
       reason += "; this rank was joining the store at " + g_joining +
                 ": expected rank 0's store listening there, got a connection reset, which another "
                 "program listening on that port does (pick a free MASTER_PORT, or let hp-run pick one)";

@@ -74,9 +74,9 @@ class FlightRecorder {
 /// nothing waits). `rank` is the global rank.
 void install_stop_report(int64_t rank);
 
-/// While it lives, the terminate report says that this rank was joining the store at `where`:
-/// torch's store client aborts the process from its own thread when the listener it joined resets
-/// it, which is what another program listening on the rendezvous port does.
+/// While it lives, a terminate by a connection reset reports that this rank was joining the store
+/// at `where`: torch's store client aborts the process from its own thread when the listener it
+/// joined resets it, which is what another program listening on the rendezvous port does.
 class JoiningStoreNote {
  public:
   explicit JoiningStoreNote(std::string where);

@@ -127,10 +127,11 @@ c10::intrusive_ptr<c10d::TCPStore> world_store(const std::string& addr, uint16_t
   } catch (const std::exception& e) {
     failure = e.what();
   }
+  const bool reset = failure.find("reset by peer") != std::string::npos;
   TORCH_CHECK(false, "hyper_parallel::comm::init_process_group: expected rank ", rank,
               rank == 0 ? " to serve the store at " : " to join rank 0's store at ", addr, ":", port,
               ", got a failure: ", failure,
-              rank == 0 ? "" : " (a reset there means another program listens on that port)");
+              rank != 0 && reset ? " (a reset there means another program listens on that port)" : "");
 }
 
 std::optional<std::chrono::milliseconds> timeout_set(const InitOptions& options, const char* fn) {
@@ -268,8 +269,9 @@ void init_process_group(const InitOptions& options) {
 
   // Before the store: its client's thread terminates the process if its listener resets it.
   detail::install_stop_report(*rank);
-  // Until the world's backend is made, which needs rank 0's keys: the store is rank 0's.
-  const detail::JoiningStoreNote joining(*addr + ":" + std::to_string(*port));
+  // Until the world's backend is made, which needs rank 0's keys: then the store is rank 0's.
+  std::optional<detail::JoiningStoreNote> joining;
+  if (*rank != 0) joining.emplace(*addr + ":" + std::to_string(*port));
   w.store = world_store(*addr, static_cast<uint16_t>(*port), *rank, *size, timeout);
 
   auto iface = options.interface() ? options.interface() : env("HP_SOCKET_IFNAME");
@@ -282,6 +284,7 @@ void init_process_group(const InitOptions& options) {
   impl->backend = c10::make_intrusive<c10d::ProcessGroupGloo>(
       c10::make_intrusive<c10d::PrefixStore>("world", w.store), static_cast<int>(*rank),
       static_cast<int>(*size), gloo_options);
+  joining.reset();
   impl->rank = *rank;
   for (int64_t r = 0; r < *size; ++r) impl->global_ranks.push_back(r);
   impl->name = "world";
