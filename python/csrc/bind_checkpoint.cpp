@@ -74,13 +74,15 @@ void bind_io(py::module& m) {
   m.def("checkpoint_save_in_flight", &ckpt::save_in_flight);
   m.def(
       "checkpoint_load",
-      [](const std::string& dir, ckpt::State& state, bool strict, bool strict_dtype) {
+      [](const std::string& dir, ckpt::State& state, bool strict, bool strict_dtype, bool collective) {
         // The handler turns the core's warning (a cast) into a Python warning.
         HANDLE_TH_ERRORS
-        ckpt::load(dir, state, ckpt::LoadOptions().strict(strict).strict_dtype(strict_dtype));
+        ckpt::load(dir, state,
+                   ckpt::LoadOptions().strict(strict).strict_dtype(strict_dtype).collective(collective));
         END_HANDLE_TH_ERRORS_PYBIND
       },
-      py::arg("dir"), py::arg("state"), py::arg("strict") = true, py::arg("strict_dtype") = false);
+      py::arg("dir"), py::arg("state"), py::arg("strict") = true, py::arg("strict_dtype") = false,
+      py::arg("collective") = true);
   m.def("checkpoint_latest_step", &ckpt::latest_step, py::arg("root"));
   m.def("checkpoint_step_dir", &ckpt::step_dir, py::arg("root"), py::arg("step"));
   m.def("checkpoint_export_full", &ckpt::export_full, py::arg("dir"), py::arg("out_file"));

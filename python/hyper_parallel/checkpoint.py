@@ -22,9 +22,11 @@ before the first step restores the optimizer too.
 from typing import Dict, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from hyper_parallel import _C
+from hyper_parallel.core import comm
 
 __all__ = ["save", "async_save", "finish", "load", "latest_step", "step_dir", "export_full"]
 
@@ -45,15 +47,32 @@ def _adamw_state(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> Dict[
     return state
 
 
+def _persistent_buffers(model: nn.Module):
+    """The buffers ``model.state_dict()`` holds, by FQN: those registered with persistent=False (a
+    rotary cache, say) are left out, as torch leaves them out."""
+    persistent = set()
+    for prefix, module in model.named_modules():
+        for name, buffer in module._buffers.items():  # pylint: disable=protected-access
+            if buffer is not None and name not in module._non_persistent_buffers_set:  # pylint: disable=W0212
+                persistent.add(f"{prefix}.{name}" if prefix else name)
+    return [(fqn, b) for fqn, b in model.named_buffers() if fqn in persistent]
+
+
 def _state(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> "_C.CheckpointState":
-    """The C++ state aliasing the model's parameters and buffers and AdamW's state."""
+    """The C++ state aliasing the model's parameters, persistent buffers and AdamW's state."""
     state = _C.CheckpointState()
     params = list(model.named_parameters())
     for fqn, p in params:
         state.add_tensor(fqn, p)
-    for fqn, b in model.named_buffers():
+    for fqn, b in _persistent_buffers(model):
         state.add_tensor(fqn, b)
     if optimizer is not None:
+        in_model = {id(p) for _, p in params}
+        outside = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in in_model]
+        if outside:
+            raise ValueError(f"hyper_parallel.checkpoint: expected the optimizer's parameters to be the model's, got "
+                             f"{len(outside)} outside it (shapes {[tuple(p.shape) for p in outside][:4]}): their "
+                             "optimizer state has no name to be saved or loaded under")
         owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
         for fqn, p in params:
             if id(p) not in owned:
@@ -68,6 +87,7 @@ def save(dir: str, step: int, model: nn.Module, optimizer: Optional[torch.optim.
     """Writes ``dir/step-<step>`` and points ``dir/latest`` at it (after waiting for an
     asynchronous save in flight, whose error it raises). Collective over the world.
     Returns ``{"path", "total_bytes", "bytes_written"}``."""
+    comm.ensure_initialized()
     return _C.checkpoint_save(dir, _state(model, optimizer), step, fsync)
 
 
@@ -78,6 +98,7 @@ def async_save(dir: str, step: int, model: nn.Module, optimizer: Optional[torch.
     collectives on a group of its own. It first waits for the previous asynchronous save and
     raises that save's error, if any; so does ``finish``. Extra memory: one copy of the tensors
     this rank writes, kept for the next save. Collective over the world."""
+    comm.ensure_initialized()
     return _C.checkpoint_save(dir, _state(model, optimizer), step, fsync, asynchronous=True)
 
 
@@ -89,13 +110,17 @@ def finish() -> Optional[dict]:
 
 
 def load(dir: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *,
-         strict: bool = True, strict_dtype: bool = False) -> None:
+         strict: bool = True, strict_dtype: bool = False, collective: bool = True) -> None:
     """Loads ``dir`` (a step directory, or a root whose ``latest`` names one) into the model and
     optimizer, resharding to this run's layouts. A floating tensor saved in another floating
     dtype is cast to this run's (with one warning; ``strict_dtype=True`` refuses it instead), as
     PyTorch DCP does. Nothing changes unless everything checks out (keys, dtypes, shapes,
-    crc32s); errors name the file and the key."""
-    _C.checkpoint_load(dir, _state(model, optimizer), strict, strict_dtype)
+    crc32s) on every rank: collective over the world (as DCP's load), a failure on one rank is
+    raised on all of them. ``collective=False``: this rank loads alone, without communication.
+    Errors name the file and the key."""
+    if collective and dist.is_initialized():
+        comm.ensure_initialized()
+    _C.checkpoint_load(dir, _state(model, optimizer), strict, strict_dtype, collective)
 
 
 def latest_step(dir: str) -> Optional[int]:

@@ -5,6 +5,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <exception>
 #include <filesystem>
 #include <map>
 #include <sstream>
@@ -12,10 +13,14 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <hyper_parallel/core/comm/collectives.h>
+#include <hyper_parallel/core/comm/process_group.h>
+
 #include "file_io.h"
-#include "publish.h"
 #include "index.h"
 #include "layout.h"
+#include "phase_status.h"
+#include "publish.h"
 #include "read_region.h"
 #include "safetensors.h"
 #include "steps.h"
@@ -110,13 +115,12 @@ std::vector<Region> check_state(const State& state, const detail::Index& index, 
 
 }  // namespace
 
-void load(const std::string& dir, State& state, const LoadOptions& options) {
-  // An asynchronous save still in flight is waited for first (its error raised): the load reads
-  // what it publishes, not the checkpoint before it.
-  if (save_in_flight()) finish();
+namespace {
+
+// The state's new values, read after checking the state against the checkpoint.
+std::vector<at::Tensor> read_state(const std::string& dir, const State& state, const LoadOptions& options) {
   const auto step_dir = resolve(kLoad, dir);
   const auto index = detail::read_index(kLoad, step_dir);
-  // Everything is checked and read into new tensors before the state changes.
   const auto regions = check_state(state, index, step_dir, options);
   detail::Readers readers(kLoad, step_dir);
   std::vector<at::Tensor> loaded;
@@ -124,8 +128,47 @@ void load(const std::string& dir, State& state, const LoadOptions& options) {
   for (const auto& [key, entry] : state) {
     loaded.push_back(detail::read_region(kLoad, readers, key, *index.find(key), regions[i++]));
   }
+  return loaded;
+}
+
+// Every rank's outcome of read_state (collective over the world): this rank's own error is
+// raised as it was; another rank's is raised here too, so that no rank changes its state when one
+// cannot (a rank that loads while another falls back to a fresh start would train on alone).
+void agree_on_reads(const std::exception_ptr& failure) {
+  std::string mine;
+  if (failure) {
+    try {
+      std::rethrow_exception(failure);
+    } catch (const std::exception& e) {
+      mine = detail::message_of(e);
+    }
+  }
+  const auto errors = comm::all_gather_strings(mine.empty() && failure ? "failed" : mine, comm::world());
+  if (failure) std::rethrow_exception(failure);
+  detail::raise_if_any_failed(kLoad, errors, "to read the checkpoint, so no rank loaded it");
+}
+
+}  // namespace
+
+void load(const std::string& dir, State& state, const LoadOptions& options) {
+  // An asynchronous save still in flight is waited for first (its error raised): the load reads
+  // what it publishes, not the checkpoint before it.
+  if (save_in_flight()) finish();
+  // Everything is checked and read into new tensors before the state changes.
+  std::vector<at::Tensor> loaded;
+  std::exception_ptr failure;
+  try {
+    loaded = read_state(dir, state, options);
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  if (options.collective() && comm::is_initialized() && comm::world_size() > 1) {
+    agree_on_reads(failure);
+  } else if (failure) {
+    std::rethrow_exception(failure);
+  }
   at::NoGradGuard no_grad;
-  i = 0;
+  size_t i = 0;
   for (auto& [key, entry] : state) {
     entry.local.copy_(loaded[i++]);
     if (entry.after_load) entry.after_load(entry.local);

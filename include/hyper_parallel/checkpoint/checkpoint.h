@@ -203,15 +203,22 @@ struct LoadOptions {
   /// state's dtype, as PyTorch DCP and Hugging Face loaders do (a float32 checkpoint resumes a
   /// bfloat16 run), and the load says so in one warning line. Other dtypes must always match.
   TORCH_ARG(bool, strict_dtype) = false;
+  /// Every rank of the world calls load (collective): once each rank has checked and read its
+  /// share, they exchange their outcomes, and a failure on any rank is raised on every rank
+  /// before any state changes (PyTorch DCP's load is collective too). false: this rank loads
+  /// alone, without communication (e.g. one rank reading weights for an evaluation); a failure
+  /// is raised on it only. No effect without a process group or in a world of one.
+  TORCH_ARG(bool, collective) = true;
 };
 
 /// Loads a checkpoint into `state`, resharding to each entry's layout. `dir` is a step-N
-/// directory, or a root whose `latest` names one. Every rank reads what it needs itself (no
-/// communication): for a sharded entry only the byte ranges overlapping its shard. It first
-/// waits for an asynchronous save still in flight (raising its error, as finish()), so that it
-/// reads what that save publishes.
+/// directory, or a root whose `latest` names one. Every rank reads what it needs itself: for a
+/// sharded entry only the byte ranges overlapping its shard; then the ranks exchange their
+/// outcomes (LoadOptions::collective). It first waits for an asynchronous save still in flight
+/// (raising its error, as finish()), so that it reads what that save publishes.
 ///
-/// Nothing is written into the state unless everything checks out: a missing COMPLETE marker,
+/// Nothing is written into the state unless everything checks out, on every rank (collective):
+/// a missing COMPLETE marker,
 /// a key of the state missing from the checkpoint, a key of the checkpoint the state lacks
 /// (strict), a dtype mismatch (but floating to floating, unless strict_dtype) or a global-shape
 /// mismatch (a model of another size), a truncated file or a

@@ -286,12 +286,12 @@ def test_a_corrupt_checkpoint_is_refused_and_the_model_is_untouched(mesh, shared
         for p in model.parameters():
             p.add_(1.0)
     changed = {n: p.detach().clone() for n, p in model.named_parameters()}
-    # Rank 0 reads the flipped byte (its own shard); every rank refuses through its own read.
-    if dist.get_rank() == 0:
-        with pytest.raises(RuntimeError, match=r"crc32 mismatch in .*rank0.safetensors"):
-            checkpoint.load(root, model, optimizer)
-        for n, p in model.named_parameters():
-            assert torch.equal(p, changed[n]), n  # untouched
+    # The flipped byte is in a replicated entry (an AdamW step) every rank reads: each refuses
+    # through its own read (a shard only one rank reads: test_checkpoint.cpp).
+    with pytest.raises(RuntimeError, match=r"crc32 mismatch in .*rank0.safetensors"):
+        checkpoint.load(root, model, optimizer)
+    for n, p in model.named_parameters():
+        assert torch.equal(p, changed[n]), n  # untouched
     dist.barrier()
     if dist.get_rank() == 0:  # drop a key from the index
         with open(f"{step_dir}/index.json") as f:
@@ -305,6 +305,43 @@ def test_a_corrupt_checkpoint_is_refused_and_the_model_is_untouched(mesh, shared
     for n, p in model.named_parameters():
         assert torch.equal(p, changed[n]), n
     assert not torch.equal(changed["norm.weight"], before["norm.weight"])
+
+
+class _WithCache(nn.Module):
+    """A model with a buffer torch's state_dict leaves out (persistent=False): a complex rotary
+    cache whose length follows a config."""
+
+    def __init__(self, cache_len):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.register_buffer("scale", torch.ones(4))
+        self.register_buffer("freqs_cis", torch.ones(cache_len, dtype=torch.complex64), persistent=False)
+
+
+def test_a_checkpoint_holds_what_state_dict_holds(shared_dir):
+    """Non-persistent buffers are neither saved nor loaded (a complex one could not be saved, and
+    one of another length would be refused); an optimizer holding a parameter outside the model is
+    a ValueError (its state has no name to be saved under) rather than dropped."""
+    root = shared_dir("state_dict_keys")
+    if dist.get_rank() == 0:
+        shutil.rmtree(root, ignore_errors=True)
+    dist.barrier()
+    torch.manual_seed(5)
+    model = _WithCache(16)
+    checkpoint.save(root, 1, model)
+    other = _WithCache(8)
+    other.scale.fill_(3.0)
+    checkpoint.load(root, other)
+    assert torch.equal(other.proj.weight, model.proj.weight) and torch.equal(other.scale, model.scale)
+    assert other.freqs_cis.shape == (8,)
+    other.scale.fill_(3.0)
+    checkpoint.load(root, other, collective=False)  # each rank alone
+    assert torch.equal(other.scale, model.scale)
+    extra = nn.Parameter(torch.zeros(3))
+    optimizer = torch.optim.AdamW(list(model.parameters()) + [extra])
+    with pytest.raises(ValueError, match=r"expected the optimizer's parameters to be the model's, got 1 outside it "
+                                         r"\(shapes \[\(3,\)\]\)"):
+        checkpoint.save(root, 2, model, optimizer)
 
 
 @multirank

@@ -309,12 +309,10 @@ TEST(Checkpoint, CorruptOrMismatchedCheckpointsFailWithoutTouchingTheModel) {
     expect_error([&] { ckpt::load(path, target.state); }, {"rank0.safetensors", "truncated"});
     expect_untouched("truncated file");
   }
-  {  // norm.weight is replicated: every rank reads its whole shard, so the crc is checked.
-    const auto path = copy_of_good("flipped");
-    const auto& shard = index["tensors"]["norm.weight"]["shards"][0];
-    EXPECT_EQ(shard["file"], "rank0.safetensors");
+  // Rank 0 flips the byte after the first of a shard's data (the others wait).
+  const auto flip_byte = [&](const std::string& file, const nlohmann::json& shard) {
     if (rank() == 0) {
-      std::fstream f(path + "/rank0.safetensors", std::ios::in | std::ios::out | std::ios::binary);
+      std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
       const auto at = shard["data_offsets"][0].get<int64_t>() + 1;
       f.seekg(at);
       char c = 0;
@@ -323,8 +321,35 @@ TEST(Checkpoint, CorruptOrMismatchedCheckpointsFailWithoutTouchingTheModel) {
       f.put(static_cast<char>(c ^ 0x5a));
     }
     hp::comm::barrier(hp::comm::world());
+  };
+  {  // norm.weight is replicated: every rank reads its whole shard, so the crc is checked.
+    const auto path = copy_of_good("flipped");
+    const auto& shard = index["tensors"]["norm.weight"]["shards"][0];
+    EXPECT_EQ(shard["file"], "rank0.safetensors");
+    flip_byte(path + "/rank0.safetensors", shard);
     expect_error([&] { ckpt::load(path, target.state); }, {"crc32", "norm.weight", "rank0.safetensors"});
     expect_untouched("flipped byte");
+  }
+  if (world_size() > 1) {  // A shard only the last rank reads: it alone finds the damage; no rank loads.
+    const auto path = copy_of_good("flipped_last");
+    const std::string last = std::to_string(world_size() - 1), file = "rank" + last + ".safetensors";
+    std::string key;
+    for (const auto& [name, info] : index["tensors"].items()) {
+      for (const auto& shard : info["shards"]) {
+        if (key.empty() && shard["file"] == file) {
+          key = name;
+          flip_byte(path + "/" + file, shard);
+        }
+      }
+    }
+    ASSERT_FALSE(key.empty()) << "no shard in " << file;
+    if (rank() == world_size() - 1) {
+      expect_error([&] { ckpt::load(path, target.state); }, {"crc32", key, file});
+    } else {
+      expect_error([&] { ckpt::load(path, target.state); },
+                   {"rank " + last + " failed to read the checkpoint, so no rank loaded it", "crc32", key});
+    }
+    expect_untouched("a shard only the last rank reads");
   }
   {
     ckpt::State partial = saved.state;
