@@ -83,6 +83,10 @@ void bind_io(py::module& m) {
       },
       py::arg("dir"), py::arg("state"), py::arg("strict") = true, py::arg("strict_dtype") = false,
       py::arg("collective") = true);
+  m.def(
+      "checkpoint_abandon_load", [](const std::string& error) { ckpt::abandon_load(error); },
+      py::arg("error"),
+      "This rank's part of a collective load failed before it began: the other ranks raise it too.");
   m.def("checkpoint_latest_step", &ckpt::latest_step, py::arg("root"));
   m.def("checkpoint_step_dir", &ckpt::step_dir, py::arg("root"), py::arg("step"));
   m.def("checkpoint_export_full", &ckpt::export_full, py::arg("dir"), py::arg("out_file"));

@@ -48,14 +48,18 @@ def _adamw_state(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> Dict[
 
 
 def _persistent_buffers(model: nn.Module):
-    """The buffers ``model.state_dict()`` holds, by FQN: those registered with persistent=False (a
-    rotary cache, say) are left out, as torch leaves them out."""
-    persistent = set()
+    """The buffers ``model.state_dict()`` holds, by FQN, each tensor once (under its first
+    persistent name): those registered with persistent=False (a rotary cache, say) are left out,
+    as torch leaves them out."""
+    seen, buffers = set(), []
     for prefix, module in model.named_modules():
         for name, buffer in module._buffers.items():  # pylint: disable=protected-access
-            if buffer is not None and name not in module._non_persistent_buffers_set:  # pylint: disable=W0212
-                persistent.add(f"{prefix}.{name}" if prefix else name)
-    return [(fqn, b) for fqn, b in model.named_buffers() if fqn in persistent]
+            skipped = module._non_persistent_buffers_set  # pylint: disable=protected-access
+            if buffer is None or name in skipped or id(buffer) in seen:
+                continue
+            seen.add(id(buffer))
+            buffers.append((f"{prefix}.{name}" if prefix else name, buffer))
+    return buffers
 
 
 def _state(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> "_C.CheckpointState":
@@ -120,7 +124,16 @@ def load(dir: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] 
     Errors name the file and the key."""
     if collective and dist.is_initialized():
         comm.ensure_initialized()
-    _C.checkpoint_load(dir, _state(model, optimizer), strict, strict_dtype, collective)
+    try:
+        state = _state(model, optimizer)
+    except (TypeError, ValueError, RuntimeError) as error:
+        if collective:  # the other ranks raise it too, rather than wait for this one in load
+            try:
+                _C.checkpoint_abandon_load(f"{type(error).__name__}: {error}")
+            except RuntimeError:
+                pass
+        raise
+    _C.checkpoint_load(dir, state, strict, strict_dtype, collective)
 
 
 def latest_step(dir: str) -> Optional[int]:

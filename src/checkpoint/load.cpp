@@ -137,13 +137,24 @@ std::vector<at::Tensor> read_state(const std::string& dir, const State& state, c
 void agree_on_reads(const std::exception_ptr& failure) {
   std::string mine;
   if (failure) {
+    mine = "an exception of unknown type";
     try {
       std::rethrow_exception(failure);
     } catch (const std::exception& e) {
       mine = detail::message_of(e);
+    } catch (...) {
     }
+    if (mine.empty()) mine = "an exception without a message";
   }
-  const auto errors = comm::all_gather_strings(mine.empty() && failure ? "failed" : mine, comm::world());
+  std::vector<std::string> errors;
+  try {
+    errors = comm::all_gather_strings(mine, comm::world());
+  } catch (const std::exception& e) {
+    if (failure) std::rethrow_exception(failure);
+    TORCH_CHECK(false, kLoad, ": expected every rank of the world to call load (it is collective: the ranks ",
+                "exchange their outcomes), got a failure of that exchange: ", detail::message_of(e),
+                " (LoadOptions().collective(false), Python collective=False, loads on one rank alone)");
+  }
   if (failure) std::rethrow_exception(failure);
   detail::raise_if_any_failed(kLoad, errors, "to read the checkpoint, so no rank loaded it");
 }
@@ -173,6 +184,18 @@ void load(const std::string& dir, State& state, const LoadOptions& options) {
     entry.local.copy_(loaded[i++]);
     if (entry.after_load) entry.after_load(entry.local);
   }
+}
+
+void abandon_load(const std::string& error) {
+  const std::string mine = error.empty() ? std::string("a failure without a message") : error;
+  if (comm::is_initialized() && comm::world_size() > 1) {
+    try {
+      comm::all_gather_strings(mine, comm::world());
+    } catch (const std::exception&) {
+      // The peers did not exchange either: the error below is still this rank's.
+    }
+  }
+  TORCH_CHECK(false, mine);
 }
 
 void export_full(const std::string& dir, const std::string& out_file) {

@@ -227,6 +227,12 @@ struct LoadOptions {
 /// at the TP degree of the save); a partial read is checked by length.
 void load(const std::string& dir, State& state, const LoadOptions& options = {});
 
+/// For a front end whose own preparation of this rank's load failed (e.g. Python's, building the
+/// state) while the other ranks call load (collective): joins their exchange of outcomes with
+/// `error`, so that they raise it too instead of waiting for this rank, then raises `error` here
+/// (a c10::Error). Without a process group, or in a world of one, it only raises.
+[[noreturn]] void abandon_load(const std::string& error);
+
 /// The step `root/latest` names; nullopt if there is no `latest`.
 std::optional<int64_t> latest_step(const std::string& root);
 

@@ -318,6 +318,17 @@ class _WithCache(nn.Module):
         self.register_buffer("freqs_cis", torch.ones(cache_len, dtype=torch.complex64), persistent=False)
 
 
+class _SharedBuffer(nn.Module):
+    """One tensor, a buffer of two modules: left out of the first's state_dict, kept in the second's."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Module(), nn.Module()
+        table = torch.zeros(3)
+        self.a.register_buffer("table", table, persistent=False)
+        self.b.register_buffer("table", table)
+
+
 def test_a_checkpoint_holds_what_state_dict_holds(shared_dir):
     """Non-persistent buffers are neither saved nor loaded (a complex one could not be saved, and
     one of another length would be refused); an optimizer holding a parameter outside the model is
@@ -337,6 +348,20 @@ def test_a_checkpoint_holds_what_state_dict_holds(shared_dir):
     other.scale.fill_(3.0)
     checkpoint.load(root, other, collective=False)  # each rank alone
     assert torch.equal(other.scale, model.scale)
+    # A rank whose own preparation fails (a wrong optimizer on rank 1 alone) fails every rank's
+    # load, rather than leaving the others waiting for it.
+    if dist.get_world_size() > 1:
+        wrong = torch.optim.SGD(other.parameters(), lr=0.1) if dist.get_rank() == 1 else None
+        refused = "expected a torch.optim.AdamW or torch.optim.Adam, got SGD"
+        with pytest.raises((TypeError, RuntimeError), match=refused):
+            checkpoint.load(root, other, wrong)
+    shared = _SharedBuffer()
+    assert list(shared.state_dict()) == ["b.table"]
+    shared.b.table.fill_(2.0)
+    checkpoint.save(root + "-shared", 1, shared)
+    fresh = _SharedBuffer()
+    checkpoint.load(root + "-shared", fresh)
+    assert torch.equal(fresh.b.table, torch.full((3,), 2.0))
     extra = nn.Parameter(torch.zeros(3))
     optimizer = torch.optim.AdamW(list(model.parameters()) + [extra])
     with pytest.raises(ValueError, match=r"expected the optimizer's parameters to be the model's, got 1 outside it "
