@@ -255,7 +255,7 @@ py::class_<dtensor::DTensor> bind_dtensor_class(py::module& m) {
           }),
           py::arg("local_tensor"), py::arg("device_mesh"), py::arg("placements"), py::kw_only(),
           py::arg("run_check") = false, py::arg("shape") = py::none())
-      .def_static("from_local", &from_local_arg, py::arg("local"), py::arg("device_mesh") = py::none(),
+      .def_static("from_local", &from_local_arg, py::arg("local_tensor"), py::arg("device_mesh") = py::none(),
                   py::arg("placements") = py::none(), py::arg("run_check") = false,
                   py::arg("shape") = py::none())
       .def_static("from_tagged", &dtensor::DTensor::from_tagged, py::arg("local"))
@@ -276,10 +276,27 @@ py::class_<dtensor::DTensor> bind_dtensor_class(py::module& m) {
           },
           py::arg("grad_placements") = py::none())
       .def("to_local_tagged", &dtensor::DTensor::to_local_tagged)
-      .def("redistribute", &redistribute_arg, py::arg("device_mesh") = py::none(),
-           py::arg("placements") = py::none())
+      .def(
+          "redistribute",
+          [](const dtensor::DTensor& d, const py::object& first, const py::object& second,
+             bool /*async_op*/) {
+            // torch's async_op=True defers the wait to the first use; here the result is ready.
+            return redistribute_arg(d, first, second);
+          },
+          py::arg("device_mesh") = py::none(), py::arg("placements") = py::none(), py::kw_only(),
+          py::arg("async_op") = false)
       .def("reduce_partial", &dtensor::DTensor::reduce_partial)
-      .def("full_tensor", &dtensor::DTensor::full_tensor)
+      .def(
+          "full_tensor",
+          [](const dtensor::DTensor& d, const py::object& grad_placements) {
+            if (grad_placements.is_none()) return d.full_tensor();
+            // torch's meaning: replicated, then to_local with the gradient's placements.
+            const dtensor::Placements replicated(static_cast<size_t>(d.device_mesh().ndim()),
+                                                 dtensor::Replicate());
+            return d.redistribute(d.device_mesh(), replicated)
+                .to_local(placements_arg(grad_placements, d.device_mesh(), d.dim()));
+          },
+          py::kw_only(), py::arg("grad_placements") = py::none())
       .def_property_readonly(
           "placements",
           [](const dtensor::DTensor& d) {

@@ -73,6 +73,25 @@ def test_redistribute_through_the_new_spelling_is_differentiable(mesh):
     torch.testing.assert_close(local.grad, weight.chunk(WORLD)[dist.get_rank()])
 
 
+def test_torchs_keywords_are_taken(mesh):
+    """from_local(local_tensor=...), redistribute(..., async_op=...) and full_tensor(grad_placements=...):
+    torch's spellings; the last is torch's redistribute to Replicate, then to_local with those
+    placements for the gradient."""
+    x = whole(2 * WORLD, 3)
+    local = x.chunk(WORLD)[dist.get_rank()].clone().requires_grad_()
+    weight = whole(2 * WORLD, 3, seed=1)
+    d = DTensor.from_local(local_tensor=local, device_mesh=mesh, placements=[Shard(0)])
+    for async_op in (True, False):
+        moved = d.redistribute(mesh, [Replicate()], async_op=async_op)
+        torch.testing.assert_close(moved.to_local(), x, rtol=0, atol=0)
+    full = d.full_tensor(grad_placements=[Partial()])
+    torch.testing.assert_close(full, x, rtol=0, atol=0)
+    # Each rank's gradient is a partial sum: the shard's gradient is the sum of the ranks' rows.
+    (full * weight * (dist.get_rank() + 1)).sum().backward()
+    ranks_sum = WORLD * (WORLD + 1) / 2
+    torch.testing.assert_close(local.grad, weight.chunk(WORLD)[dist.get_rank()] * ranks_sum)
+
+
 def test_another_mesh_is_not_supported(mesh, mesh2d):
     d = distribute_tensor(whole(4, 4), mesh, [Shard(0)])
     with pytest.raises(NotImplementedError, match="moving to another mesh is not supported"):

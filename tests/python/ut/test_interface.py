@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch import nn
 
 import hyper_parallel
-from hyper_parallel import init_device_mesh, parallelize_module
+from hyper_parallel import DTensor, init_device_mesh, parallelize_module
 from hyper_parallel.core.dtensor.placement_types import Partial, Replicate, Shard
 from hyper_parallel.core.tensor_parallel import (
     ColwiseParallel,
@@ -199,6 +199,14 @@ def test_placements_compare_with_anything():
     assert Shard(1) in [None, Shard(1)]
     assert Replicate() not in [None, Shard(0), "Replicate()"]
     assert Shard(1) == Shard(1) and hash(Shard(1)) == hash(Shard(1))
+
+
+def test_partial_spells_its_reduce_op_as_torch(mesh):
+    """torch's Partial.reduce_op is a string: code compares it with "sum"."""
+    assert Partial().reduce_op == "sum" and Partial("avg").reduce_op == "avg"
+    assert Partial("avg") == Partial("avg") and Partial() != Partial("avg")
+    placed = DTensor.from_local(torch.ones(2), mesh, [Partial("avg")])
+    assert placed.placements[0].reduce_op == "avg" and repr(placed.placements[0]) == "Partial(avg)"
 
 
 def test_plan_matching_warns_through_the_core(mesh):

@@ -34,8 +34,13 @@ class Partial(_C.Placement):
             raise ValueError(f"Partial: expected reduce_op 'sum' or 'avg', got {reduce_op!r}")
         super().__init__("partial", 0, _C.ReduceOp.SUM if reduce_op == "sum" else _C.ReduceOp.AVG)
 
+    @property
+    def reduce_op(self) -> str:
+        """torch's spelling, "sum" or "avg" (code compares it with those strings)."""
+        return "sum" if _C.Placement.reduce_op.__get__(self) == _C.ReduceOp.SUM else "avg"
+
     def __repr__(self) -> str:
-        return "Partial()" if self.reduce_op == _C.ReduceOp.SUM else "Partial(avg)"
+        return "Partial()" if self.reduce_op == "sum" else "Partial(avg)"
 
 
 def as_python(placement: _C.Placement) -> Placement:
