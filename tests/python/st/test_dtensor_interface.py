@@ -9,7 +9,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from hyper_parallel import parallelize_module
 from hyper_parallel.core.dtensor import (
+    CommDebugMode,
     DeviceMesh,
     DTensor,
     Partial,
@@ -22,6 +24,7 @@ from hyper_parallel.core.dtensor import (
     ones,
     zeros,
 )
+from hyper_parallel.core.tensor_parallel import ColwiseParallel, RowwiseParallel
 
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
 pytestmark = pytest.mark.skipif(WORLD < 2, reason="needs 2 or more ranks")
@@ -90,6 +93,44 @@ def test_torchs_keywords_are_taken(mesh):
     (full * weight * (dist.get_rank() + 1)).sum().backward()
     ranks_sum = WORLD * (WORLD + 1) / 2
     torch.testing.assert_close(local.grad, weight.chunk(WORLD)[dist.get_rank()] * ranks_sum)
+
+
+class _Mlp(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+def test_comm_debug_mode_counts_the_blocks_collectives_by_kind_and_module(mesh, tmp_path):
+    """torch's and the original's CommDebugMode: the collectives of the block, and with a module,
+    those of each submodule's forward, its parameters and their layouts."""
+    d = distribute_tensor(whole(2 * WORLD + 1, 3), mesh, [Shard(0)])
+    with CommDebugMode() as mode:
+        d.redistribute(mesh, [Replicate()])
+        assert mode.get_comm_counts() == {"all_gather": 1}  # so far
+        d.redistribute(mesh, [Replicate()]).redistribute(mesh, [Shard(1)])
+    assert mode.get_comm_counts() == {"all_gather": 2} and mode.get_total_counts() == 2
+    d.redistribute(mesh, [Replicate()])  # after the block: not counted
+    assert mode.get_total_counts() == 2
+    net = parallelize_module(_Mlp(), mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    x = whole(2, 8).float().requires_grad_()
+    with CommDebugMode(module=net) as mode:
+        net(x).sum().backward()  # down's output all-reduce; up's input gradient all-reduce
+    assert mode.get_comm_counts() == {"all_reduce": 2}
+    table = mode.generate_comm_debug_tracing_table(noise_level=1).splitlines()
+    assert [line.split() for line in table[2:]] == [["(block)", "all_reduce", "x2"], ["(root)", "all_reduce", "x1"],
+                                                    ["down", "all_reduce", "x1"]]
+    assert "up" in mode.generate_comm_debug_tracing_table(noise_level=2)
+    assert mode.get_sharding_info() == {"up.weight": (Shard(0),), "up.bias": (Shard(0),),
+                                        "down.weight": (Shard(1),), "down.bias": (Replicate(),)}
+    params = {k: sorted(v) for k, v in mode.get_parameter_info().items()}
+    assert params == {"up": ["bias", "weight"], "down": ["bias", "weight"]}
+    mode.log_comm_debug_tracing_table_to_file(str(tmp_path / f"table{dist.get_rank()}.txt"))
+    mode.generate_json_dump(str(tmp_path / f"dump{dist.get_rank()}.json"))
+    assert (tmp_path / f"table{dist.get_rank()}.txt").read_text().startswith("Where")
 
 
 def test_another_mesh_is_not_supported(mesh, mesh2d):

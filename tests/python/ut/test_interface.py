@@ -42,12 +42,15 @@ def test_every_name_of_the_original_imports_from_its_path():
 
     from hyper_parallel.core.fully_shard.api import HSDPModule, fully_shard  # noqa: F401
     from hyper_parallel.core.fully_shard.utils import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+    from hyper_parallel.core.dtensor import CommDebugMode  # noqa: F401
+    from hyper_parallel.core.dtensor.debug import CommDebugMode as debug_level  # noqa: F401
     from hyper_parallel.core.tensor_parallel.style import PrepareModuleInputOutput  # noqa: F401
     from hyper_parallel.platform.torch.fully_shard.utils import MixedPrecisionPolicy as platform_policy
 
     assert MixedPrecisionPolicy is platform_policy is hyper_parallel.MixedPrecisionPolicy
     assert issubclass(CPUOffloadPolicy, OffloadPolicy)
     assert top is tp_level is mc2.MC2Linear
+    assert CommDebugMode is debug_level
     assert "MC2Linear" in hyper_parallel.__all__
     assert "MC2Linear" in hyper_parallel.core.tensor_parallel.__all__
     assert issubclass(AllGatherMatmulFunction, torch.autograd.Function)
