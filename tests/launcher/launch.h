@@ -2,8 +2,11 @@
 // stdout and stderr captured, and helpers to build small /bin/sh jobs.
 #pragma once
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/types.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -156,6 +159,32 @@ class Launch {
 };
 
 inline Result run_hp_run(const std::vector<std::string>& args) { return Launch(args).wait(); }
+
+// Another program's listener: a socket listening on an ephemeral port of an IPv4 `address`
+// (host order, e.g. INADDR_LOOPBACK), closed when this goes.
+class Listener {
+ public:
+  explicit Listener(uint32_t address = INADDR_LOOPBACK)
+      : fd_(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0)) {
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(address);
+    socklen_t len = sizeof addr;
+    if (::bind(fd_, reinterpret_cast<sockaddr*>(&addr), len) != 0 || ::listen(fd_, 1) != 0 ||
+        ::getsockname(fd_, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+      throw std::runtime_error(std::string("Listener: cannot listen: ") + std::strerror(errno));
+    }
+    port_ = ntohs(addr.sin_port);
+  }
+  ~Listener() { ::close(fd_); }
+  Listener(const Listener&) = delete;
+  Listener& operator=(const Listener&) = delete;
+  int port() const { return port_; }
+
+ private:
+  int fd_;
+  int port_ = 0;
+};
 
 // hp-run --nproc-per-node N <flags...> -- sh -c SCRIPT
 inline std::vector<std::string> sh_job(int nproc, const std::string& script,

@@ -1,15 +1,13 @@
 // Tests for the hp-run launcher. They run the real binary (HP_RUN_PATH) with
 // small /bin/sh programs as ranks and check its output and exit status.
 
-#include <arpa/inet.h>
 #include <gtest/gtest.h>
-#include <netinet/in.h>
 #include <signal.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <cstdio>
 #include <cstring>
+#include <memory>
 #include <set>
 #include <string>
 #include <thread>
@@ -253,15 +251,8 @@ TEST(HpRun, APickedPortStaysHeldForTheStoreOnly) {
 // A given port is held too, and one that another program listens on, on any local address, is
 // refused before any rank starts: rank 0's store binds every address, and could not listen there.
 TEST(HpRun, AGivenPortIsHeldAndOneInUseIsRefused) {
-  const int listener = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK + 1);  // 127.0.0.2: not the --master-addr
-  socklen_t len = sizeof addr;
-  ASSERT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&addr), len), 0);
-  ASSERT_EQ(::listen(listener, 1), 0);
-  ASSERT_EQ(::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len), 0);
-  const std::string port = std::to_string(ntohs(addr.sin_port));
+  auto listener = std::make_unique<Listener>(INADDR_LOOPBACK + 1);  // 127.0.0.2: not the --master-addr
+  const std::string port = std::to_string(listener->port());
   const Result refused =
       run_hp_run(sh_job(2, "echo started", {"--master-addr", "127.0.0.1", "--master-port", port}));
   EXPECT_NE(refused.exit_code, 0) << describe(refused);
@@ -270,7 +261,7 @@ TEST(HpRun, AGivenPortIsHeldAndOneInUseIsRefused) {
             std::string::npos)
       << describe(refused);
   EXPECT_EQ(refused.out.find("started"), std::string::npos) << describe(refused);
-  ::close(listener);
+  listener.reset();
 
   const std::string probe =
       "import os, socket\n"

@@ -3,11 +3,8 @@
 // /bin/sh programs that play a trainer's part: they fail on the first attempt, or trap SIGUSR1
 // and print the line a trainer prints after its preemption checkpoint.
 
-#include <arpa/inet.h>
 #include <gtest/gtest.h>
-#include <netinet/in.h>
 #include <signal.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <string>
@@ -54,21 +51,13 @@ TEST(HpRunRestart, RestartsEveryRankWithTheCountAndTheNextPort) {
 // An attempt whose port another program holds fails before its ranks start; the next one goes on
 // with its own port.
 TEST(HpRunRestart, AnAttemptWhosePortIsHeldElsewhereFailsAndTheNextGoesOn) {
-  const int listener = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof addr;
-  ASSERT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&addr), len), 0);
-  ASSERT_EQ(::listen(listener, 1), 0);
-  ASSERT_EQ(::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len), 0);
-  const int held = ntohs(addr.sin_port), base = held - 1;
+  const Listener listener;
+  const int held = listener.port(), base = held - 1;
   const Result r = run_hp_run(sh_job(2,
                                      "echo count=$HP_RESTART_COUNT port=$MASTER_PORT; "
                                      "if [ $HP_RESTART_COUNT = 0 ] && [ $RANK = 1 ]; then exit 3; fi",
                                      {"--max-restarts", "2", "--restart-backoff-s", "0", "--master-addr",
                                       "127.0.0.1", "--master-port", std::to_string(base)}));
-  ::close(listener);
   ASSERT_EQ(r.exit_code, 0) << describe(r);
   EXPECT_EQ(count_of(r.out, "count=1 "), 0u) << "attempt 1 started its ranks\n" << describe(r);
   for (const std::string rank : {"0", "1"}) {

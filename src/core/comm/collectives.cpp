@@ -19,7 +19,11 @@
 namespace hyper_parallel::comm {
 namespace {
 
-void check_dtype(const char* fn, const at::Tensor& t) {
+// What a collective takes: a reduction, the dtypes it adds; one that only moves data (all_gather,
+// all_to_all, broadcast), also the narrow integers and bool (a mask), which travel as bytes.
+enum class Moves { kReduces, kDataOnly };
+
+void check_dtype(const char* fn, const at::Tensor& t, Moves moves = Moves::kReduces) {
   TORCH_CHECK(t.defined(), "hyper_parallel::comm::", fn, ": expected a defined tensor, got undefined");
   TORCH_CHECK_VALUE(!t.is_meta(), "hyper_parallel::comm::", fn,
                     ": expected a tensor with data, got one on meta (materialize it first, e.g. to_empty)");
@@ -31,10 +35,17 @@ void check_dtype(const char* fn, const at::Tensor& t) {
     case at::kLong:
     case at::kInt:
       return;
+    case at::kShort:
+    case at::kChar:
+    case at::kByte:
+    case at::kBool:
+      if (moves == Moves::kDataOnly) return;
+      [[fallthrough]];
     default:
       TORCH_CHECK(false, "hyper_parallel::comm::", fn,
-                  ": expected dtype float32, float64, bfloat16, float16, int64 or int32, got ",
-                  t.scalar_type());
+                  ": expected dtype float32, float64, bfloat16, float16, ",
+                  moves == Moves::kDataOnly ? "int64, int32, int16, int8, uint8 or bool" : "int64 or int32",
+                  ", got ", t.scalar_type());
   }
 }
 
@@ -150,7 +161,7 @@ const char* to_string(ReduceOp op) { return op == ReduceOp::kSum ? "sum" : "avg"
 
 at::Tensor all_gather(const at::Tensor& input, int64_t dim, const Group& group, c10::IntArrayRef sizes,
                       const InFlightFn& while_in_flight) {
-  check_dtype("all_gather", input);
+  check_dtype("all_gather", input, Moves::kDataOnly);
   dim = normalize_dim("all_gather", dim, input.dim());
   const int64_t p = group.size();
   std::vector<int64_t> rank_sizes = sizes.empty() ? std::vector<int64_t>(p, input.size(dim)) : sizes.vec();
@@ -240,7 +251,7 @@ at::Tensor all_reduce(const at::Tensor& input, ReduceOp op, const Group& group, 
 
 at::Tensor all_to_all(const at::Tensor& input, int64_t split_dim, int64_t concat_dim, const Group& group,
                       c10::IntArrayRef split_sizes, c10::IntArrayRef recv_concat_sizes) {
-  check_dtype("all_to_all", input);
+  check_dtype("all_to_all", input, Moves::kDataOnly);
   split_dim = normalize_dim("all_to_all", split_dim, input.dim());
   concat_dim = normalize_dim("all_to_all", concat_dim, input.dim());
   const int64_t p = group.size(), r = group.rank();
@@ -293,7 +304,7 @@ at::Tensor all_to_all(const at::Tensor& input, int64_t split_dim, int64_t concat
 }
 
 at::Tensor broadcast(const at::Tensor& input, int64_t src, const Group& group) {
-  check_dtype("broadcast", input);
+  check_dtype("broadcast", input, Moves::kDataOnly);
   const int64_t p = group.size(), r = group.rank();
   TORCH_CHECK(src >= 0 && src < p, "hyper_parallel::comm::broadcast: expected src in [0, ", p, "), got ",
               src);

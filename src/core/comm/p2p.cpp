@@ -99,9 +99,11 @@ class TransferWork final : public detail::WorkImpl {
   int64_t peer_;
 };
 
-// Gloo 1.13 rejects bf16 in some paths; transfers only move bytes, so send 2-byte floats as int16.
+// Gloo 1.13 rejects bf16 and bool in some paths; transfers only move bytes, so send 2-byte floats as
+// int16 and bool as uint8.
 at::Tensor as_wire_tensor(const at::Tensor& t) {
   if (t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf) return t.view(at::kShort);
+  if (t.scalar_type() == at::kBool) return t.view(at::kByte);
   return t;
 }
 

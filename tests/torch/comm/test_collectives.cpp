@@ -146,6 +146,44 @@ INSTANTIATE_TEST_SUITE_P(Dtypes, Collectives,
                          ::testing::Values(at::kFloat, at::kDouble, at::kBFloat16, at::kHalf, at::kLong),
                          [](const auto& info) { return std::string(c10::toString(info.param)); });
 
+// The dtypes the data-moving collectives take beside those above: the narrow integers and bool (a
+// mask), moved as bytes; the reductions refuse them.
+class DataMovement : public Collectives {
+ protected:
+  // Distinct per rank and element in every one of these dtypes (bool: a pattern shifted by rank).
+  at::Tensor values(int64_t rank, at::IntArrayRef shape) const {
+    if (dtype != at::kBool) return rank_values(rank, shape, dtype);
+    return rank_values(rank, shape, at::kLong).remainder(3).eq(rank % 3);
+  }
+};
+
+TEST_P(DataMovement, AllGatherAllToAllAndBroadcastMoveEveryByte) {
+  const int64_t rows = 2 * p + 1;
+  std::vector<at::Tensor> all;
+  for (int64_t k = 0; k < p; ++k) all.push_back(values(k, {3, 2}));
+  EXPECT_TRUE(hp::comm::all_gather(values(r, {3, 2}), 1, world).equal(at::cat(all, 1)));
+  auto out = hp::comm::all_to_all(values(r, {rows, 2}), /*split_dim=*/0, /*concat_dim=*/1, world);
+  const auto sizes = hp::comm::chunk_sizes(rows, p);
+  int64_t offset = 0;
+  for (int64_t k = 0; k < r; ++k) offset += sizes[k];
+  std::vector<at::Tensor> parts;
+  for (int64_t k = 0; k < p; ++k) parts.push_back(values(k, {rows, 2}).narrow(0, offset, sizes[r]));
+  EXPECT_TRUE(out.equal(at::cat(parts, 1)));
+  EXPECT_EQ(out.scalar_type(), dtype);
+  for (int64_t src = 0; src < p; ++src) {
+    EXPECT_TRUE(hp::comm::broadcast(values(r, {5}), src, world).equal(values(src, {5}))) << "src " << src;
+  }
+  HP_EXPECT_THROW_MSG(hp::comm::all_reduce(values(r, {4}), ReduceOp::kSum, world),
+                      "all_reduce: expected dtype float32, float64, bfloat16, float16, int64 or int32, got");
+  HP_EXPECT_THROW_MSG(
+      hp::comm::reduce_scatter(values(r, {4}), 0, ReduceOp::kSum, world),
+      "reduce_scatter: expected dtype float32, float64, bfloat16, float16, int64 or int32, got");
+}
+
+INSTANTIATE_TEST_SUITE_P(NarrowDtypes, DataMovement,
+                         ::testing::Values(at::kShort, at::kChar, at::kByte, at::kBool),
+                         [](const auto& info) { return std::string(c10::toString(info.param)); });
+
 TEST(CollectivesNumerics, Bf16SumAccumulatesInFloat32AndRoundsOnce) {
   auto world = hp::comm::world();
   const int64_t p = world.size();

@@ -8,8 +8,9 @@
 // block while the last ones arrive. P ranks need P - 1 steps.
 //
 // Contract: all ranks of the group call the same collective, in the same order, with matching
-// shapes. Supported dtypes: float32, float64, bfloat16, float16, int64, int32. bfloat16/float16
-// reductions accumulate in float32 and round once.
+// shapes. Supported dtypes: float32, float64, bfloat16, float16, int64, int32; the collectives that
+// only move data (all_gather, all_to_all, broadcast) also int16, int8, uint8 and bool.
+// bfloat16/float16 reductions accumulate in float32 and round once.
 
 #include <cstdint>
 #include <string>
