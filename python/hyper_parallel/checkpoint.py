@@ -126,7 +126,7 @@ def load(dir: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] 
         comm.ensure_initialized()
     try:
         state = _state(model, optimizer)
-    except (TypeError, ValueError, RuntimeError) as error:
+    except Exception as error:  # pylint: disable=broad-except  # re-raised below, after the peers learn of it
         if collective:  # the other ranks raise it too, rather than wait for this one in load
             try:
                 _C.checkpoint_abandon_load(f"{type(error).__name__}: {error}")

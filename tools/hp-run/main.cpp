@@ -67,11 +67,12 @@ std::optional<int> after_attempt(const hp_run::Options& opts, const hp_run::Atte
 
 // An attempt whose port this node cannot hold: it fails before any rank starts. The job's exit
 // status, or nullopt to go on with the next attempt (and its port) at once.
-std::optional<int> attempt_without_port(const hp_run::Options& opts, const std::string& why, int attempt) {
+std::optional<int> attempt_without_port(const hp_run::Options& opts, int base_port, const std::string& why,
+                                        int attempt) {
   const std::string failure = attempt == 0 ? why
                                            : "attempt " + std::to_string(attempt) + " (--master-port " +
-                                                 std::to_string(opts.master_port - attempt) + " + " +
-                                                 std::to_string(attempt) + "): " + why;
+                                                 std::to_string(base_port) + " + " + std::to_string(attempt) +
+                                                 "): " + why;
   if (attempt >= opts.max_restarts) {
     hp_run::log_message(failure + "; pick another --master-port");
     return kRuntimeErrorExitCode;
@@ -94,19 +95,17 @@ int run_job(hp_run::Options opts, bool pick_port) {
     // that cannot be held fails the attempt, as rank 0's store failing to listen there would.
     std::optional<hp_run::PortReservation> reserved;
     opts.master_port = pick_port ? 0 : base_port + attempt;
-    std::optional<int> status;
     try {
       if (opts.node_rank == 0) reserved.emplace(opts.master_port);
     } catch (const hp_run::PortUnavailable& e) {
-      status = attempt_without_port(opts, e.what(), attempt);
-      if (!status) continue;
+      if (const auto status = attempt_without_port(opts, base_port, e.what(), attempt)) return *status;
+      continue;
     }
-    if (status) return *status;
     if (reserved) opts.master_port = reserved->port();
     const std::string count = std::to_string(attempt);
     Launcher launcher(opts, signals, deadline,
                       {{"TORCHELASTIC_RESTART_COUNT", count}, {"HP_RESTART_COUNT", count}});
-    status = after_attempt(opts, launcher.run(), attempt);
+    const auto status = after_attempt(opts, launcher.run(), attempt);
     if (status) return *status;
     if (const int sig = backoff(signals, opts.restart_backoff_s)) {
       hp_run::log_message("received " + hp_run::describe_signal(sig) + " before the restart; stopping");

@@ -104,6 +104,16 @@ class _Mlp(torch.nn.Module):
         return self.down(torch.relu(self.up(x)))
 
 
+class _Raises(torch.nn.Module):
+    def __init__(self, mesh):
+        super().__init__()
+        self.mesh = mesh
+
+    def forward(self, d):
+        d.redistribute(self.mesh, [Replicate()])
+        raise ValueError("stop")
+
+
 def test_comm_debug_mode_counts_the_blocks_collectives_by_kind_and_module(mesh, tmp_path):
     """torch's and the original's CommDebugMode: the collectives of the block, and with a module,
     those of each submodule's forward, its parameters and their layouts."""
@@ -128,6 +138,16 @@ def test_comm_debug_mode_counts_the_blocks_collectives_by_kind_and_module(mesh, 
                                         "down.weight": (Shard(1),), "down.bias": (Replicate(),)}
     params = {k: sorted(v) for k, v in mode.get_parameter_info().items()}
     assert params == {"up": ["bias", "weight"], "down": ["bias", "weight"]}
+    with mode:
+        with pytest.raises(RuntimeError, match="expected a block not already open on this instance"):
+            with mode:
+                pass
+    # A forward that raises out of the block is closed with it, credited with its collectives.
+    raising = _Raises(mesh)
+    with pytest.raises(ValueError, match="stop"):
+        with CommDebugMode(module=raising) as raised:
+            raising(d)
+    assert raised.generate_comm_debug_tracing_table().splitlines()[3].split() == ["(root)", "all_gather", "x1"]
     mode.log_comm_debug_tracing_table_to_file(str(tmp_path / f"table{dist.get_rank()}.txt"))
     mode.generate_json_dump(str(tmp_path / f"dump{dist.get_rank()}.json"))
     assert (tmp_path / f"table{dist.get_rank()}.txt").read_text().startswith("Where")

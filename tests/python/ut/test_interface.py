@@ -9,7 +9,7 @@ from torch import nn
 
 import hyper_parallel
 from hyper_parallel import DTensor, init_device_mesh, parallelize_module
-from hyper_parallel.core.dtensor.placement_types import Partial, Replicate, Shard
+from hyper_parallel.core.dtensor.placement_types import Partial, Replicate, Shard, as_python
 from hyper_parallel.core.tensor_parallel import (
     ColwiseParallel,
     MC2ColwiseParallel,
@@ -207,6 +207,7 @@ def test_placements_compare_with_anything():
 def test_partial_spells_its_reduce_op_as_torch(mesh):
     """torch's Partial.reduce_op is a string: code compares it with "sum"."""
     assert Partial().reduce_op == "sum" and Partial("avg").reduce_op == "avg"
+    assert as_python(Partial()).reduce_op == "sum" and as_python(Partial("avg")).reduce_op == "avg"
     assert Partial("avg") == Partial("avg") and Partial() != Partial("avg")
     placed = DTensor.from_local(torch.ones(2), mesh, [Partial("avg")])
     assert placed.placements[0].reduce_op == "avg" and repr(placed.placements[0]) == "Partial(avg)"

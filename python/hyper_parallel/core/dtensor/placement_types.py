@@ -49,4 +49,5 @@ def as_python(placement: _C.Placement) -> Placement:
         return Shard(placement.dim)
     if placement.is_replicate():
         return Replicate()
-    return Partial("sum" if placement.reduce_op == _C.ReduceOp.SUM else "avg")
+    # The core's field: a Python Partial spells reduce_op as a string.
+    return Partial("sum" if _C.Placement.reduce_op.__get__(placement) == _C.ReduceOp.SUM else "avg")

@@ -54,6 +54,9 @@ class CommDebugMode:
         self._handles = []
 
     def __enter__(self):
+        if self._start is not None and self._end is None:
+            raise RuntimeError("CommDebugMode: expected a block not already open on this instance, got one open "
+                               "(make another CommDebugMode to nest)")
         self._start, self._end = _counts(), None
         self._open.clear()
         self._forwards.clear()
@@ -66,6 +69,8 @@ class CommDebugMode:
 
     def __exit__(self, exc_type, exc_val, exc_tb):
         self._end = _counts()
+        while self._open:  # forwards that raised out of the block: closed with it
+            self._close_innermost()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -77,12 +82,17 @@ class CommDebugMode:
         self._forwards.append((name, len(self._open), {}))
         self._open.append((name, len(self._forwards) - 1, _counts()))
 
+    def _close_innermost(self) -> str:
+        opened, index, start = self._open.pop()
+        fqn, depth, _ = self._forwards[index]
+        self._forwards[index] = (fqn, depth, _since(start, _counts()))
+        return opened
+
     def _exit(self, name: str) -> None:
-        while self._open:  # a forward that raised left its entry open: it closes with its parent
-            opened, index, start = self._open.pop()
-            fqn, depth, _ = self._forwards[index]
-            self._forwards[index] = (fqn, depth, _since(start, _counts()))
-            if opened == name:
+        # A forward that raised (and whose exception its caller caught) left its entry open: it
+        # closes here, with its caller, and is credited with what ran until then.
+        while self._open:
+            if self._close_innermost() == name:
                 return
 
     def get_comm_counts(self) -> Dict[str, int]:
