@@ -218,13 +218,12 @@ struct LoadOptions {
 /// (raising its error, as finish()), so that it reads what that save publishes.
 ///
 /// Nothing is written into the state unless everything checks out, on every rank (collective):
-/// a missing COMPLETE marker,
-/// a key of the state missing from the checkpoint, a key of the checkpoint the state lacks
-/// (strict), a dtype mismatch (but floating to floating, unless strict_dtype) or a global-shape
-/// mismatch (a model of another size), a truncated file or a
-/// crc32 mismatch is a c10::Error naming the path, the file and/or the key, raised before any
-/// tensor changes. The crc32 of a shard is checked whenever the whole shard is read (e.g. a load
-/// at the TP degree of the save); a partial read is checked by length.
+/// a missing COMPLETE marker, a key of the state missing from the checkpoint, a key of the
+/// checkpoint the state lacks (strict), a dtype mismatch (but floating to floating, unless
+/// strict_dtype), a global-shape mismatch (a model of another size), a truncated file or a crc32
+/// mismatch is a c10::Error naming the path, the file and/or the key, raised before any tensor
+/// changes. The crc32 of a shard is checked whenever the whole shard is read (e.g. a load at the
+/// TP degree of the save); a partial read is checked by length.
 void load(const std::string& dir, State& state, const LoadOptions& options = {});
 
 /// For a front end whose own preparation of this rank's load failed (e.g. Python's, building the
