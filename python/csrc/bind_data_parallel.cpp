@@ -11,6 +11,12 @@ void bind_data_parallel(py::module& m) {
       .def_property("sync", &dp::GradientReducer::sync, &dp::GradientReducer::set_sync)
       .def("bucket_parameters", &dp::GradientReducer::bucket_parameters)
       .def("parameters", &dp::GradientReducer::parameters);
+  py::class_<dp::ReplicaSync>(m, "ReplicaSync")
+      .def(py::init<std::vector<at::Tensor>, const dtensor::DeviceMesh&, std::vector<std::string>, int64_t>(),
+           py::arg("states"), py::arg("mesh"), py::arg("names"),
+           py::arg("bucket_cap_bytes") = int64_t{256} << 20, py::call_guard<py::gil_scoped_release>())
+      .def("__call__", &dp::ReplicaSync::operator(), py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("bucket_count", &dp::ReplicaSync::bucket_count);
   m.def(
       "data_parallel",
       [](const std::vector<at::Tensor>& params, const dtensor::DeviceMesh& mesh, int64_t bucket_cap_bytes,

@@ -24,9 +24,15 @@ _REDUCER = "_hp_gradient_reducer"
 
 
 def data_parallel(module: torch.nn.Module, device_mesh, *, bucket_cap_mb: float = 25, overlap: bool = True,
-                  gradient_as_bucket_view: bool = False, row_sparse_embeddings: bool = True):
+                  gradient_as_bucket_view: bool = False, row_sparse_embeddings: bool = True,
+                  broadcast_buffers: bool = True, init_sync: bool = True):
     """Averages ``module``'s gradients over ``device_mesh`` (1-D: the data-parallel dimension)
-    and returns the module. Parallelize it over its other dimensions first. Buckets of at most
+    and returns the module. Parallelize it over its other dimensions first. As DDP, it first
+    gives every rank the parameters and buffers of the mesh's rank 0 (``init_sync=False``: the
+    caller has made them equal), and with ``broadcast_buffers`` (default) rank 0's buffers again
+    before a forward that follows a training forward (grad enabled, outside ``no_sync``) or
+    starts the first, so batch norm statistics stay equal: every rank of the mesh then runs
+    those forwards (evaluate on one rank with ``broadcast_buffers=False``). Buckets of at most
     ``bucket_cap_mb`` MiB, in reverse parameter order and, after the first backward, in the
     order it produced the gradients, the last ones (ready at the backward's end) smaller;
     ``overlap=False`` reduces each bucket, blocking, when it is ready (bitwise the same result).
@@ -44,6 +50,10 @@ def data_parallel(module: torch.nn.Module, device_mesh, *, bucket_cap_mb: float 
     if hasattr(module, _REDUCER):
         raise ValueError("data_parallel: expected a module data_parallel has not been applied to, got one it has")
     for name, sub in module.named_modules():
+        if isinstance(sub, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and sub.sparse and sub.weight.requires_grad:
+            raise TypeError(f"data_parallel: expected embeddings with dense gradients, got {type(sub).__name__}"
+                            f"(sparse=True) at {name or 'the module'} (its rows already travel row-sparse: "
+                            f"construct it with sparse=False)")
         if isinstance(sub, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and sub.max_norm is not None and \
                 sub.weight.requires_grad and getattr(device_mesh, "size", lambda: 2)() > 1:
             raise NotImplementedError(f"data_parallel: expected trainable embeddings without max_norm, got "
@@ -55,8 +65,34 @@ def data_parallel(module: torch.nn.Module, device_mesh, *, bucket_cap_mb: float 
                   if row_sparse_embeddings and isinstance(m, torch.nn.Embedding) and m.weight.requires_grad}
     reducer = _C.data_parallel(list(module.parameters()), device_mesh, int(bucket_cap_mb * (1 << 20)), overlap,
                                gradient_as_bucket_view, list(embeddings.values()))
+    params = [(f"parameter {n}", p) for n, p in module.named_parameters()]
+    buffers = [(f"buffer {n}", b) for n, b in module.named_buffers()]
+    if init_sync:
+        _replica_sync(params + buffers, device_mesh)()
+    if broadcast_buffers and buffers:
+        _sync_buffers_before_training_forwards(module, _replica_sync(buffers, device_mesh), reducer)
     object.__setattr__(module, _REDUCER, reducer)
     return module
+
+
+def _replica_sync(named_states, device_mesh):
+    return _C.ReplicaSync([s for _, s in named_states], device_mesh, [n for n, _ in named_states])
+
+
+def _sync_buffers_before_training_forwards(module, sync, reducer):
+    # DDP's rule: the buffers travel before the first forward and before one that follows a
+    # training forward; an evaluation forward (no grad) or one in no_sync does not send them next.
+    due = [True]
+
+    def before(_module, _args):
+        if due[0]:
+            sync()
+
+    def after(_module, _args, _output):
+        due[0] = torch.is_grad_enabled() and reducer.sync
+
+    module.register_forward_pre_hook(before)
+    module.register_forward_hook(after)
 
 
 def gradient_reducer(module: torch.nn.Module):

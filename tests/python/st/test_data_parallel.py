@@ -143,6 +143,9 @@ def test_errors_name_what_was_expected(capsys):
     with pytest.raises(ValueError, match="expected a module made data-parallel by data_parallel"):
         with no_sync(reference()):
             pass
+    with pytest.raises(TypeError, match=r"data_parallel: expected embeddings with dense gradients, got "
+                                        r"Embedding\(sparse=True\) at 0 \(its rows already travel row-sparse"):
+        data_parallel(nn.Sequential(nn.Embedding(8, DIM, sparse=True)), dp_mesh())
     with pytest.raises(NotImplementedError, match=r"data_parallel: expected trainable embeddings without max_norm, "
                                                   r"got Embedding\(max_norm=2.0\) at 0: .* the replicas diverge"):
         data_parallel(nn.Sequential(nn.Embedding(8, DIM, max_norm=2.0)), dp_mesh())
@@ -222,3 +225,111 @@ def dense_reducer_over(module, mesh):
     """The C++ reducer over `module`'s parameters with no row-sparse ones (every bucket dense)."""
     from hyper_parallel import _C
     return _C.data_parallel(list(module.parameters()), mesh, 25 << 20, True, False, [])
+
+
+class Normed(nn.Module):
+    """An MLP with batch norm: its running statistics are buffers each forward updates."""
+
+    def __init__(self, seed, dtype=torch.float32):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.fc1 = nn.Linear(DIM, HIDDEN).to(dtype)
+        self.norm = nn.BatchNorm1d(HIDDEN).to(dtype)
+        self.fc2 = nn.Linear(HIDDEN, DIM).to(dtype)
+        self.norm.running_mean.uniform_()  # apart on every seed, like the weights
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.norm(self.fc1(x.to(self.fc1.weight.dtype)))))
+
+
+def on_every_rank(tensor, mesh):
+    """`tensor` as each rank of the mesh holds it (gathered in float32: Gloo)."""
+    t = tensor.detach().float().contiguous()
+    pieces = [torch.empty_like(t) for _ in range(mesh.size(0))]
+    dist.all_gather(pieces, t, group=mesh.get_group(0))
+    return pieces
+
+
+def same_on_every_rank(tensor, mesh):
+    pieces = on_every_rank(tensor, mesh)
+    return all(torch.equal(pieces[0], q) for q in pieces)
+
+
+def test_replicas_seeded_apart_start_from_rank_0s_parameters_and_buffers():
+    """DDP's broadcast at construction: each rank seeds its own model, and the data-parallel model
+    trains like rank 0's in a single process; one broadcast carries every state."""
+    mesh = dp_mesh()
+    r, p = mesh.get_local_rank(0), mesh.size(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        comm.reset_collective_counts()
+        model = data_parallel(Normed(seed=7 + r, dtype=dtype), mesh, broadcast_buffers=False)
+        assert comm.collective_count("broadcast") == (1 if p > 1 else 0)
+        assert all(same_on_every_rank(s, mesh) for s in list(model.parameters()) + list(model.buffers()))
+        assert torch.equal(model.norm.running_mean, Normed(seed=7, dtype=dtype).norm.running_mean)
+    model, expected = data_parallel(Normed(seed=7 + r), mesh, broadcast_buffers=False), Normed(seed=7)
+    sgd, ref_sgd = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(expected.parameters(), lr=0.1)
+    for step in range(3):
+        sgd.zero_grad()
+        ref_sgd.zero_grad()
+        model.eval()
+        expected.eval()  # batch norm on running statistics: the loss is additive over the rows
+        loss_of(model, step, r, p).backward()
+        loss_of(expected, step, 0, 1).backward()
+        sgd.step()
+        ref_sgd.step()
+    for got, want in zip(model.parameters(), expected.parameters()):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_buffers_travel_before_a_forward_that_follows_a_training_forward():
+    """DDP's broadcast_buffers: after a training forward, each rank's statistics are its batch's;
+    the next forward starts from rank 0's. An evaluation forward (no grad) or one in no_sync
+    sends nothing before the next."""
+    mesh = dp_mesh()
+    r, p = mesh.get_local_rank(0), mesh.size(0)
+    model = data_parallel(Normed(seed=7), mesh)
+    sends = 1 if p > 1 else 0
+    comm.reset_collective_counts()
+    loss = loss_of(model, 0, r, p)  # the first forward: buffers sent before it
+    assert comm.collective_count("broadcast") == sends
+    loss.backward()  # (the reducer's first backward broadcasts its bucket order)
+    assert same_on_every_rank(model.norm.running_mean, mesh) == (p == 1)  # each rank's own batch since
+    rank_0s = on_every_rank(model.norm.running_mean, mesh)[0]
+    model.eval()
+    with torch.no_grad():
+        comm.reset_collective_counts()
+        model(batch(1)[0])
+        assert comm.collective_count("broadcast") == sends
+        assert torch.equal(model.norm.running_mean, rank_0s)
+        model(batch(1)[0])  # after an evaluation forward: nothing sent
+        assert comm.collective_count("broadcast") == sends
+    model.train()
+    comm.reset_collective_counts()
+    model(batch(2)[0]).sum().backward()  # after evaluation: nothing sent before this one
+    with no_sync(model):
+        model(batch(3)[0]).sum().backward()  # after training: sent
+    model(batch(4)[0]).sum().backward()  # after no_sync: nothing sent
+    assert comm.collective_count("broadcast") == sends
+
+
+def test_init_sync_false_and_broadcast_buffers_false_leave_each_rank_its_state():
+    mesh = dp_mesh()
+    r, p = mesh.get_local_rank(0), mesh.size(0)
+    comm.reset_collective_counts()
+    model = data_parallel(Normed(seed=7 + r), mesh, init_sync=False, broadcast_buffers=False)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), Normed(seed=7 + r).state_dict().values()))
+    loss_of(model, 0, r, p)
+    assert comm.collective_count("broadcast") == 0
+
+
+def test_replicas_that_differ_in_a_buffer_are_an_error_on_every_rank():
+    mesh = dp_mesh()
+    r, p = mesh.get_local_rank(0), mesh.size(0)
+    model = Normed(seed=7)
+    model.register_buffer("steps", torch.zeros(1 + min(r, 1), dtype=torch.int64))
+    if p == 1:
+        data_parallel(model, mesh)
+        return
+    with pytest.raises(ValueError, match=r"data_parallel::ReplicaSync: expected buffer steps to be Long\[1\] as on "
+                                         r"rank 0, got Long\[2\] on rank 1 \(the replicas must be the same model\)"):
+        data_parallel(model, mesh)

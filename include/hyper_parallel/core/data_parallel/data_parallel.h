@@ -16,6 +16,7 @@
 #include <torch/nn/module.h>
 
 #include <hyper_parallel/core/data_parallel/gradient_reducer.h>
+#include <hyper_parallel/core/data_parallel/replica_sync.h>
 #include <hyper_parallel/core/dtensor/device_mesh.h>
 
 namespace hyper_parallel::data_parallel {
@@ -25,12 +26,17 @@ namespace hyper_parallel::data_parallel {
 /// The weights of its Embedding modules (hyper_parallel::nn's and torch::nn's) that require grad
 /// join options.row_sparse_parameters (unless options.row_sparse_embeddings is false): only the
 /// rows of the tokens a step saw travel.
+/// It then gives every rank group rank 0's parameters and buffers (ReplicaSync), as DDP does: the
+/// replicas start equal. A forward that updates buffers (batch norm's running statistics) leaves
+/// them apart; DDP's broadcast_buffers is a ReplicaSync over module.buffers() called before each
+/// training forward (the Python front end installs it as a forward pre-hook).
 /// The reducer stays active while the returned pointer lives (dropping it turns data parallelism
 /// off: hence [[nodiscard]]).
 [[nodiscard]] std::shared_ptr<GradientReducer> data_parallel(torch::nn::Module& module,
                                                              const dtensor::DeviceMesh& mesh,
                                                              GradientReducerOptions options = {});
-/// The same over a list of parameters (a torch.nn module's, from Python), in their order.
+/// The same over a list of parameters (a torch.nn module's, from Python), in their order, without
+/// the ReplicaSync: the caller makes the replicas equal.
 [[nodiscard]] std::shared_ptr<GradientReducer> data_parallel(const std::vector<at::Tensor>& params,
                                                              const dtensor::DeviceMesh& mesh,
                                                              const GradientReducerOptions& options = {});
