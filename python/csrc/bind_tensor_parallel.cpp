@@ -9,6 +9,15 @@
 namespace hp_python {
 namespace {
 
+// torch's reduction enum (torch.nn._reduction.get_enum): 0 none, 1 mean, 2 sum.
+tp::LossReduction reduction_arg(const char* fn, int64_t reduction) {
+  TORCH_CHECK_VALUE(reduction >= 0 && reduction <= 2, fn,
+                    ": expected reduction 0 (none), 1 (mean) or 2 (sum), got ", reduction);
+  const tp::LossReduction reductions[] = {tp::LossReduction::kNone, tp::LossReduction::kMean,
+                                          tp::LossReduction::kSum};
+  return reductions[reduction];
+}
+
 using Layouts = std::vector<std::optional<dtensor::Placement>>;
 
 tp::ModuleTarget target_arg(const std::string& kind, const std::string& type,
@@ -86,21 +95,26 @@ void bind_parameters(py::module& m) {
       "vocab_parallel_cross_entropy",
       [](const at::Tensor& logits, const at::Tensor& targets, int64_t vocab_size,
          const dtensor::DeviceMesh& mesh, int64_t ignore_index, int64_t reduction, double label_smoothing) {
-        // torch's reduction enum (torch.nn._reduction.get_enum): 0 none, 1 mean, 2 sum.
-        TORCH_CHECK_VALUE(
-            reduction >= 0 && reduction <= 2,
-            "vocab_parallel_cross_entropy: expected reduction 0 (none), 1 (mean) or 2 (sum), got ",
-            reduction);
-        const tp::LossReduction reductions[] = {tp::LossReduction::kNone, tp::LossReduction::kMean,
-                                                tp::LossReduction::kSum};
-        return tp::vocab_parallel_cross_entropy(logits, targets, vocab_size, mesh,
-                                                tp::CrossEntropyOptions()
-                                                    .ignore_index(ignore_index)
-                                                    .reduction(reductions[reduction])
-                                                    .label_smoothing(label_smoothing));
+        return tp::vocab_parallel_cross_entropy(
+            logits, targets, vocab_size, mesh,
+            tp::CrossEntropyOptions()
+                .ignore_index(ignore_index)
+                .reduction(reduction_arg("vocab_parallel_cross_entropy", reduction))
+                .label_smoothing(label_smoothing));
       },
       py::arg("local_logits"), py::arg("targets"), py::arg("vocab_size"), py::arg("mesh"),
       py::arg("ignore_index") = -100, py::arg("reduction") = 1, py::arg("label_smoothing") = 0.0);
+  m.def("vocab_parallel_log_softmax", &tp::vocab_parallel_log_softmax, py::arg("local_logits"),
+        py::arg("vocab_size"), py::arg("mesh"));
+  m.def(
+      "vocab_parallel_nll_loss",
+      [](const at::Tensor& input, const at::Tensor& targets, int64_t vocab_size,
+         const dtensor::DeviceMesh& mesh, int64_t ignore_index, int64_t reduction) {
+        return tp::vocab_parallel_nll_loss(input, targets, vocab_size, mesh,
+                                           reduction_arg("vocab_parallel_nll_loss", reduction), ignore_index);
+      },
+      py::arg("local_input"), py::arg("targets"), py::arg("vocab_size"), py::arg("mesh"),
+      py::arg("ignore_index") = -100, py::arg("reduction") = 1);
   m.def("untraced_vocab_shard_source", &tp::untraced_vocab_shard_source, py::arg("t"));
   m.def(
       "lay_out_parameters",

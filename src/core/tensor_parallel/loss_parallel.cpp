@@ -13,6 +13,7 @@
 #include <hyper_parallel/core/tensor_parallel/parallelize.h>
 
 #include "../autograd/attach_backward.h"
+#include "vocab_loss_common.h"
 #include "style_common.h"
 
 namespace hyper_parallel::tensor_parallel {
@@ -145,58 +146,21 @@ std::optional<dtensor::DTensor> untraced_vocab_shard_source(const at::Tensor& t)
   return *source;
 }
 
-namespace {
-
-void check_loss_inputs(const at::Tensor& local_logits, const at::Tensor& targets, const at::Tensor& ids,
-                       int64_t vocab_size, int64_t n, const dtensor::DeviceMesh& mesh,
-                       const CrossEntropyOptions& options) {
-  TORCH_CHECK_VALUE(local_logits.dim() >= 1 && local_logits.size(-1) == n,
-                    "vocab_parallel_cross_entropy: expected local logits [..., ", n, "] (chunk ",
-                    mesh.get_local_rank(0), " of vocab ", vocab_size, "), got ", local_logits.sizes());
-  TORCH_CHECK_VALUE(targets.sizes() == local_logits.sizes().slice(0, local_logits.dim() - 1),
-                    "vocab_parallel_cross_entropy: expected targets of shape ",
-                    local_logits.sizes().slice(0, local_logits.dim() - 1), ", got ", targets.sizes());
-  TORCH_CHECK_VALUE(options.label_smoothing() >= 0 && options.label_smoothing() <= 1,
-                    "vocab_parallel_cross_entropy: expected label_smoothing in [0, 1], got ",
-                    options.label_smoothing());
-  // `ids`: the targets with the ignored ones as 0.
-  if (ids.numel() == 0 || (ids.min().item<int64_t>() >= 0 && ids.max().item<int64_t>() < vocab_size)) return;
-  const auto kept = targets.masked_select(targets != options.ignore_index());
-  TORCH_CHECK_VALUE(false, "vocab_parallel_cross_entropy: expected targets in [0, ", vocab_size,
-                    ") or ignore_index (", options.ignore_index(), "), got values in [",
-                    kept.min().item<int64_t>(), ", ", kept.max().item<int64_t>(), "]");
-}
-
-// The gradient each token's loss gets from the reduced loss's gradient `grad`; 0 where ignored.
-// `kept_count`: the targets not ignored.
-at::Tensor row_scale(const at::Tensor& grad, const at::Tensor& kept, const at::Tensor& kept_count,
-                     LossReduction reduction) {
-  const auto keep = kept.to(grad.scalar_type());
-  // Every target ignored: torch's mean is NaN, its gradient zero (not NaN * 0).
-  return reduction == LossReduction::kMean ? grad / kept_count.to(grad.scalar_type()).clamp_min(1) * keep
-                                           : grad * keep;
-}
-
-}  // namespace
-
 at::Tensor vocab_parallel_cross_entropy(const at::Tensor& local_logits, const at::Tensor& targets,
                                         int64_t vocab_size, const dtensor::DeviceMesh& mesh,
                                         const CrossEntropyOptions& options) {
   check_tp_mesh("vocab_parallel_cross_entropy", mesh);
-  TORCH_CHECK_NOT_IMPLEMENTED(
-      !at::isFloatingType(targets.scalar_type()),
-      "vocab_parallel_cross_entropy: expected class indices as targets (an integer tensor), "
-      "got ",
-      targets.scalar_type(), " targets (class probabilities are not supported under loss_parallel)");
-  const auto ignored = targets == options.ignore_index();
-  const auto ids = targets.masked_fill(ignored, 0);  // an ignored row reads class 0, and counts zero
-  const auto shard = detail::vocab_shard(ids, vocab_size, mesh);
+  TORCH_CHECK_VALUE(options.label_smoothing() >= 0 && options.label_smoothing() <= 1,
+                    "vocab_parallel_cross_entropy: expected label_smoothing in [0, 1], got ",
+                    options.label_smoothing());
+  const auto targets_of = detail::loss_targets("vocab_parallel_cross_entropy", local_logits, targets,
+                                               vocab_size, mesh, options.ignore_index());
+  const auto& shard = targets_of.shard;
   const int64_t n = shard.size;
-  check_loss_inputs(local_logits, targets, ids, vocab_size, n, mesh, options);
   auto group = mesh.get_group(0);
   // The target's logit lives on exactly one rank.
-  const at::Tensor target_mask = shard.outside, local_target = shard.local_ids, kept = ignored.logical_not(),
-                   kept_count = kept.sum();
+  const at::Tensor target_mask = shard.outside, local_target = shard.local_ids, ignored = targets_of.ignored,
+                   kept = targets_of.kept, kept_count = targets_of.kept_count;
   const double smoothing = options.label_smoothing();
   const bool needs_grad = at::GradMode::is_enabled() && local_logits.requires_grad();
   at::Tensor loss, softmax_local;
@@ -205,11 +169,7 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& local_logits, const at
     // 16-bit logits are computed in float32; float64 stays float64.
     const auto compute = at::promote_types(local_logits.scalar_type(), at::kFloat);
     auto logits = local_logits.to(compute);
-    // Global max over the vocabulary (for a stable exp): gather each rank's max, take the max.
-    auto local_max =
-        n > 0 ? std::get<0>(logits.max(-1)) : at::full(targets.sizes(), -INFINITY, logits.options());
-    auto global_max = std::get<0>(comm::all_gather(local_max.unsqueeze(-1).contiguous(), -1, group).max(-1));
-    auto shifted = logits - global_max.unsqueeze(-1);
+    auto shifted = detail::shifted_by_global_max(logits, group);  // for a stable exp
     auto exp = shifted.exp();
     auto sum_exp = comm::all_reduce(exp.sum(-1), comm::ReduceOp::kSum, group);
     auto picked = n > 0 ? shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
@@ -222,18 +182,7 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& local_logits, const at
       per_token = (1 - smoothing) * per_token +
                   smoothing * (log_sum_exp - sum_shifted / static_cast<double>(vocab_size));
     }
-    per_token = per_token.masked_fill(ignored, 0);
-    switch (options.reduction()) {
-      case LossReduction::kNone:
-        loss = per_token;
-        break;
-      case LossReduction::kSum:
-        loss = per_token.sum();
-        break;
-      case LossReduction::kMean:
-        loss = per_token.sum() / kept_count.to(compute);
-        break;
-    }
+    loss = detail::reduce_loss(per_token.masked_fill(ignored, 0), kept_count, options.reduction());
     // Only a backward reads the softmax: an eval loss skips its pass over the logits.
     if (!needs_grad) return loss;
     softmax_local = exp / sum_exp.unsqueeze(-1);
@@ -243,7 +192,7 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& local_logits, const at
       [softmax_local, target_mask, local_target, kept, kept_count, options, vocab_size,
        dtype = local_logits.scalar_type()](const at::Tensor& grad) {
         return logits_gradient(softmax_local, target_mask, local_target,
-                               row_scale(grad, kept, kept_count, options.reduction()),
+                               detail::row_scale(grad, kept, kept_count, options.reduction()),
                                options.label_smoothing(), vocab_size, dtype);
       },
       "VocabParallelCrossEntropyBackward");

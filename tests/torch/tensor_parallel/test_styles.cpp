@@ -682,4 +682,47 @@ TEST(VocabParallelCrossEntropy, LogitsGradientIsDifferentiableInTheUpstreamGradi
   expect_close(g.detach(), plain.grad(), "double-backward path against the single one");
 }
 
+// The unfused pair, nll_loss(log_softmax(x, -1)), against torch's on the full logits: each rank's
+// chunk of the log-probabilities (a DTensor sharded as the logits), the loss with ignored targets
+// and each reduction, the logits' gradient through both ops (the log_softmax backward's
+// all-reduce), in the logits' layout for a transposed input; exact collective counts; a vocabulary
+// with fewer entries than ranks at 4 (chunks of 1, 1, 1 and 0).
+TEST(VocabParallelNllLoss, OfLogSoftmaxMatchesTorchsLossAndGradient) {
+  const int64_t p = hp_test::world_size(), r = hp_test::rank();
+  const auto mesh = tp_mesh();
+  for (const int64_t vocab : {7, 3}) {
+    for (const auto reduction :
+         {tp::LossReduction::kMean, tp::LossReduction::kSum, tp::LossReduction::kNone}) {
+      at::manual_seed(13);
+      const auto full = at::randn({vocab, 6}).t();  // [6, vocab], not contiguous
+      auto targets = at::arange(6).remainder(vocab);
+      targets[2] = -100;
+      const int64_t torch_reduction = reduction == tp::LossReduction::kNone   ? 0
+                                      : reduction == tp::LossReduction::kMean ? 1
+                                                                              : 2;
+      auto ref_logits = full.to(at::kDouble).requires_grad_();
+      const auto ref_log_probs = at::log_softmax(ref_logits, -1);
+      const auto ref_loss = at::nll_loss_nd(ref_log_probs, targets, {}, torch_reduction, -100);
+      const int64_t start = shard_offset(vocab, p, r), size = shard_size(vocab, p, r);
+      auto local = full.narrow(-1, start, size).requires_grad_();
+      hp::comm::reset_collective_counts();
+      const auto log_probs = tp::vocab_parallel_log_softmax(local, vocab, mesh);
+      const auto loss = tp::vocab_parallel_nll_loss(log_probs.to_local(), targets, vocab, mesh, reduction);
+      EXPECT_EQ(hp::comm::collective_count(CollectiveKind::kAllGather), 1);  // the row maxima
+      EXPECT_EQ(hp::comm::collective_count(CollectiveKind::kAllReduce), 2);  // sum of exp, targets
+      EXPECT_EQ(log_probs.shape(), (std::vector<int64_t>{6, vocab}));
+      const auto upstream = at::linspace(0.5, 1.5, loss.numel()).view(loss.sizes());
+      (ref_loss * upstream.to(at::kDouble)).sum().backward();
+      (loss * upstream).sum().backward();
+      EXPECT_EQ(hp::comm::collective_count(CollectiveKind::kAllReduce), 3);  // + sum of d y
+      const std::string what = "rank " + std::to_string(r) + ", vocab " + std::to_string(vocab);
+      expect_close(log_probs.to_local(), ref_log_probs.narrow(-1, start, size).to(at::kFloat), what + ": y");
+      expect_close(loss, ref_loss.to(at::kFloat), what + ": loss");
+      expect_close(local.grad(), ref_logits.grad().narrow(-1, start, size).to(at::kFloat),
+                   what + ": d logits");
+      EXPECT_EQ(local.grad().strides(), local.strides()) << what;
+    }
+  }
+}
+
 }  // namespace

@@ -1,5 +1,6 @@
 #pragma once
-// Loss parallel: cross-entropy over vocabulary-sharded logits; the logits are never gathered.
+// Loss parallel: cross-entropy (fused, or log_softmax then nll_loss) over vocabulary-sharded
+// logits; the logits are never gathered.
 
 #include <optional>
 
@@ -30,7 +31,8 @@ struct CrossEntropyOptions {
 
 /// Cross-entropy of `local_logits` [..., V_local] (this rank's Shard(-1) chunk of the vocabulary,
 /// torch.chunk sizes of `vocab_size`) against `targets` [...] (global ids, the same on every rank,
-/// in [0, vocab_size) or options.ignore_index: anything else is a c10::ValueError). Equals
+/// in [0, vocab_size) or options.ignore_index: anything else is a c10::ValueError; int64 only, as
+/// torch's: another integer dtype is a c10::TypeError on every rank, before any collective). Equals
 /// cross_entropy(full_logits, targets, ...) with the options, computed in float32 for 16-bit logits
 /// and in their own dtype otherwise; differentiable. Communication, all of [...]-sized tensors: one
 /// all-gather (the max) and two all-reduces (sum of exponentials, target logit), a third with label
@@ -40,6 +42,26 @@ struct CrossEntropyOptions {
 at::Tensor vocab_parallel_cross_entropy(const at::Tensor& local_logits, const at::Tensor& targets,
                                         int64_t vocab_size, const dtensor::DeviceMesh& mesh,
                                         const CrossEntropyOptions& options = {});
+
+/// log_softmax(full_logits, -1) over vocabulary-sharded logits: `local_logits` [..., V_local] is
+/// this rank's chunk (as vocab_parallel_cross_entropy's), the result this rank's chunk of the
+/// log-probabilities, as a DTensor sharded on its last dim, in the logits' dtype (computed in
+/// float32 for 16-bit logits); differentiable. Communication, of [...]-sized tensors: one
+/// all-gather (the max) and one all-reduce (sum of exponentials); in backward one all-reduce (the
+/// gradient's sum over the vocabulary), so every rank of the mesh runs the backward. With
+/// vocab_parallel_nll_loss it is torch's unfused cross-entropy, nll_loss(log_softmax(x, -1)).
+dtensor::DTensor vocab_parallel_log_softmax(const at::Tensor& local_logits, int64_t vocab_size,
+                                            const dtensor::DeviceMesh& mesh);
+
+/// nll_loss(full_input, targets) over a vocabulary-sharded input (log-probabilities, e.g.
+/// vocab_parallel_log_softmax's chunk): -input[target] per token, where the rank holding that
+/// entry reads it; targets as vocab_parallel_cross_entropy's (int64 ids or ignore_index), the
+/// mean over the kept ones. Computed and returned in float32 for 16-bit input, as the
+/// cross-entropy; differentiable. One all-reduce of [...] (the target's entry); none in backward.
+at::Tensor vocab_parallel_nll_loss(const at::Tensor& local_input, const at::Tensor& targets,
+                                   int64_t vocab_size, const dtensor::DeviceMesh& mesh,
+                                   LossReduction reduction = LossReduction::kMean,
+                                   int64_t ignore_index = -100);
 
 /// For `t`, a tensor no autograd graph traces back (an eval loss under no_grad:
 /// `pred.flatten(0, 1).float()`; a detached copy): the vocabulary-sharded logits (Shard(-1) on a

@@ -13,18 +13,28 @@ by their values, and another tensor that may come from them (a scale, a shift) i
         loss = F.cross_entropy(pred.flatten(0, 1), labels.flatten(0, 1))
     loss.backward()
 
+As PyTorch's, ``F.nll_loss(F.log_softmax(pred, -1), labels)`` works too: inside the context the
+log_softmax of such logits over their last dim (``F.log_softmax``, ``torch.log_softmax``,
+``Tensor.log_softmax``, ``nn.LogSoftmax``) is vocabulary-parallel, each rank holding its shard of the
+log-probabilities (sharded as the logits), and ``F.nll_loss`` / ``nn.NLLLoss`` of such a tensor reads
+each target's entry on the rank that holds it. Other reductions of that shard over the vocabulary
+(``.sum(-1)``) remain a rank's part.
+
 The computation (one all-gather of the row maxima and two all-reduces, none in backward; float32
-inside) is the C++ core's. Importing the package wraps torch's ``cross_entropy_loss``, which
-``F.cross_entropy`` and ``nn.CrossEntropyLoss`` call however they were imported: inside the
-context such logits take that path; outside it, logits sharded over more than one rank are a
-ValueError (torch's loss would read this rank's shard as the whole vocabulary); any other tensor
-is torch's as usual.
+inside; for 16-bit logits the loss is float32, where torch's is in their dtype) is the C++ core's.
+Importing the package wraps torch's ``cross_entropy_loss``, which ``F.cross_entropy`` and
+``nn.CrossEntropyLoss`` call however they were imported, and ``nll_loss_nd`` (``F.nll_loss``,
+``nn.NLLLoss``): inside the context such logits take that path; outside it, logits sharded over more
+than one rank (and log-probabilities of them) are a ValueError (torch's loss would read this rank's
+shard as the whole vocabulary); any other tensor is torch's as usual.
 """
 
 import contextlib
 
 import torch
 import torch.jit._builtins
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from hyper_parallel import _C
 
@@ -43,7 +53,10 @@ def _sharded_logits(input: torch.Tensor):
     while t is not None:
         tagged = _C.DTensor.from_tagged(t)
         if tagged is not None:
-            return tagged if _vocabulary_sharded(tagged) else None
+            if not _vocabulary_sharded(tagged):
+                return None
+            _check_keeps_the_vocabulary_last(input, t)
+            return tagged
         t = t._base
     # Computed from them: a local shard read as whole logits would give each rank its own loss.
     tagged, mixed_by, other_gradient, from_leaves_only = _C.DTensor.trace_back(input)
@@ -56,7 +69,8 @@ def _sharded_logits(input: torch.Tensor):
     if mixed_by:
         raise ValueError(f"loss_parallel: expected logits computed from the vocabulary-sharded ones by ops that keep "
                          f"each vocabulary entry apart (views, casts, elementwise arithmetic, masking), got one "
-                         f"through {mixed_by}, which may mix a rank's shard; pass the logits (or a view) instead")
+                         f"through {mixed_by}, which may mix a rank's shard; pass the logits (or a view) instead "
+                         f"(a log_softmax over the vocabulary is vocabulary-parallel inside loss_parallel())")
     if other_gradient:
         raise NotImplementedError(f"loss_parallel: expected logits computed from the vocabulary-sharded ones and "
                                   f"tensors that take no gradient, got one that also differentiates through "
@@ -67,6 +81,18 @@ def _sharded_logits(input: torch.Tensor):
         raise ValueError(f"loss_parallel: expected logits that keep this rank's vocabulary shard ({width} wide) "
                          f"in the last dim, got shape {list(input.shape)} computed from the sharded logits")
     return tagged
+
+
+def _check_keeps_the_vocabulary_last(view: torch.Tensor, logits: torch.Tensor):
+    """A view of the logits read as logits must keep their vocabulary dim last (a transpose of square
+    logits would be as wide, with rows where the vocabulary was)."""
+    if view is logits:
+        return
+    if view.dim() == 0 or view.shape[-1] != logits.shape[-1] or \
+            (view.shape[-1] > 1 and view.stride(-1) != logits.stride(-1)):
+        raise ValueError(f"loss_parallel: expected a view of the vocabulary-sharded logits that keeps their vocabulary "
+                         f"shard ({logits.shape[-1]} wide) as its last dim, got shape {list(view.shape)}, strides "
+                         f"{list(view.stride())} of logits {list(logits.shape)}, strides {list(logits.stride())}")
 
 
 def _tagged_vocabulary_shard(input: torch.Tensor):
@@ -85,15 +111,19 @@ def _tagged_vocabulary_shard(input: torch.Tensor):
     return tagged
 
 
-def _vocab_parallel(input, target, sharded, weight=None, reduction=0, ignore_index=-100, label_smoothing=0.0):
-    """The vocabulary-parallel loss, given torch's cross_entropy_loss arguments (its defaults: the
-    binding's own reduction is none; F.cross_entropy passes every one)."""
+def _check_loss_input(input, weight):
     if input.dim() != 2:
         raise ValueError(f"loss_parallel: expected 2-d logits [N, vocab shard] (e.g. pred.flatten(0, 1)), "
                          f"got {list(input.shape)}")
     if weight is not None:
         raise NotImplementedError("loss_parallel: expected no class weight, got one (a weight per vocabulary entry "
                                   "is not supported)")
+
+
+def _vocab_parallel(input, target, sharded, weight=None, reduction=0, ignore_index=-100, label_smoothing=0.0):
+    """The vocabulary-parallel loss, given torch's cross_entropy_loss arguments (its defaults: the
+    binding's own reduction is none; F.cross_entropy passes every one)."""
+    _check_loss_input(input, weight)
     return _C.vocab_parallel_cross_entropy(input, target, sharded.shape[-1], sharded.device_mesh, ignore_index,
                                            reduction, label_smoothing)
 
@@ -127,6 +157,75 @@ torch._C._nn.cross_entropy_loss = _cross_entropy_loss
 torch.jit._builtins._register_builtin(_cross_entropy_loss, "aten::cross_entropy_loss")  # scripted code calls aten's
 
 
+# torch's own nll_loss_nd (F.nll_loss and nn.NLLLoss call it), wrapped as cross_entropy_loss is.
+_torch_nll_loss_nd = getattr(torch._C._nn.nll_loss_nd, "_torch_own", torch._C._nn.nll_loss_nd)
+
+
+def _nll_loss_nd(input, target, weight=None, reduction=1, ignore_index=-100):
+    """torch's nll_loss_nd. Inside loss_parallel(), a vocabulary-sharded input (log-probabilities
+    of its log_softmax, or the logits) takes the vocabulary-parallel loss; outside, it is an error
+    (torch's would read this rank's shard as the whole vocabulary)."""
+    if _open_meshes:
+        sharded = _sharded_logits(input)
+        if sharded is not None:
+            _check_mesh(sharded.device_mesh)
+            _check_loss_input(input, weight)
+            return _C.vocab_parallel_nll_loss(input, target, sharded.shape[-1], sharded.device_mesh, ignore_index,
+                                              reduction)
+    elif _tagged_vocabulary_shard(input) is not None:
+        raise ValueError(f"nll_loss: expected log-probabilities of logits sharded over the vocabulary taken inside "
+                         f"loss_parallel(), got {list(input.shape)} computed from such logits outside it, where "
+                         f"torch's loss would read this rank's shard as the whole vocabulary")
+    return _torch_nll_loss_nd(input, target, weight, reduction, ignore_index)
+
+
+_nll_loss_nd._torch_own = _torch_nll_loss_nd
+torch._C._nn.nll_loss_nd = _nll_loss_nd
+torch.jit._builtins._register_builtin(_nll_loss_nd, "aten::nll_loss_nd")
+
+
+def _softmax_dim(ndim):
+    return 0 if ndim in (0, 1, 3) else 1  # F.log_softmax's implicit dim (deprecated in torch)
+
+
+def _vocab_parallel_log_softmax(func, args, kwargs):
+    """The vocabulary-parallel log_softmax of ``func``'s arguments (F.log_softmax(input, dim,
+    _stacklevel, dtype), torch.log_softmax(input, dim, dtype), Tensor.log_softmax(self, dim,
+    dtype)) when its input is vocabulary-sharded logits and its dim their last; else None."""
+    input = args[0] if args else kwargs.get("input", kwargs.get("self"))
+    dim = args[1] if len(args) > 1 else kwargs.get("dim")
+    dtype_at = 3 if func is F.log_softmax else 2
+    dtype = args[dtype_at] if len(args) > dtype_at else kwargs.get("dtype")
+    if not isinstance(input, torch.Tensor) or input.dim() == 0:
+        return None
+    dim = _softmax_dim(input.dim()) if dim is None else dim
+    if not isinstance(dim, int) or dim not in (-1, input.dim() - 1):
+        return None  # over another dim each vocabulary entry stays apart: torch's is right
+    sharded = _sharded_logits(input)
+    if sharded is None:
+        return None
+    _check_mesh(sharded.device_mesh)
+    if dtype is not None:
+        input = input.to(dtype)
+    return _C.vocab_parallel_log_softmax(input, sharded.shape[-1], sharded.device_mesh).to_local_tagged()
+
+
+_LOG_SOFTMAX = (F.log_softmax, torch.log_softmax, torch.Tensor.log_softmax, torch.special.log_softmax)
+
+
+class _LogSoftmaxOverTheVocabulary(TorchFunctionMode):
+    """Open with loss_parallel(): a log_softmax of vocabulary-sharded logits over their last dim
+    is the vocabulary-parallel one; every other call is torch's."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _LOG_SOFTMAX:
+            result = _vocab_parallel_log_softmax(func, args, kwargs)
+            if result is not None:
+                return result
+        return func(*args, **kwargs)
+
+
 def _check_mesh(logits_mesh):
     mesh = _open_meshes[-1]
     if mesh is not None and mesh != logits_mesh:
@@ -136,8 +235,9 @@ def _check_mesh(logits_mesh):
 
 @contextlib.contextmanager
 def loss_parallel(*, mesh=None, strict: bool = True):
-    """Inside, a cross-entropy of the vocabulary-sharded logits (F.cross_entropy, nn.CrossEntropyLoss)
-    is computed in parallel over the vocabulary (see the module's doc). As the original's:
+    """Inside, a cross-entropy of the vocabulary-sharded logits (F.cross_entropy, nn.CrossEntropyLoss,
+    or F.nll_loss of their F.log_softmax) is computed in parallel over the vocabulary (see the
+    module's doc). As the original's:
     ``mesh``, if given, is the mesh the logits must be sharded over (a ValueError otherwise;
     None takes the logits' own); contexts nest. ``strict=False`` is accepted, and changes nothing:
     each check here guards a result that would be wrong, so it raises whatever ``strict`` is."""
@@ -147,7 +247,8 @@ def loss_parallel(*, mesh=None, strict: bool = True):
         raise TypeError(f"loss_parallel: expected strict a bool, got {type(strict).__name__}")
     _open_meshes.append(mesh)
     try:
-        yield
+        with _LogSoftmaxOverTheVocabulary():
+            yield
     finally:
         _open_meshes.pop()
 
