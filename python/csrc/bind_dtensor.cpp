@@ -144,6 +144,17 @@ void bind_device_mesh_spelled_as_torch(py::class_<dtensor::DeviceMesh>& cls) {
       .def("get_rank", [](const dtensor::DeviceMesh&) { return comm::global_rank(); });
 }
 
+// mesh["tp"], or mesh["replicate", "shard"] for the mesh along several dims.
+dtensor::DeviceMesh mesh_slice(const dtensor::DeviceMesh& mesh, const py::object& names) {
+  if (py::isinstance<py::str>(names)) return mesh[names.cast<std::string>()];
+  const bool all_names =
+      (py::isinstance<py::tuple>(names) || py::isinstance<py::list>(names)) &&
+      std::all_of(names.begin(), names.end(), [](const py::handle& n) { return py::isinstance<py::str>(n); });
+  TORCH_CHECK_TYPE(all_names, "DeviceMesh.__getitem__: expected a mesh dim name or a tuple of them, got ",
+                   py::repr(names).cast<std::string>(), " (a mesh is sliced by its mesh_dim_names)");
+  return mesh[names.cast<std::vector<std::string>>()];
+}
+
 void bind_device_mesh(py::module& m) {
   py::class_<dtensor::DeviceMesh> cls(m, "DeviceMesh");
   bind_device_mesh_spelled_as_torch(cls);
@@ -167,7 +178,7 @@ void bind_device_mesh(py::module& m) {
       .def(
           "get_local_rank",
           [](const dtensor::DeviceMesh& mesh, const py::object& dim) {
-            return mesh.get_local_rank(mesh_dim_arg(mesh, dim));
+            return dim.is_none() ? mesh.get_local_rank() : mesh.get_local_rank(mesh_dim_arg(mesh, dim));
           },
           py::arg("mesh_dim") = py::none())
       .def("get_coordinate",
@@ -178,14 +189,7 @@ void bind_device_mesh(py::module& m) {
              return mesh.coordinate();  // None on a rank outside the mesh, as torch's
            })
       .def_property_readonly("ranks", &dtensor::DeviceMesh::ranks)
-      .def(
-          "__getitem__",
-          [](const dtensor::DeviceMesh& mesh, const py::object& names) {
-            // mesh["tp"], or mesh["replicate", "shard"] for the mesh along several dims
-            if (py::isinstance<py::str>(names)) return mesh[names.cast<std::string>()];
-            return mesh[names.cast<std::vector<std::string>>()];
-          },
-          py::arg("names"))
+      .def("__getitem__", &mesh_slice, py::arg("names"))
       .def("__eq__",
            [](const dtensor::DeviceMesh& a, const py::object& b) {
              return py::isinstance<dtensor::DeviceMesh>(b) && a == b.cast<dtensor::DeviceMesh>();

@@ -225,6 +225,12 @@ int64_t DeviceMesh::get_local_rank(int64_t mesh_dim) const {
   return coordinate()[normalize_mesh_dim("get_local_rank", mesh_dim)];
 }
 
+int64_t DeviceMesh::get_local_rank() const {
+  TORCH_CHECK_VALUE(ndim() == 1, "DeviceMesh::get_local_rank: expected mesh_dim for the ", ndim(), "-d mesh ",
+                    str(), " (a name or an index), got none");
+  return get_local_rank(0);
+}
+
 DeviceMesh DeviceMesh::operator[](const std::string& name) const { return sub_mesh({dim_index(name)}); }
 
 DeviceMesh DeviceMesh::operator[](const std::vector<std::string>& names) const {

@@ -371,3 +371,13 @@ def test_the_remaining_user_errors_are_named(mesh, mesh2d):
         full((2, 2), device_mesh=mesh)
     with pytest.raises(NotImplementedError, match="zeros: expected layout torch.strided"):
         zeros(2, device_mesh=mesh, layout=torch.sparse_coo)
+
+
+def test_get_local_rank_without_mesh_dim_needs_a_1d_mesh():
+    mesh = init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("dp", "tp"))
+    assert mesh["tp"].get_local_rank() == dist.get_rank()
+    with pytest.raises(ValueError, match=r"DeviceMesh::get_local_rank: expected mesh_dim for the 2-d mesh"):
+        mesh.get_local_rank()
+    with pytest.raises(TypeError, match=r"DeviceMesh.__getitem__: expected a mesh dim name or a tuple of them, "
+                                        r"got 0 \(a mesh is sliced by its mesh_dim_names\)"):
+        mesh[0]

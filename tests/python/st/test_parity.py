@@ -134,7 +134,8 @@ def test_clip_grad_norm_matches_single_process(mesh, dtype, atol, clip):
     (ref(x) * w).sum().backward()
     norm = (clip_grad_norm_ if clip == "hyper_parallel" else torch.nn.utils.clip_grad_norm_)(model.parameters(), 0.5)
     ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
-    torch.testing.assert_close(norm.to(ref_norm.dtype), ref_norm, rtol=1e-6, atol=0)
+    assert norm.dtype == ref_norm.dtype == dtype  # the gradients' dtype, as torch's
+    torch.testing.assert_close(norm, ref_norm, rtol=1e-6, atol=0)
     assert norm > 0.5  # it clipped
     for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
         torch.testing.assert_close(_full_grad(p), q.grad, rtol=1e-6, atol=atol, msg=name)

@@ -49,7 +49,10 @@ class DeviceMesh {
   comm::Group get_group() const;
   comm::Group get_group(const std::string& name) const;
   /// This rank's coordinate along `mesh_dim` (= its rank in get_group(mesh_dim)).
-  int64_t get_local_rank(int64_t mesh_dim = 0) const;
+  int64_t get_local_rank(int64_t mesh_dim) const;
+  /// The same on a 1-d mesh (a c10::ValueError on another, as torch's get_local_rank() without
+  /// mesh_dim).
+  int64_t get_local_rank() const;
   const std::vector<int64_t>& coordinate() const;
   /// The mesh's ranks, row-major.
   const std::vector<int64_t>& ranks() const;

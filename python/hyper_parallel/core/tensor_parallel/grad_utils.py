@@ -3,6 +3,7 @@ Parameters stay plain local tensors (the optimizer sees its shard and stays fast
 PyTorch's DTensor parameters, ``isinstance(p, DTensor)`` is False and there is no
 ``p.full_tensor()`` method: ``layout_of(p)`` and ``full_tensor(p)`` give the global view."""
 
+import functools
 import math
 from typing import Iterable, NamedTuple, Optional, Tuple
 
@@ -42,10 +43,13 @@ def full_tensor(param: torch.Tensor, value: Optional[torch.Tensor] = None) -> to
 def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
     """Clips the gradients by the global parameters' L2 norm, computed by the C++ core: sharded
     parameters' squared norms are summed over their mesh, replicated ones counted once. Returns
-    the norm before clipping, as torch.nn.utils.clip_grad_norm_ does. All ranks call it."""
-    if isinstance(parameters, torch.Tensor):
-        parameters = [parameters]
-    return torch.tensor(_C.clip_grad_norm_([p for p in parameters], float(max_norm)))
+    the norm before clipping, as torch.nn.utils.clip_grad_norm_ does, in the gradients' dtype
+    (promoted over them; float32 without any). All ranks call it."""
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    grads = (p.grad if p.grad is not None else getattr(p, "main_grad", None) for p in params)
+    dtypes = [g.dtype for g in grads if g is not None]
+    dtype = functools.reduce(torch.promote_types, dtypes) if dtypes else torch.float32
+    return torch.tensor(_C.clip_grad_norm_(params, float(max_norm)), dtype=dtype)
 
 
 def _clip_grad_norm_by_layout_(parameters, max_norm: float, norm_type: float = 2.0,
