@@ -20,16 +20,19 @@ void bind_data_parallel(py::module& m) {
   m.def(
       "data_parallel",
       [](const std::vector<at::Tensor>& params, const dtensor::DeviceMesh& mesh, int64_t bucket_cap_bytes,
-         bool overlap, bool gradient_as_bucket_view, const std::vector<at::Tensor>& row_sparse) {
+         bool overlap, bool gradient_as_bucket_view, const std::vector<at::Tensor>& row_sparse,
+         const std::vector<std::string>& names) {
         return dp::data_parallel(params, mesh,
                                  dp::GradientReducerOptions()
                                      .bucket_cap_bytes(bucket_cap_bytes)
                                      .overlap(overlap)
                                      .gradient_as_bucket_view(gradient_as_bucket_view)
-                                     .row_sparse_parameters(row_sparse));
+                                     .row_sparse_parameters(row_sparse),
+                                 names);
       },
       py::arg("params"), py::arg("mesh"), py::arg("bucket_cap_bytes"), py::arg("overlap"),
-      py::arg("gradient_as_bucket_view"), py::arg("row_sparse_parameters"));
+      py::arg("gradient_as_bucket_view"), py::arg("row_sparse_parameters"),
+      py::arg("names") = std::vector<std::string>{});
 }
 
 }  // namespace hp_python

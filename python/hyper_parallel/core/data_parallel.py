@@ -63,10 +63,10 @@ def data_parallel(module: torch.nn.Module, device_mesh, *, bucket_cap_mb: float 
                                       "the weight)")
     embeddings = {id(m.weight): m.weight for m in module.modules()
                   if row_sparse_embeddings and isinstance(m, torch.nn.Embedding) and m.weight.requires_grad}
-    reducer = _C.data_parallel(list(module.parameters()), device_mesh, int(bucket_cap_mb * (1 << 20)), overlap,
-                               gradient_as_bucket_view, list(embeddings.values()))
     params = [(f"parameter {n}", p) for n, p in module.named_parameters()]
     buffers = [(f"buffer {n}", b) for n, b in module.named_buffers()]
+    reducer = _C.data_parallel([p for _, p in params], device_mesh, int(bucket_cap_mb * (1 << 20)), overlap,
+                               gradient_as_bucket_view, list(embeddings.values()), [n for n, _ in params])
     if init_sync:
         _replica_sync(params + buffers, device_mesh)()
     if broadcast_buffers and buffers:

@@ -30,6 +30,14 @@ class FunctionalBackward final : public torch::autograd::Node {
     TORCH_CHECK(fn_ != nullptr, name_,
                 ": expected a graph not yet freed, got one released by an "
                 "earlier backward (call backward(retain_graph=true) to backward twice)");
+    // create_graph=True runs backward functions with grad mode on, to differentiate the gradients
+    // again. These are computed outside autograd (communication, saved softmaxes): a second
+    // derivative through them (a gradient penalty, a Hessian-vector product) would be silently
+    // wrong. An identity node passes the gradients on as they are, graph included.
+    TORCH_CHECK_NOT_IMPLEMENTED(identity || !torch::autograd::GradMode::is_enabled(), name_,
+                                ": expected a backward without create_graph, got create_graph=True: this "
+                                "op's backward is computed outside autograd, so a derivative of its gradient "
+                                "(a gradient penalty, a Hessian-vector product) would be wrong");
     for (size_t i = 0; materialize_ && i < grads.size(); ++i) {
       if (!grads[i].defined()) grads[i] = at::zeros(outputs_[i].sizes, outputs_[i].options);
     }

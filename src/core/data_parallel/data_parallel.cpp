@@ -9,6 +9,7 @@
 
 #include <hyper_parallel/core/data_parallel/replica_sync.h>
 #include <hyper_parallel/core/nn/embedding.h>
+#include <hyper_parallel/core/nn/parameter_layout.h>
 
 namespace hyper_parallel::data_parallel {
 
@@ -33,27 +34,53 @@ std::vector<at::Tensor> row_sparse_weights(torch::nn::Module& module, const Grad
   return row_sparse;
 }
 
+// A parameter sharded over two or more ranks of the data-parallel group (by fully_shard, over
+// the same mesh dim) holds different rows on them: averaging its gradient or syncing it would mix
+// them, and fully_shard already reduces its gradient. Local: every rank sees the same layouts.
+void check_replicated_over(const std::vector<at::Tensor>& params, const std::vector<std::string>& names,
+                           const comm::Group& group) {
+  const auto& replicas = group.global_ranks();
+  for (size_t i = 0; i < params.size(); ++i) {
+    const auto layout = nn::recorded_layout(params[i]);
+    for (size_t d = 0; layout && d < layout->placements.size(); ++d) {
+      if (!layout->placements[d].is_shard()) continue;
+      const auto& line = layout->mesh.get_group(static_cast<int64_t>(d)).global_ranks();
+      const auto shared = std::count_if(line.begin(), line.end(), [&](int64_t r) {
+        return std::find(replicas.begin(), replicas.end(), r) != replicas.end();
+      });
+      TORCH_CHECK_VALUE(
+          shared < 2, "data_parallel: expected parameters replicated over the data-parallel group, got ",
+          i < names.size() ? names[i] : "parameter " + std::to_string(i), " sharded over ", shared,
+          " of its ranks (mesh dim ", d, " of ", layout->mesh.str(),
+          ", e.g. by fully_shard, which reduces its gradient itself); apply data_parallel to a module "
+          "holding only parameters fully_shard leaves out (its ignored_params), or over another mesh dim");
+    }
+  }
+}
+
 }  // namespace
 
 std::shared_ptr<GradientReducer> data_parallel(const std::vector<at::Tensor>& params,
                                                const dtensor::DeviceMesh& mesh,
-                                               const GradientReducerOptions& options) {
+                                               const GradientReducerOptions& options,
+                                               const std::vector<std::string>& names) {
   TORCH_CHECK_VALUE(mesh.ndim() == 1,
                     "data_parallel: expected a 1-D mesh (the data-parallel dimension, e.g. ",
                     "mesh[\"dp\"]), got a ", mesh.ndim(), "-D mesh");
+  check_replicated_over(params, names, mesh.get_group(0));
   return std::make_shared<GradientReducer>(params, mesh.get_group(0), options);
 }
 
 std::shared_ptr<GradientReducer> data_parallel(torch::nn::Module& module, const dtensor::DeviceMesh& mesh,
                                                GradientReducerOptions options) {
-  auto reducer = data_parallel(module.parameters(), mesh,
-                               options.row_sparse_parameters(row_sparse_weights(module, options)));
   std::vector<at::Tensor> states;
   std::vector<std::string> names;
   for (const auto& item : module.named_parameters()) {
     states.push_back(item.value());
     names.push_back("parameter " + item.key());
   }
+  auto reducer = data_parallel(module.parameters(), mesh,
+                               options.row_sparse_parameters(row_sparse_weights(module, options)), names);
   for (const auto& item : module.named_buffers()) {
     states.push_back(item.value());
     names.push_back("buffer " + item.key());

@@ -60,7 +60,8 @@ struct GradientReducer::Impl : std::enable_shared_from_this<GradientReducer::Imp
   std::vector<Bucket> buckets;
   std::vector<int64_t> bucket_of;
   std::vector<bool> ready;
-  int64_t next_launch = 0;  // buckets [0, next_launch) have started in this backward
+  std::vector<bool> unreached;  // ready because this backward's graph did not reach them
+  int64_t next_launch = 0;      // buckets [0, next_launch) have started in this backward
   bool in_backward = false, sync = true;
   detail::BackwardOrder backward_order;  // recorded by each pass until the buckets are rebuilt
   bool rebuilt = false;
@@ -135,7 +136,9 @@ void GradientReducer::Impl::begin_backward() {
   const auto* nodes = torch::autograd::get_current_graph_task_nodes_in_graph();
   if (nodes == nullptr || nodes->empty()) return;
   for (size_t i = 0; i < params.size(); ++i) {
-    if (nodes->count(accumulators[i].get()) == 0) mark_ready(static_cast<int64_t>(i), /*record=*/false);
+    if (nodes->count(accumulators[i].get()) != 0) continue;
+    unreached[i] = true;
+    mark_ready(static_cast<int64_t>(i), /*record=*/false);
   }
 }
 
@@ -200,9 +203,11 @@ void GradientReducer::Impl::on_gradient(int64_t param) {
   if (ready[param]) {
     TORCH_CHECK_VALUE(
         bucket_of[param] >= next_launch, "GradientReducer::on_gradient: expected one ",
-        "accumulation per parameter per backward (reentrant checkpointing is not supported), got a ",
-        "second gradient for parameter ", param, " (", params[param].sizes(),
-        ") after its bucket had started");
+        "accumulation per parameter per backward, reached by the backward's graph, got ",
+        unreached[param] ? "a gradient the graph did not show when the backward began (a reentrant "
+                           "torch.utils.checkpoint's inner backward: pass use_reentrant=False)"
+                         : "a second gradient",
+        " for parameter ", param, " (", params[param].sizes(), ") after its bucket had started");
     return;
   }
   mark_ready(param);
@@ -361,6 +366,7 @@ void GradientReducer::Impl::reset() {
   in_backward = false;
   next_launch = 0;
   std::fill(ready.begin(), ready.end(), false);
+  std::fill(unreached.begin(), unreached.end(), false);
   for (auto& bucket : buckets) {
     bucket.waiting = static_cast<int64_t>(bucket.span.params.size());
     bucket.copied_back = false;
@@ -381,6 +387,7 @@ GradientReducer::GradientReducer(const std::vector<at::Tensor>& params, comm::Gr
   impl.group = std::move(group);
   impl.options = options;
   impl.ready.assign(impl.params.size(), false);
+  impl.unreached.assign(impl.params.size(), false);
   impl.install_layout(initial.spans);
   for (size_t i = 0; i < impl.params.size(); ++i) {
     auto accumulator = torch::autograd::impl::grad_accumulator(impl.params[i]);

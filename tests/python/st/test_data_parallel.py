@@ -333,3 +333,39 @@ def test_replicas_that_differ_in_a_buffer_are_an_error_on_every_rank():
     with pytest.raises(ValueError, match=r"data_parallel::ReplicaSync: expected buffer steps to be Long\[1\] as on "
                                          r"rank 0, got Long\[2\] on rank 1 \(the replicas must be the same model\)"):
         data_parallel(model, mesh)
+
+
+def test_parameters_fully_shard_shards_over_the_dp_mesh_are_an_error_and_its_ignored_ones_are_not():
+    """fully_shard reduces the gradients of its pieces: averaging them over the ranks holding
+    other pieces, or syncing them from rank 0, would mix the rows (rank 1's piece became rank 0's)."""
+    from hyper_parallel import fully_shard
+    mesh = dp_mesh()
+    p = mesh.size(0)
+    torch.manual_seed(7)
+    model = nn.Sequential(nn.Linear(DIM, DIM), nn.Linear(DIM, DIM))
+    fully_shard(model, mesh=mesh, ignored_params={model[1].weight, model[1].bias})
+    pieces = [q.detach().clone() for q in model[0].parameters()]
+    if p > 1:
+        with pytest.raises(ValueError, match=rf"data_parallel: expected parameters replicated over the data-parallel "
+                                             rf"group, got parameter 0.weight sharded over {p} of its ranks \(mesh "
+                                             rf"dim 0 of .*, e.g. by fully_shard, which reduces its gradient itself\)"):
+            data_parallel(model, mesh)
+    data_parallel(model[1], mesh)  # the parameters fully_shard leaves out
+    assert all(torch.equal(a, b) for a, b in zip(pieces, model[0].parameters()))
+
+
+def test_a_reentrant_checkpoint_is_named_in_the_error():
+    """torch 1.13's default checkpoint runs an inner backward the outer graph does not show: the
+    reducer took its parameters for unused. The error says so, not "a second gradient"."""
+    from torch.utils.checkpoint import checkpoint
+
+    mesh = dp_mesh()
+    r, p = mesh.get_local_rank(0), mesh.size(0)
+    model = data_parallel(reference(), mesh, bucket_cap_mb=1 / 8192)  # every parameter a bucket
+    x, _ = batch(0)
+    x = x[r::p].clone().requires_grad_()  # (reentrant checkpointing needs an input that does)
+    loss = model.fc2(checkpoint(lambda t: torch.relu(model.fc1(t)), x)).pow(2).mean()
+    with pytest.raises(ValueError, match=r"got a gradient the graph did not show when the backward began \(a "
+                                         r"reentrant torch.utils.checkpoint's inner backward: pass "
+                                         r"use_reentrant=False\) for parameter [01] "):
+        loss.backward()

@@ -134,7 +134,6 @@ def test_errors_name_what_was_expected():
             F.nll_loss(outside, labels)
 
 
-
 def test_a_view_that_moves_the_vocabulary_dim_is_an_error():
     """Square local logits transposed are as wide as the shard: read as logits, each rank's loss
     would be of the wrong entries."""
@@ -148,3 +147,30 @@ def test_a_view_that_moves_the_vocabulary_dim_is_an_error():
                                                  r"vocabulary shard \(6 wide\) as its last dim, got shape \[6, 6\], "
                                                  r"strides \[1, 6\]"):
                 entry(view, torch.zeros(6, dtype=torch.long)) if entry is F.cross_entropy else entry(view, -1)
+
+
+def test_a_log_softmax_of_another_tensor_of_a_shards_width_is_torchs_on_any_rank():
+    """Under no_grad, or of a leaf: not traced to the logits, so torch's, with no collective (one
+    rank alone may take it, for logging)."""
+    head, _ = vocab_sharded_head(10)
+    x, _ = inputs(10)
+    logits = head(x)  # alive: its width is a shard's
+    other = torch.randn(6, logits.shape[-1])
+    with loss_parallel():
+        if dist.get_rank() == 0:
+            with torch.no_grad():
+                torch.testing.assert_close(F.log_softmax(other, -1), torch.log_softmax(other, -1))
+            leaf = other.clone().requires_grad_()
+            torch.testing.assert_close(F.log_softmax(leaf, -1), torch.log_softmax(other, -1))
+    dist.barrier()
+
+
+def test_a_double_backward_through_the_loss_is_an_error_not_a_wrong_penalty():
+    head, _ = vocab_sharded_head(10)
+    x, labels = inputs(10)
+    with loss_parallel():
+        for loss in (F.nll_loss(F.log_softmax(head(x).flatten(0, 1), -1), labels),
+                     F.cross_entropy(head(x).flatten(0, 1), labels)):
+            with pytest.raises(NotImplementedError, match=r"Backward: expected a backward without create_graph, got "
+                                                          r"create_graph=True"):
+                torch.autograd.grad(loss, head.weight, create_graph=True)

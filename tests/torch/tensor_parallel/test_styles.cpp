@@ -663,23 +663,31 @@ TEST(VocabParallelCrossEntropy, LossAndLogitsGradientMatchCrossEntropy) {
   }
 }
 
-// A double backward: an upstream gradient that requires grad gets a logits gradient that is
-// differentiable in it (linear: d sum(g) / d v = sum(g) / v), equal to the single backward's.
-TEST(VocabParallelCrossEntropy, LogitsGradientIsDifferentiableInTheUpstreamGradient) {
+// A double backward (create_graph) is refused, not computed wrong: the logits' gradient is
+// computed outside autograd, so a derivative of it (a gradient penalty) would miss the softmax's.
+TEST(VocabParallelCrossEntropy, ADoubleBackwardIsAnError) {
   const int64_t p = hp_test::world_size(), r = hp_test::rank(), vocab = 7;
   at::manual_seed(12);
   const auto full = at::randn({3, vocab});
   const auto targets = at::arange(3).mul(3).remainder(vocab);
   const int64_t start = shard_offset(vocab, p, r), size = shard_size(vocab, p, r);
   auto local = full.narrow(-1, start, size).clone().requires_grad_();
-  const auto loss = tp::vocab_parallel_cross_entropy(local, targets, vocab, tp_mesh());
-  const auto v = at::full({}, 0.7).requires_grad_();
-  const auto g = torch::autograd::grad({loss}, {local}, {v}, /*retain_graph=*/true, /*create_graph=*/true)[0];
-  const auto d = torch::autograd::grad({g.sum()}, {v})[0];
-  expect_close(d, g.sum().detach() / 0.7, "d sum(d logits) / d upstream");
-  auto plain = full.narrow(-1, start, size).clone().requires_grad_();
-  (tp::vocab_parallel_cross_entropy(plain, targets, vocab, tp_mesh()) * 0.7).backward();
-  expect_close(g.detach(), plain.grad(), "double-backward path against the single one");
+  for (const bool log_softmax : {false, true}) {
+    const auto loss = log_softmax ? tp::vocab_parallel_nll_loss(
+                                        tp::vocab_parallel_log_softmax(local, vocab, tp_mesh()).to_local(),
+                                        targets, vocab, tp_mesh())
+                                  : tp::vocab_parallel_cross_entropy(local, targets, vocab, tp_mesh());
+    try {
+      torch::autograd::grad({loss}, {local}, {}, /*retain_graph=*/true, /*create_graph=*/true);
+      ADD_FAILURE() << "expected NotImplementedError";
+    } catch (const c10::NotImplementedError& e) {
+      EXPECT_NE(std::string(e.what()).find("Backward: expected a backward without create_graph, got "
+                                           "create_graph=True"),
+                std::string::npos)
+          << e.what();
+    }
+    torch::autograd::grad({loss}, {local});  // without create_graph: as before
+  }
 }
 
 // The unfused pair, nll_loss(log_softmax(x, -1)), against torch's on the full logits: each rank's

@@ -36,9 +36,12 @@ namespace hyper_parallel::data_parallel {
                                                              const dtensor::DeviceMesh& mesh,
                                                              GradientReducerOptions options = {});
 /// The same over a list of parameters (a torch.nn module's, from Python), in their order, without
-/// the ReplicaSync: the caller makes the replicas equal.
+/// the ReplicaSync: the caller makes the replicas equal. `names[i]` names params[i] in errors.
+/// Every parameter must be replicated over the mesh: one sharded over two or more of its ranks
+/// (fully_shard's, over the same mesh dim) is a c10::ValueError.
 [[nodiscard]] std::shared_ptr<GradientReducer> data_parallel(const std::vector<at::Tensor>& params,
                                                              const dtensor::DeviceMesh& mesh,
-                                                             const GradientReducerOptions& options = {});
+                                                             const GradientReducerOptions& options = {},
+                                                             const std::vector<std::string>& names = {});
 
 }  // namespace hyper_parallel::data_parallel

@@ -36,9 +36,9 @@ struct CrossEntropyOptions {
 /// cross_entropy(full_logits, targets, ...) with the options, computed in float32 for 16-bit logits
 /// and in their own dtype otherwise; differentiable. Communication, all of [...]-sized tensors: one
 /// all-gather (the max) and two all-reduces (sum of exponentials, target logit), a third with label
-/// smoothing (sum of the logits); none in backward. The logits' gradient is differentiable in the
-/// upstream gradient only: a second derivative through the softmax (a gradient penalty on the
-/// logits) is not computed.
+/// smoothing (sum of the logits); none in backward. A backward with create_graph (a gradient
+/// penalty) is a c10::NotImplementedError, as through every op whose backward this library
+/// computes outside autograd.
 at::Tensor vocab_parallel_cross_entropy(const at::Tensor& local_logits, const at::Tensor& targets,
                                         int64_t vocab_size, const dtensor::DeviceMesh& mesh,
                                         const CrossEntropyOptions& options = {});
