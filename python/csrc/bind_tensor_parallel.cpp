@@ -116,6 +116,7 @@ void bind_parameters(py::module& m) {
       py::arg("local_input"), py::arg("targets"), py::arg("vocab_size"), py::arg("mesh"),
       py::arg("ignore_index") = -100, py::arg("reduction") = 1);
   m.def("untraced_vocab_shard_source", &tp::untraced_vocab_shard_source, py::arg("t"));
+  m.def("local_vocab_shard_source", &tp::local_vocab_shard_source, py::arg("t"));
   m.def(
       "lay_out_parameters",
       [](const tp::ParallelStyle& style, const std::string& kind, const std::string& type,

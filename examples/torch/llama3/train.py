@@ -166,7 +166,7 @@ def train(args):
     mesh, dp_mesh = make_meshes(args)
     model, optimizer = build(args, mesh, dp_mesh)
     if dp_mesh is not None and not args.fsdp:
-        data_parallel(model, dp_mesh)
+        data_parallel(model, dp_mesh, broadcast_buffers=False)  # the rope tables never change
     log = rank == 0
     if log:
         dp_mode = "" if not args.fsdp else f" (HSDP {args.hsdp} x {args.fsdp})" if args.hsdp > 1 else " (fully_shard)"

@@ -1,5 +1,7 @@
 #include "attach_backward.h"
 
+#include <algorithm>
+
 #include <ATen/ATen.h>
 #include <ATen/SequenceNumber.h>
 #include <torch/csrc/autograd/function.h>
@@ -30,22 +32,18 @@ class FunctionalBackward final : public torch::autograd::Node {
     TORCH_CHECK(fn_ != nullptr, name_,
                 ": expected a graph not yet freed, got one released by an "
                 "earlier backward (call backward(retain_graph=true) to backward twice)");
-    // create_graph=True runs backward functions with grad mode on, to differentiate the gradients
-    // again. These are computed outside autograd (communication, saved softmaxes): a second
-    // derivative through them (a gradient penalty, a Hessian-vector product) would be silently
-    // wrong. An identity node passes the gradients on as they are, graph included.
-    TORCH_CHECK_NOT_IMPLEMENTED(identity || !torch::autograd::GradMode::is_enabled(), name_,
-                                ": expected a backward without create_graph, got create_graph=True: this "
-                                "op's backward is computed outside autograd, so a derivative of its gradient "
-                                "(a gradient penalty, a Hessian-vector product) would be wrong");
     for (size_t i = 0; materialize_ && i < grads.size(); ++i) {
       if (!grads[i].defined()) grads[i] = at::zeros(outputs_[i].sizes, outputs_[i].options);
     }
+    // Kept to check, under create_graph, that each gradient it returns is one of these or a view.
+    const bool create_graph = torch::autograd::GradMode::is_enabled();
+    const auto incoming = create_graph ? grads : torch::autograd::variable_list{};
     auto input_grads = fn_(std::move(grads));
     // The layout contract (autograd/gradient_layout.h): each gradient in its input's layout.
     for (size_t i = 0; i < input_grads.size() && i < input_layouts_.size(); ++i) {
       input_grads[i] = autograd::in_layout(input_grads[i], input_layouts_[i]);
     }
+    if (create_graph) check_second_order(incoming, input_grads);
     return input_grads;
   }
   std::string name() const override { return name_; }
@@ -53,6 +51,31 @@ class FunctionalBackward final : public torch::autograd::Node {
   bool released() const { return fn_ == nullptr; }
   std::shared_ptr<void> annotation;  // annotate_node's
   bool identity = false;             // mark_identity's
+  bool first_order_only = false;     // mark_first_order_only's
+
+  // create_graph=True runs backward functions with grad mode on, to differentiate the gradients
+  // again. A backward computed outside autograd breaks that chain: a gradient that came with a
+  // graph leaves as a new tensor without it (communication), or the values read the forward's (a
+  // saved softmax). A second derivative through it (a gradient penalty, a Hessian-vector product)
+  // would be wrong. Handing a gradient on (itself, or a view of it) keeps the chain.
+  void check_second_order(const std::vector<at::Tensor>& incoming,
+                          const std::vector<at::Tensor>& returned) const {
+    const bool differentiated = std::any_of(incoming.begin(), incoming.end(), [](const at::Tensor& g) {
+      return g.defined() && g.requires_grad();
+    });
+    const auto handed_on = [&](const at::Tensor& g) {
+      return !g.defined() || std::any_of(incoming.begin(), incoming.end(), [&](const at::Tensor& in) {
+        return in.defined() && g.is_alias_of(in);
+      });
+    };
+    const bool broken =
+        first_order_only || (differentiated && !std::all_of(returned.begin(), returned.end(), handed_on));
+    TORCH_CHECK_NOT_IMPLEMENTED(
+        !broken, name_,
+        ": expected a backward without create_graph, got create_graph=True: this op's "
+        "backward is computed outside autograd, so a derivative of its gradient (a "
+        "gradient penalty, a Hessian-vector product) would be wrong");
+  }
 
  private:
   BackwardFn fn_;
@@ -112,6 +135,13 @@ bool mark_identity(torch::autograd::Node& node) {
   auto* functional = dynamic_cast<FunctionalBackward*>(&node);
   if (functional == nullptr) return false;
   functional->identity = true;
+  return true;
+}
+
+bool mark_first_order_only(torch::autograd::Node& node) {
+  auto* functional = dynamic_cast<FunctionalBackward*>(&node);
+  if (functional == nullptr) return false;
+  functional->first_order_only = true;
   return true;
 }
 

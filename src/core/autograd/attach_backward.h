@@ -44,6 +44,11 @@ bool annotate_node(torch::autograd::Node& node, std::shared_ptr<void> value);
 /// point such as fully_shard's pre-backward node): a walk of the graph for a layout passes through
 /// it. False if `node` is not one.
 bool mark_identity(torch::autograd::Node& node);
+/// Marks a node made by attach_backward whose gradient depends on the forward's values (a saved
+/// softmax): under create_graph its backward raises, even for gradients without a graph. The
+/// others raise only where gradients came with a graph and one leaves as a new tensor, neither
+/// one of them nor a view (computed by communication). False if `node` is not one.
+bool mark_first_order_only(torch::autograd::Node& node);
 /// Whether mark_identity marked `node`.
 bool is_identity(const torch::autograd::Node& node);
 /// The value annotate_node gave `node`, else null.

@@ -8,6 +8,7 @@
 #include <utility>
 
 #include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
 #include <c10/util/strides.h>
 #include <torch/csrc/autograd/engine.h>
@@ -199,6 +200,13 @@ void GradientReducer::Impl::install_layout(const std::vector<detail::BucketSpan>
 
 void GradientReducer::Impl::on_gradient(int64_t param) {
   if (!sync) return;
+  // The average is computed outside autograd: a .grad kept with its graph would hold it without
+  // the other ranks' part, and a derivative of it (a Hessian-vector product) would be this rank's.
+  TORCH_CHECK_NOT_IMPLEMENTED(
+      !at::GradMode::is_enabled(),
+      "GradientReducer::on_gradient: expected a backward without create_graph, got "
+      "create_graph=True (the averaged gradient has no graph); take higher derivatives "
+      "with torch.autograd.grad, or inside no_sync");
   if (!in_backward) begin_backward();
   if (ready[param]) {
     TORCH_CHECK_VALUE(

@@ -107,6 +107,16 @@ const char* const kPass =
 
 }  // namespace
 
+std::optional<dtensor::DTensor> local_vocab_shard_source(const at::Tensor& t) {
+  if (!t.defined() || t.dim() == 0) return std::nullopt;
+  for (const auto& logits : dtensor::DTensor::recent_last_dim_shards()) {
+    if (logits.alive && could_come_from(logits, t) && holds_values_of(t, logits.alive->to_local())) {
+      return *logits.alive;
+    }
+  }
+  return std::nullopt;
+}
+
 std::optional<dtensor::DTensor> untraced_vocab_shard_source(const at::Tensor& t) {
   if (!t.defined() || t.dim() == 0) return std::nullopt;
   const auto recent = dtensor::DTensor::recent_last_dim_shards();
@@ -187,7 +197,7 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& local_logits, const at
     if (!needs_grad) return loss;
     softmax_local = exp / sum_exp.unsqueeze(-1);
   }
-  return hyper_parallel::detail::attach_backward(
+  loss = hyper_parallel::detail::attach_backward(
       local_logits, loss,
       [softmax_local, target_mask, local_target, kept, kept_count, options, vocab_size,
        dtype = local_logits.scalar_type()](const at::Tensor& grad) {
@@ -196,6 +206,9 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& local_logits, const at
                                options.label_smoothing(), vocab_size, dtype);
       },
       "VocabParallelCrossEntropyBackward");
+  // The gradient reads the saved softmax: no second derivative through it.
+  if (loss.grad_fn()) hyper_parallel::detail::mark_first_order_only(*loss.grad_fn());
+  return loss;
 }
 
 }  // namespace hyper_parallel::tensor_parallel

@@ -58,6 +58,7 @@ dtensor::DTensor vocab_parallel_log_softmax(const at::Tensor& local_logits, int6
         return detail::laid_out_as((g - saved.to(compute).exp() * total.unsqueeze(-1)).to(dtype), input);
       },
       "VocabParallelLogSoftmaxBackward");
+  if (out.grad_fn()) hyper_parallel::detail::mark_first_order_only(*out.grad_fn());  // reads the saved output
   auto shape = local_logits.sizes().vec();
   shape.back() = vocab_size;
   return dtensor::DTensor::from_local(out, mesh, {dtensor::Shard(-1)},

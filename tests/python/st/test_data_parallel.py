@@ -369,3 +369,15 @@ def test_a_reentrant_checkpoint_is_named_in_the_error():
                                          r"reentrant torch.utils.checkpoint's inner backward: pass "
                                          r"use_reentrant=False\) for parameter [01] "):
         loss.backward()
+
+
+def test_a_backward_with_create_graph_is_an_error_not_a_gradient_without_the_others_part():
+    mesh = dp_mesh()
+    r, p = mesh.get_local_rank(0), mesh.size(0)
+    model = data_parallel(reference(), mesh)
+    with pytest.raises(NotImplementedError, match=r"GradientReducer::on_gradient: expected a backward without "
+                                                  r"create_graph, got create_graph=True"):
+        loss_of(model, 0, r, p).backward(create_graph=True)
+    with no_sync(model):  # accumulating only: .grad keeps its graph, as torch's
+        loss_of(model, 0, r, p).backward(create_graph=True)
+    assert model.fc1.weight.grad.requires_grad

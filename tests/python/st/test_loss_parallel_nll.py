@@ -174,3 +174,17 @@ def test_a_double_backward_through_the_loss_is_an_error_not_a_wrong_penalty():
             with pytest.raises(NotImplementedError, match=r"Backward: expected a backward without create_graph, got "
                                                           r"create_graph=True"):
                 torch.autograd.grad(loss, head.weight, create_graph=True)
+
+
+@pytest.mark.parametrize("form", ["cast", "view_then_cast", "detached"])
+def test_an_eval_loss_under_no_grad_of_a_cast_of_the_logits_is_the_single_process_one(form):
+    """No graph traces pred.float() back: the log_softmax judges it by its values, on each rank."""
+    head, reference = vocab_sharded_head(10, torch.bfloat16)
+    x, labels = inputs(10, torch.bfloat16)
+    make = {"cast": lambda pred: pred.float().flatten(0, 1), "view_then_cast": lambda pred: pred.flatten(0, 1).float(),
+            "detached": lambda pred: pred.detach().flatten(0, 1)}[form]
+    with torch.no_grad(), loss_parallel():
+        pred = head(x)
+        loss = F.nll_loss(F.log_softmax(make(pred), -1), labels)
+        expected = F.nll_loss(F.log_softmax(make(reference(x)).float(), -1), labels)
+    torch.testing.assert_close(loss, expected.to(loss.dtype), rtol=1e-2, atol=1e-2)

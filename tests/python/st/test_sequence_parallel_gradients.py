@@ -181,6 +181,27 @@ def test_a_double_backward_through_a_summed_gradient_is_an_error():
         torch.autograd.grad(loss, [model.norm.weight], create_graph=True)
 
 
+def test_create_graph_passes_nodes_that_hand_the_gradient_on_and_stops_at_communication():
+    """A row-parallel layer over a sharded input: its output's gradient passes its reduction's node
+    unchanged (graph kept), so a first-order gradient with create_graph is computed; a gradient with
+    a graph that meets communication (a reduce-scatter's all-gather in backward) would lose it: refused."""
+    from hyper_parallel import RowwiseParallel
+    ws, r = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (ws,), mesh_dim_names=("tp",))
+    torch.manual_seed(0)
+    layer = parallelize_module(nn.Linear(4 * ws, 2, bias=False), mesh, RowwiseParallel(input_layouts=Shard(-1)))
+    x = torch.randn(3, 4 * ws).chunk(ws, -1)[r].clone().requires_grad_()
+    g, = torch.autograd.grad(layer(x).pow(2).sum(), x, create_graph=True)
+    assert g.requires_grad
+    torch.testing.assert_close(g.detach(), torch.autograd.grad(layer(x).pow(2).sum(), x)[0])
+    if ws > 1:
+        style = RowwiseParallel(input_layouts=Shard(0), output_layouts=Shard(0))
+        gathered = parallelize_module(nn.Linear(4, 2, bias=False), mesh, style)
+        with pytest.raises(NotImplementedError, match="expected a backward without create_graph"):
+            torch.autograd.grad(gathered(torch.randn(2 * ws, 4, requires_grad=True)).pow(2).sum(), gathered.weight,
+                                create_graph=True)
+
+
 def test_a_deep_copy_of_a_sequence_parallel_module_computes_with_its_own_parameters():
     ws, r = dist.get_world_size(), dist.get_rank()
     mesh = init_device_mesh("cpu", (ws,), mesh_dim_names=("tp",))

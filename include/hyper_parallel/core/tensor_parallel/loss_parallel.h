@@ -81,4 +81,11 @@ at::Tensor vocab_parallel_nll_loss(const at::Tensor& local_input, const at::Tens
 /// agreement until the group's timeout.
 std::optional<dtensor::DTensor> untraced_vocab_shard_source(const at::Tensor& t);
 
+/// The same judged on this rank alone, without communication: the live vocabulary-sharded logits
+/// whose local shard `t` holds (its elements in order after a cast), else nullopt, never an
+/// error. For an op that is collective only when its input is such logits (a log_softmax inside
+/// loss_parallel), so that a tensor that is not (a log_softmax for logging, on one rank) costs no
+/// communication.
+std::optional<dtensor::DTensor> local_vocab_shard_source(const at::Tensor& t);
+
 }  // namespace hyper_parallel::tensor_parallel

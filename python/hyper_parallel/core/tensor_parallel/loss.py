@@ -46,10 +46,11 @@ def _vocabulary_sharded(tagged) -> bool:
     return len(placements) == 1 and placements[0].is_shard() and placements[0].dim in (-1, len(tagged.shape) - 1)
 
 
-def _sharded_logits(input: torch.Tensor, untraced: bool = True):
+def _sharded_logits(input: torch.Tensor, agree: bool = True):
     """The DTensor of the vocabulary-sharded logits ``input`` is (or is a view of, or was computed
-    from keeping their width), else None. ``untraced=False``: a tensor whose graph does not trace
-    it back (no_grad, detach) is None, not compared with the logits alive (a collective)."""
+    from keeping their width), else None. Where its graph does not trace it back (no_grad, detach),
+    its values are compared with the logits alive; ``agree=False``: on this rank alone (no
+    collective, no error: None unless it holds them)."""
     t = input
     while t is not None:
         tagged = _C.DTensor.from_tagged(t)
@@ -62,8 +63,8 @@ def _sharded_logits(input: torch.Tensor, untraced: bool = True):
     # Computed from them: a local shard read as whole logits would give each rank its own loss.
     tagged, mixed_by, other_gradient, from_leaves_only = _C.DTensor.trace_back(input)
     if tagged is None and (input.grad_fn is None or from_leaves_only):
-        if not untraced:
-            return None
+        if not agree:
+            return _C.local_vocab_shard_source(input)
         # Where its values came from is not traced (no_grad, detach): the shard of logits whose values
         # it holds, if any; an error where it may have been computed from such a shard.
         return _C.untraced_vocab_shard_source(input)
@@ -204,10 +205,10 @@ def _vocab_parallel_log_softmax(func, args, kwargs):
     dim = _softmax_dim(input.dim()) if dim is None else dim
     if not isinstance(dim, int) or dim not in (-1, input.dim() - 1):
         return None  # over another dim each vocabulary entry stays apart: torch's is right
-    # Traced only: any tensor of a shard's width may take a log_softmax inside the context (on one
-    # rank, for logging), and an untraced one that holds the logits' values (an eval under no_grad
-    # of pred.float()) meets its check in the loss.
-    sharded = _sharded_logits(input, untraced=False)
+    # Judged locally: any tensor of a shard's width may take a log_softmax inside the context (on
+    # one rank, for logging) and must cost no collective; one that holds the logits' values (an eval
+    # under no_grad of pred.float()) is theirs. The loss then checks agreement.
+    sharded = _sharded_logits(input, agree=False)
     if sharded is None:
         return None
     _check_mesh(sharded.device_mesh)
