@@ -17,21 +17,22 @@ namespace hyper_parallel::tensor_parallel {
 
 namespace {
 
-void check_vocab_chunk(const char* fn, const at::Tensor& local, int64_t vocab_size,
-                       const dtensor::DeviceMesh& mesh) {
+void check_floating_on_tp_mesh(const char* fn, const at::Tensor& local, const dtensor::DeviceMesh& mesh) {
   check_tp_mesh(fn, mesh);
   TORCH_CHECK_TYPE(at::isFloatingType(local.scalar_type()), fn, ": expected floating-point input, got ",
                    local.scalar_type());
-  const int64_t n = dtensor::shard_size(vocab_size, mesh.size(0), mesh.get_local_rank(0));
-  TORCH_CHECK_VALUE(local.dim() >= 1 && local.size(-1) == n, fn, ": expected local input [..., ", n,
-                    "] (chunk ", mesh.get_local_rank(0), " of vocab ", vocab_size, "), got ", local.sizes());
 }
 
 }  // namespace
 
 dtensor::DTensor vocab_parallel_log_softmax(const at::Tensor& local_logits, int64_t vocab_size,
                                             const dtensor::DeviceMesh& mesh) {
-  check_vocab_chunk("vocab_parallel_log_softmax", local_logits, vocab_size, mesh);
+  const char* fn = "vocab_parallel_log_softmax";
+  check_floating_on_tp_mesh(fn, local_logits, mesh);
+  const int64_t n = dtensor::shard_size(vocab_size, mesh.size(0), mesh.get_local_rank(0));
+  TORCH_CHECK_VALUE(local_logits.dim() >= 1 && local_logits.size(-1) == n, fn,
+                    ": expected local logits [..., ", n, "] (chunk ", mesh.get_local_rank(0), " of vocab ",
+                    vocab_size, "), got ", local_logits.sizes());
   const auto group = mesh.get_group(0);
   const auto dtype = local_logits.scalar_type();
   const auto compute = at::promote_types(dtype, at::kFloat);  // 16-bit inputs computed in float32
@@ -69,7 +70,7 @@ at::Tensor vocab_parallel_nll_loss(const at::Tensor& local_input, const at::Tens
                                    int64_t vocab_size, const dtensor::DeviceMesh& mesh,
                                    LossReduction reduction, int64_t ignore_index) {
   const char* fn = "vocab_parallel_nll_loss";
-  check_vocab_chunk(fn, local_input, vocab_size, mesh);
+  check_floating_on_tp_mesh(fn, local_input, mesh);
   const auto t = detail::loss_targets(fn, local_input, targets, vocab_size, mesh, ignore_index);
   const auto dtype = local_input.scalar_type();
   const auto compute = at::promote_types(dtype, at::kFloat);
