@@ -79,8 +79,8 @@ std::shared_ptr<GradientReducer> data_parallel(torch::nn::Module& module, const 
     states.push_back(item.value());
     names.push_back("parameter " + item.key());
   }
-  auto reducer = data_parallel(module.parameters(), mesh,
-                               options.row_sparse_parameters(row_sparse_weights(module, options)), names);
+  auto reducer =
+      data_parallel(states, mesh, options.row_sparse_parameters(row_sparse_weights(module, options)), names);
   for (const auto& item : module.named_buffers()) {
     states.push_back(item.value());
     names.push_back("buffer " + item.key());

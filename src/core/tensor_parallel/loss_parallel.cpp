@@ -107,14 +107,24 @@ const char* const kPass =
 
 }  // namespace
 
-std::optional<dtensor::DTensor> local_vocab_shard_source(const at::Tensor& t) {
-  if (!t.defined() || t.dim() == 0) return std::nullopt;
-  for (const auto& logits : dtensor::DTensor::recent_last_dim_shards()) {
+namespace {
+
+// The first live logits among `shards` that `t` may come from and whose local shard it holds.
+std::optional<dtensor::DTensor> held_by(const at::Tensor& t,
+                                        const std::vector<dtensor::RecentLastDimShard>& shards) {
+  for (const auto& logits : shards) {
     if (logits.alive && could_come_from(logits, t) && holds_values_of(t, logits.alive->to_local())) {
       return *logits.alive;
     }
   }
   return std::nullopt;
+}
+
+}  // namespace
+
+std::optional<dtensor::DTensor> local_vocab_shard_source(const at::Tensor& t) {
+  if (!t.defined() || t.dim() == 0) return std::nullopt;
+  return held_by(t, dtensor::DTensor::recent_last_dim_shards());
 }
 
 std::optional<dtensor::DTensor> untraced_vocab_shard_source(const at::Tensor& t) {
@@ -129,19 +139,12 @@ std::optional<dtensor::DTensor> untraced_vocab_shard_source(const at::Tensor& t)
   TORCH_CHECK_NOT_IMPLEMENTED(!alive.empty() || other.empty(), other_operand_error(t, other));
   TORCH_CHECK_VALUE(!alive.empty(), may_come_from(t, *gone.front()),
                     ", which are gone: nothing to compare its values with", kPass);
-  const dtensor::DTensor* source = nullptr;
-  for (const auto* logits : alive) {
-    if (holds_values_of(t, logits->alive->to_local())) {
-      source = &*logits->alive;
-      break;
-    }
-  }
+  const auto source = held_by(t, recent);
   // The ranks agree: each rank's tensor is its own shard's and has no other operand, or none
   // computes the loss (shards of uneven widths: the sizes compared differ between ranks).
   const auto& mesh = alive.front()->alive->device_mesh();
-  const auto flags =
-      comm::all_reduce(at::tensor({source != nullptr ? 0.0F : 1.0F, other.empty() ? 0.0F : 1.0F}),
-                       comm::ReduceOp::kSum, mesh.get_group(0));
+  const auto flags = comm::all_reduce(at::tensor({source ? 0.0F : 1.0F, other.empty() ? 0.0F : 1.0F}),
+                                      comm::ReduceOp::kSum, mesh.get_group(0));
   const auto differing = static_cast<int64_t>(flags[0].item<float>());
   const auto with_other = static_cast<int64_t>(flags[1].item<float>());
   TORCH_CHECK_NOT_IMPLEMENTED(
@@ -150,8 +153,8 @@ std::optional<dtensor::DTensor> untraced_vocab_shard_source(const at::Tensor& t)
           t, other.empty() ? c10::str("a leaf of another size on ", with_other, " of ", mesh.size(), " ranks")
                            : other));
   TORCH_CHECK_VALUE(differing == 0, may_come_from(t, *alive.front()),
-                    source != nullptr ? ", holding this rank's shard of them, but other ranks' do not"
-                                      : ", not holding this rank's shard of them",
+                    source ? ", holding this rank's shard of them, but other ranks' do not"
+                           : ", not holding this rank's shard of them",
                     " (", differing, " of ", mesh.size(), " ranks differ)", kPass);
   return *source;
 }
